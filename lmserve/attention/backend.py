@@ -1,0 +1,70 @@
+"""The attention backend protocol and the per-step metadata every backend reads.
+
+The runner builds one `AttentionMetadata` per step from the scheduler's decisions and passes it
+down explicitly (no global context). Tokens are flattened: the batch is `[num_tokens, ...]` and
+`query_start_loc` marks where each sequence's new tokens begin. A sequence's keys live in the paged
+cache at the slots its block table names; the new tokens' K/V are written at `slot_mapping` first,
+so attention always reads the whole context from the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, for every sequence in the batch.
+
+    slot_mapping:    (N,)    cache slot (block * block_size + offset) for each new token's K/V
+    query_start_loc: (B+1,)  offsets of each sequence's new tokens in the flattened batch
+    seq_lens:        (B,)    context length of each sequence after this step (cached + new)
+    block_tables:    (B, M)  physical block ids per sequence, padded with 0
+    positions:       (N,)    absolute position of each new token
+    Host copies (lists) of the lengths are kept so the reference path needs no device sync.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    positions: torch.Tensor
+    block_size: int
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def query_starts_host(self) -> list[int]:
+        return self.memo("qstarts", lambda: [0, *accumulate(self.query_lens_host)][:-1])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    def memo(self, key: object, build):  # type: ignore[no-untyped-def]
+        """Per-step memo for derived tensors (gather indices, masks) shared by all layers."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+
+class AttentionBackend(Protocol):
+    """Stores the new K/V into the paged cache and attends over each sequence's whole context."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+        """q: (N, H, d), k/v: (N, Hkv, d), kv_cache: (2, num_slots, Hkv, d) -> (N, H, d)."""
+        ...
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """Backend registry: 'torch' (reference, any device)."""
+    if name == "torch":
+        from lmserve.attention.torch_ref import TorchAttention
+        return TorchAttention()
+    raise ValueError(f"unknown attention backend {name!r} (available: torch)")

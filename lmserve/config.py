@@ -1,0 +1,163 @@
+"""Configuration objects: the model's shape (ModelConfig) and the engine's knobs (EngineConfig).
+
+Both are frozen dataclasses validated on construction, so a bad option fails at start-up with a
+message naming the field, never deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 1e12, "tb": 1e12}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """'1GiB' / '512MiB' / '2e9' / 123 -> a byte count. Plain numbers below 1024 are read as GiB."""
+    if isinstance(value, (int, float)):
+        n = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"kv_cache_memory: cannot parse {value!r} (use e.g. '2GiB', '512MiB', 1e9)")
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    if n < 1024:  # a bare small number means GiB, as users write "kv_cache_memory=2"
+        n *= 2**30
+    return int(n)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture-level facts our model code needs, from config.json or GGUF metadata."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model config: num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def kv_bytes_per_token_per_elem(self) -> int:
+        """Number of K+V elements one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from an HF config.json dict."""
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = rope_params
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=cfg.get("attention_bias", arch.startswith("Qwen2")),
+            qk_norm=arch.startswith("Qwen3"),
+            sliding_window=window,
+            rope_scaling=scaling,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hidden_act=cfg.get("hidden_act", "silu"),
+        )
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """'auto' -> float32 on CPU (measured faster than bf16 there for batched matmuls), bf16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if dtype not in table:
+        raise ValueError(f"dtype: unknown {dtype!r}; use one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options, named as vLLM names them."""
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | float | str = "1GiB"
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        resolve_dtype(self.dtype, self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)
+
+    def replace(self, **kw: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,258 @@
+"""Engine: add_request / abort_request / step(). One step = schedule -> run -> update.
+
+The engine owns the request table and output processing (detokenization, stop strings); it
+delegates block accounting to the BlockManager, queueing to the Scheduler and tensors to the
+ModelRunner. Every request is validated before it touches any of them, so a bad request raises a
+ValueError naming the field and leaves the engine and the other requests as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmserve.attention import get_backend
+from lmserve.config import EngineConfig, ModelConfig
+from lmserve.kv import BlockManager, KVCache
+from lmserve.models.loader import GGUFFile, hf_config, hf_weights, resolve_model
+from lmserve.models.registry import build_model
+from lmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lmserve.runner import ModelRunner
+from lmserve.scheduler import Scheduler
+from lmserve.sequence import SamplingParams, Sequence
+from lmserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("lmserve")
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the cache and scheduler counters."""
+
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    kv_capacity_tokens: int
+    prefix_hit_tokens: int
+    prompt_tokens_queried: int
+    num_preemptions: int
+    computed_tokens: int
+    num_running: int
+    num_waiting: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens_queried if self.prompt_tokens_queried else 0.0
+
+
+def load_model(config: EngineConfig) -> tuple[ModelConfig, torch.nn.Module, Tokenizer | None]:
+    """Resolve config.model on disk, build our model, load its weights, and its tokenizer."""
+    src = resolve_model(config.model)
+    backend = get_backend(config.extra.get("attention_backend", "torch"))
+    tokenizer: Tokenizer | None = None
+    if src.kind == "gguf":
+        g = GGUFFile(src.path)
+        cfg = g.config()
+        weights = g.weights(cfg)
+        tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
+    else:
+        cfg = hf_config(src.path)
+        weights = hf_weights(src.path)
+        tok_dir = config.tokenizer or src.path
+        if any((src.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) or config.tokenizer:
+            tokenizer = Tokenizer.from_hf_dir(tok_dir, cfg.eos_token_ids)
+    model = build_model(cfg, backend)
+    model.load_weights(weights)
+    model = model.to(device=config.device, dtype=config.torch_dtype).eval()
+    return cfg, model, tokenizer
+
+
+class Engine:
+    """The serving core: requests in, incremental RequestOutputs out, one step at a time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.model_config, self.model, self.tokenizer = load_model(config)
+        cfg = self.model_config
+        self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
+        num_blocks = KVCache.blocks_for_budget(cfg, config.block_size, config.torch_dtype, config.kv_cache_memory)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of "
+                             f"{KVCache.bytes_per_block(cfg, config.block_size, config.torch_dtype)} bytes")
+        self.kv_cache = KVCache(cfg, num_blocks, config.block_size, config.torch_dtype, config.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._rng = random.Random(config.seed)
+        self.load_time = time.perf_counter() - t0
+        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)", self.load_time,
+                 num_blocks, config.block_size, num_blocks * config.block_size)
+
+    # ---------------------------------------------------------------- requests
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A prompt (text or token ids) -> validated token ids; ValueError naming the problem."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids: must be a list of integers")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Checks that need the model: lengths, vocabulary, KV capacity."""
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens, but the model's context is {self.max_model_len}")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"model's context ({self.max_model_len})")
+        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.n > 1 or (params.best_of or 1) > 1:
+            raise ValueError("n: only n=1 is supported by this version")
+        need = self.block_manager.blocks_needed(n + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"max_tokens: the request needs {need} KV blocks but the cache has "
+                             f"{self.block_manager.num_blocks}; raise kv_cache_memory or lower max_tokens")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request. Raises ValueError (naming the field) and changes nothing if bad."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids = self.tokenize_prompt(prompt)
+        self.validate(ids, params)
+        eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids)
+        seq = Sequence(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None,
+                       eos_token_ids=eos, arrival_time=arrival_time or time.time())
+        seq.generator = torch.Generator(device=self.config.device)
+        seq.generator.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. Returns False if it is unknown or already done."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that advanced (finished ones last seen here)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        res = self.runner.execute(out)
+        for seq in self.scheduler.update_from_output(out, res.sampled):
+            self._process_text(seq)
+        touched = {seq.request_id for seq, _ in out.scheduled}
+        outputs = []
+        for rid in touched:
+            seqs = self.requests.get(rid)
+            if seqs is None:
+                continue
+            outputs.append(self._make_output(rid, seqs))
+            if all(s.is_finished for s in seqs):
+                del self.requests[rid]
+        return outputs
+
+    def _process_text(self, seq: Sequence) -> None:
+        """Detokenize the new token and apply stop strings (the stop string itself is not emitted)."""
+        if seq.detok is None:
+            return
+        before = len(seq.text)
+        seq.text += seq.detok.step([seq.token_ids[-1]])
+        p = seq.params
+        if p.stop and seq.finish_reason in (None, "length"):
+            for stop in p.stop:
+                idx = seq.text.find(stop, max(0, before - len(stop) + 1))
+                if idx != -1:
+                    seq.text = seq.text[:idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
+                    if seq.is_finished:  # hit the length limit on the same token: the stop wins
+                        seq.finish_reason, seq.stop_reason = "stop", stop
+                    else:
+                        self.scheduler.finish(seq, "stop", stop_reason=stop)
+                    break
+
+    def _make_output(self, rid: str, seqs: list[Sequence]) -> RequestOutput:
+        outs = []
+        for s in seqs:
+            hold = 0 if s.is_finished or not s.params.stop else max(map(len, s.params.stop)) - 1
+            visible = max(s.num_emitted_chars, len(s.text) - hold)
+            delta = s.text[s.num_emitted_chars:visible]
+            s.num_emitted_chars = visible
+            out_ids = s.output_token_ids
+            delta_ids = out_ids[s.num_emitted_tokens:]
+            s.num_emitted_tokens = len(out_ids)
+            outs.append(CompletionOutput(
+                index=s.index, text=s.text, token_ids=out_ids, finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+                delta_text=delta, delta_token_ids=delta_ids))
+        s0 = seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=s0.arrival_time, first_scheduled_time=s0.first_scheduled_time,
+            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+            finished_time=max((s.finished_time or 0) for s in seqs) if all(s.is_finished for s in seqs) else None,
+            num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=sum(s.num_output_tokens for s in seqs),
+            num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))
+        return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, all(s.is_finished for s in seqs),
+                             metrics, list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None)
+
+    # ---------------------------------------------------------------- state
+    def stats(self) -> EngineStats:
+        b = self.block_manager.stats()
+        st = self.scheduler.stats
+        return EngineStats(
+            block_size=self.block_manager.block_size, num_blocks=b.total, free_blocks=b.free,
+            cached_blocks=b.cached, used_blocks=b.used,
+            kv_capacity_tokens=b.total * self.block_manager.block_size,
+            prefix_hit_tokens=st.prefix_hit_tokens, prompt_tokens_queried=st.prompt_tokens_queried,
+            num_preemptions=st.num_preemptions, computed_tokens=st.computed_tokens,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
+
+    def info(self) -> dict[str, Any]:
+        return {"model": self.config.model, "architecture": self.model_config.architecture,
+                "dtype": str(self.config.torch_dtype).removeprefix("torch."), "device": self.config.device,
+                "max_model_len": self.max_model_len, "load_time_s": round(self.load_time, 2)}

@@ -1,0 +1,30 @@
+"""The KV tensors, sized from a memory budget. One tensor per layer: (2, num_slots, kv_heads, head_dim).
+
+A slot is `block * block_size + offset`; the flat slot axis is what the store path indexes with the
+runner's slot_mapping, and what the gather path indexes through block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmserve.config import ModelConfig
+
+
+class KVCache:
+    """Owns the per-layer K/V tensors."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str | torch.device) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        slots = num_blocks * block_size
+        self.layers = [torch.zeros(2, slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+                       for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return cfg.kv_bytes_per_token_per_elem * block_size * torch.tensor([], dtype=dtype).element_size()
+
+    @classmethod
+    def blocks_for_budget(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget: int) -> int:
+        return budget // cls.bytes_per_block(cfg, block_size, dtype)

@@ -1,0 +1,32 @@
+"""RMSNorm, computed in float32 as HF does, with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+    def load(self, tensor: torch.Tensor, shard: int | None = None, kind: str = "weight") -> None:
+        if tuple(tensor.shape) != tuple(self.weight.shape):
+            raise ValueError(f"RMSNorm shape mismatch: {tuple(tensor.shape)} vs {tuple(self.weight.shape)}")
+        self.weight.data.copy_(tensor)

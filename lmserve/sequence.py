@@ -1,0 +1,169 @@
+"""Request state: SamplingParams (what the user asked for) and Sequence (where it stands).
+
+A Sequence owns its token ids, its block table and its progress counter (`num_computed_tokens`).
+The block manager owns reference counts; the scheduler owns the queues the sequence sits in.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping options, named as vLLM names them."""
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            raise bad("best_of", "must be an integer >= n")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise bad("top_k", "must be -1 (off) or an integer >= 1")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= self.MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", "must be a non-negative integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise bad("logit_bias", "must map token ids to numbers") from None
+            if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    """A generated token's log-probability and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation stream: prompt + output tokens, its block table, its progress and metrics."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.time)
+    index: int = 0  # which of the request's n outputs
+
+    token_ids: list[int] = field(init=False)
+    block_table: list[int] = field(default_factory=list, init=False)
+    block_hashes: list[int] = field(default_factory=list, init=False)  # memo of full-block hashes
+    num_computed_tokens: int = field(default=0, init=False)
+    num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at the last admission
+    status: Status = field(default=Status.WAITING, init=False)
+    finish_reason: str | None = field(default=None, init=False)
+    stop_reason: int | str | None = field(default=None, init=False)
+    generator: torch.Generator | None = field(default=None, init=False)
+    logprobs: list[Logprob] = field(default_factory=list, init=False)
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list, init=False)
+    cumulative_logprob: float = field(default=0.0, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    first_scheduled_time: float | None = field(default=None, init=False)
+    first_token_time: float | None = field(default=None, init=False)
+    finished_time: float | None = field(default=None, init=False)
+    text: str = field(default="", init=False)
+    num_emitted_chars: int = field(default=0, init=False)  # streaming: text already handed out
+    num_emitted_tokens: int = field(default=0, init=False)
+    detok: Any = field(default=None, init=False)  # IncrementalDetokenizer, owned by the engine
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
