@@ -23,7 +23,7 @@ from lmserve.models.loader import GGUFFile, hf_config, hf_weights, resolve_model
 from lmserve.models.registry import build_model
 from lmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lmserve.runner import ModelRunner
-from lmserve.scheduler import Scheduler
+from lmserve.scheduler import Scheduler, SchedulerOutput
 from lmserve.sequence import SamplingParams, Sequence
 from lmserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -239,6 +239,24 @@ class Engine:
             num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))
         return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, all(s.is_finished for s in seqs),
                              metrics, list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None)
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits (T, V) float32 at every position of token_ids, in one prefill through the paged cache.
+
+        For teacher-forced checks and naive (cache-less) baselines; uses and then frees its own blocks.
+        """
+        ids = self.tokenize_prompt(token_ids)
+        seq = Sequence("__score__", ids, SamplingParams(max_tokens=1))
+        if not self.block_manager.allocate(seq.block_table, len(ids)):
+            raise RuntimeError("score: not enough free KV blocks")
+        try:
+            out = SchedulerOutput([(seq, len(ids))])
+            input_ids, positions, meta = self.runner.build_inputs(out)
+            with torch.inference_mode():
+                hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # (T, hidden)
+                return self.model.compute_logits(hidden)  # (T, V)
+        finally:
+            self.block_manager.free(seq.block_table)
 
     # ---------------------------------------------------------------- state
     def stats(self) -> EngineStats:

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny randomly initialised HF models of each family, saved as HF folders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "llama_mqa"]
+
+
+def _hf_config(family: str):  # type: ignore[no-untyped-def]
+    import transformers as tf
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    if family == "llama":
+        return tf.LlamaConfig(**common, rope_theta=10000.0)
+    if family == "llama_mqa":
+        return tf.LlamaConfig(**{**common, "num_key_value_heads": 1, "tie_word_embeddings": True})
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, use_sliding_window=False)
+    if family == "qwen3":
+        return tf.Qwen3Config(**{**common, "num_attention_heads": 4, "num_key_value_heads": 1}, head_dim=32,
+                              use_sliding_window=False)
+    if family == "mistral":
+        return tf.MistralConfig(**common, sliding_window=24)
+    raise ValueError(family)
+
+
+def make_tiny(family: str, path: Path, seed: int = 0):  # type: ignore[no-untyped-def]
+    """Build, randomly initialise (seeded) and save a tiny HF model; returns the HF model."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    cfg = _hf_config(family)
+    cfg._attn_implementation = "eager"
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # larger-than-default weights give peaked, tie-free logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """family -> (folder, HF model)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: (root / f, make_tiny(f, root / f, seed=i)) for i, f in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="session")
+def smol():  # type: ignore[no-untyped-def]
+    """The real default model, loaded once for the whole run."""
+    from lmserve import LLM
+    return LLM()

@@ -1,0 +1,86 @@
+"""Property test of the block manager: random allocate / grow / free / prefix hits never leak blocks."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmserve.kv.block_manager import BlockManager
+
+
+def check_invariants(bm: BlockManager, holders: dict[int, tuple[list[int], list[int]]]) -> None:
+    counts = [0] * bm.num_blocks
+    for table, _ in holders.values():
+        for b in table:
+            counts[b] += 1
+    assert counts == bm.ref_count, "reference counts must equal the number of holders"
+    free = set(bm.free_queue)
+    assert all((bm.ref_count[b] == 0) == (b in free) for b in range(bm.num_blocks))
+    for h, b in bm.hash_to_block.items():
+        assert bm.block_hash[b] == h
+    assert sum(h is not None for h in bm.block_hash) == len(bm.hash_to_block)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free", "commit"]), st.integers(0, 5),
+                         st.integers(1, 40), st.integers(0, 2)), min_size=1, max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4]))
+def test_random_ops_no_leak(ops, num_blocks, block_size):  # type: ignore[no-untyped-def]
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    holders: dict[int, tuple[list[int], list[int]]] = {}  # id -> (block table, token ids)
+    prefixes = [[1, 2, 3, 4, 5, 6, 7, 8] * 3, [9, 9, 9, 9] * 5, [4, 3, 2, 1] * 6]
+    for op, who, n, family in ops:
+        if op == "alloc" and who not in holders:
+            tokens = prefixes[family][: n % 20 + 1] + list(range(100 + who, 100 + who + n))
+            table: list[int] = []
+            prefix = bm.find_cached_prefix(tokens)
+            assert len(prefix) * block_size < len(tokens)
+            if bm.allocate(table, len(tokens), prefix):
+                assert table[: len(prefix)] == prefix
+                holders[who] = (table, tokens)
+            else:
+                assert table == []
+        elif op == "grow" and who in holders:
+            table, tokens = holders[who]
+            before = list(table)
+            tokens.extend(range(n % 7))
+            if not bm.grow(table, len(tokens)):
+                assert table == before
+                tokens[:] = tokens[: len(tokens) - n % 7]
+        elif op == "commit" and who in holders:
+            table, tokens = holders[who]
+            bm.cache_full_blocks(table, tokens, len(tokens))
+        elif op == "free" and who in holders:
+            table, _ = holders.pop(who)
+            bm.free(table)
+        check_invariants(bm, holders)
+    for table, _ in holders.values():
+        bm.free(table)
+    holders.clear()
+    check_invariants(bm, holders)
+    assert bm.num_free_blocks == num_blocks
+    assert bm.stats().used == 0
+
+
+def test_prefix_hit_and_lru_eviction():
+    bm = BlockManager(4, 2)
+    a: list[int] = []
+    toks = [1, 2, 3, 4, 5]
+    assert bm.allocate(a, 5)
+    bm.cache_full_blocks(a, toks, 5)
+    bm.free(a)
+    assert bm.stats().cached == 2
+    b: list[int] = []
+    prefix = bm.find_cached_prefix(toks)
+    assert len(prefix) == 2  # 4 of 5 tokens cached; the last is always recomputed
+    assert bm.allocate(b, 5, prefix) and b[:2] == prefix
+    bm.free(b)
+    # fill the pool with other tokens: cached blocks are evicted in LRU order and their hashes dropped
+    c: list[int] = []
+    assert bm.allocate(c, 8)
+    assert bm.hash_to_block == {} and bm.find_cached_prefix(toks) == []
+    assert not bm.grow(c, 9)
+    bm.free(c)
+    assert bm.num_free_blocks == 4

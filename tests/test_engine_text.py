@@ -1,0 +1,116 @@
+"""Engine behaviour on the real default model: bad input, stop strings, detokenization, chat, streaming."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmserve import LLM, SamplingParams
+from lmserve.sequence import SamplingParams as SP
+from lmserve.tokenizer import IncrementalDetokenizer
+
+GOOD = SamplingParams(max_tokens=4, temperature=0)
+
+
+def serves_good_request(llm: LLM) -> None:
+    out = llm.generate(["The capital of France is"], GOOD, use_tqdm=False)[0]
+    assert out.finished and len(out.outputs[0].token_ids) >= 1
+    st = llm.stats()
+    assert st.num_running == 0 and st.num_waiting == 0 and st.used_blocks == 0
+
+
+@pytest.mark.parametrize("field,make", [
+    ("prompt", lambda llm: llm.generate([""], GOOD)),
+    ("prompt", lambda llm: llm.generate([[]], GOOD)),
+    ("prompt_token_ids", lambda llm: llm.generate([[1, 2, 49152]], GOOD)),
+    ("prompt_token_ids", lambda llm: llm.generate([[1, -5]], GOOD)),
+    ("prompt", lambda llm: llm.generate([[5] * 8192], GOOD)),
+    ("max_tokens", lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=8192))),
+    ("max_tokens", lambda llm: llm.generate(["hi"], SP(max_tokens=0))),
+    ("temperature", lambda llm: llm.generate(["hi"], SP(temperature=-0.5))),
+    ("top_p", lambda llm: llm.generate(["hi"], SP(top_p=0.0))),
+    ("top_p", lambda llm: llm.generate(["hi"], SP(top_p=1.5))),
+    ("top_k", lambda llm: llm.generate(["hi"], SP(top_k=-3))),
+    ("logit_bias", lambda llm: llm.generate(["hi"], SP(logit_bias={99999: 1.0}))),
+    ("stop_token_ids", lambda llm: llm.generate(["hi"], SP(stop_token_ids=[-1]))),
+    ("logprobs", lambda llm: llm.generate(["hi"], SP(logprobs=50))),
+])
+def test_bad_input_raises_and_engine_survives(smol, field, make):  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=field):
+        make(smol)
+    serves_good_request(smol)
+
+
+def test_bad_request_in_a_batch_runs_nothing(smol):  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        smol.generate(["fine", [1, 10**9]], GOOD)
+    assert not smol.engine.has_unfinished_requests()
+    serves_good_request(smol)
+
+
+def test_duplicate_request_id_and_abort(smol):  # type: ignore[no-untyped-def]
+    eng = smol.engine
+    eng.add_request("dup", "Hello", SamplingParams(max_tokens=50, temperature=0))
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request("dup", "Hello again", GOOD)
+    eng.step()
+    assert eng.stats().used_blocks > 0
+    assert eng.abort_request("dup")
+    assert eng.stats().used_blocks == 0 and not eng.has_unfinished_requests()
+    assert not eng.abort_request("dup")
+    serves_good_request(smol)
+
+
+def test_unknown_model_path():
+    with pytest.raises(FileNotFoundError, match="model"):
+        LLM("/nonexistent/model/dir")
+
+
+def test_stop_string_is_not_emitted(smol):  # type: ignore[no-untyped-def]
+    free = smol.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0),
+                         use_tqdm=False)[0].outputs[0].text
+    words = free.split()
+    stop = words[1]  # a word that appears after the first one
+    out = smol.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop=[stop]),
+                        use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and free.startswith(out.text)
+    keep = smol.generate(["The capital of France is"],
+                         SamplingParams(max_tokens=12, temperature=0, stop=[stop], include_stop_str_in_output=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert keep.text == out.text + stop
+
+
+def test_streaming_deltas_join_to_text(smol):  # type: ignore[no-untyped-def]
+    eng = smol.engine
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=3, stop=["\n\n"])
+    eng.add_request("s1", "Write a list of three fruits:", params)
+    deltas, final = [], None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            deltas.append(out.outputs[0].delta_text)
+            final = out
+    assert final is not None and final.finished
+    assert "".join(deltas) == final.outputs[0].text
+    again = smol.generate(["Write a list of three fruits:"], params, use_tqdm=False)[0]
+    assert again.outputs[0].text == final.outputs[0].text  # same seed, same text
+
+
+def test_incremental_detokenizer_never_splits_utf8(smol):  # type: ignore[no-untyped-def]
+    tok = smol.tokenizer
+    text = "日本語のテキスト 🙂🚀 héllo wörld — ½ ∑"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, [1, 2, 3])
+    pieces = [detok.step([i]) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert any(p == "" for p in pieces)  # some tokens are partial characters, held back
+
+
+def test_chat_and_metrics(smol):  # type: ignore[no-untyped-def]
+    out = smol.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert "4" in out.outputs[0].text
+    m = out.metrics
+    assert m.ttft is not None and m.ttft > 0 and m.e2e >= m.ttft
+    assert m.num_output_tokens == len(out.outputs[0].token_ids)
+    if m.num_output_tokens > 1:
+        assert m.tpot is not None and m.tpot > 0

@@ -1,0 +1,28 @@
+"""Automatic prefix caching on a real engine: shared prefixes are not recomputed, outputs unchanged."""
+
+from __future__ import annotations
+
+from lmserve import LLM, SamplingParams
+
+
+def test_shared_prefix_computes_only_new_tokens(tiny_models):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["llama"]
+    prefix = [(7 * i + 3) % 120 + 4 for i in range(200)]
+    first, second = prefix + [10, 11, 12], prefix + [20, 21, 22, 23, 24]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    cached = LLM(str(path), block_size=16, enable_prefix_caching=True)
+    out1 = cached.generate([first], params, use_tqdm=False)[0]
+    before = cached.stats().computed_tokens
+    out2 = cached.generate([second], params, use_tqdm=False)[0]
+    computed = cached.stats().computed_tokens - before
+    hit = 192  # 12 full blocks of 16 of the 200-token prefix
+    assert out2.metrics.num_cached_tokens == hit
+    # the new request ran only its uncached prompt tokens plus one step per generated token after the first
+    assert computed == len(second) - hit + (8 - 1)
+
+    plain = LLM(str(path), block_size=16, enable_prefix_caching=False)
+    ref1, ref2 = plain.generate([first, second], params, use_tqdm=False)
+    assert plain.stats().prefix_hit_tokens == 0
+    assert out1.outputs[0].token_ids == ref1.outputs[0].token_ids
+    assert out2.outputs[0].token_ids == ref2.outputs[0].token_ids
