@@ -19,7 +19,7 @@ import torch
 from lmserve.attention import get_backend
 from lmserve.config import EngineConfig, ModelConfig
 from lmserve.kv import BlockManager, KVCache
-from lmserve.models.loader import GGUFFile, hf_config, hf_weights, resolve_model
+from lmserve.models.loader import GGUFFile, hf_config, hf_weights, random_weights, resolve_model
 from lmserve.models.registry import build_model
 from lmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lmserve.runner import ModelRunner
@@ -44,6 +44,7 @@ class EngineStats:
     prompt_tokens_queried: int
     num_preemptions: int
     computed_tokens: int
+    peak_used_blocks: int
     num_running: int
     num_waiting: int
 
@@ -57,7 +58,11 @@ def load_model(config: EngineConfig) -> tuple[ModelConfig, torch.nn.Module, Toke
     src = resolve_model(config.model)
     backend = get_backend(config.extra.get("attention_backend", "torch"))
     tokenizer: Tokenizer | None = None
-    if src.kind == "gguf":
+    if src.kind == "shape":
+        from lmserve.models.shapes import shape_config
+        cfg = shape_config(config.model.removeprefix("shape:"))
+        weights = random_weights(cfg, config.seed)
+    elif src.kind == "gguf":
         g = GGUFFile(src.path)
         cfg = g.config()
         weights = g.weights(cfg)
@@ -240,10 +245,12 @@ class Engine:
         return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, all(s.is_finished for s in seqs),
                              metrics, list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None)
 
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits (T, V) float32 at every position of token_ids, in one prefill through the paged cache.
+    def score(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
+        """Logits (T, V) float32 at every position of token_ids (or (1, V) for the last), in one
+        prefill through the paged cache.
 
-        For teacher-forced checks and naive (cache-less) baselines; uses and then frees its own blocks.
+        For teacher-forced checks and the naive (cache-less) baseline, which calls this once per
+        generated token; uses and then frees its own blocks.
         """
         ids = self.tokenize_prompt(token_ids)
         seq = Sequence("__score__", ids, SamplingParams(max_tokens=1))
@@ -254,7 +261,7 @@ class Engine:
             input_ids, positions, meta = self.runner.build_inputs(out)
             with torch.inference_mode():
                 hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # (T, hidden)
-                return self.model.compute_logits(hidden)  # (T, V)
+                return self.model.compute_logits(hidden[-1:] if last_only else hidden)  # (T, V)
         finally:
             self.block_manager.free(seq.block_table)
 
@@ -268,6 +275,7 @@ class Engine:
             kv_capacity_tokens=b.total * self.block_manager.block_size,
             prefix_hit_tokens=st.prefix_hit_tokens, prompt_tokens_queried=st.prompt_tokens_queried,
             num_preemptions=st.num_preemptions, computed_tokens=st.computed_tokens,
+            peak_used_blocks=st.peak_used_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
 
     def info(self) -> dict[str, Any]:

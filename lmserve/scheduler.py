@@ -44,6 +44,7 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     prompt_tokens_queried: int = 0  # tokens looked up in the prefix cache at admission
     computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
+    peak_used_blocks: int = 0
 
 
 class Scheduler:
@@ -110,6 +111,8 @@ class Scheduler:
             budget -= n
 
         self.stats.computed_tokens += sum(scheduled.values())
+        used = self.bm.num_blocks - self.bm.num_free_blocks
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
         return SchedulerOutput(list(scheduled.items()), preempted)
 
     def _preempt(self, seq: Sequence) -> None:

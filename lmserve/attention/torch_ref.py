@@ -45,8 +45,8 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # (S, Hkv, d) each
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)  # (N, H, d)
         dec, pre = meta.memo("plan", lambda: _decode_plan(meta))
         if dec:
@@ -57,18 +57,20 @@ class TorchAttention:
                 L = slots.shape[1]
                 j = torch.arange(L, device=slots.device)
                 mask = valid & (j.unsqueeze(0) > (pos.unsqueeze(1) - window))
-            kk = k_cache[slots].transpose(1, 2)  # (Bd, Hkv, L, d)
-            vv = v_cache[slots].transpose(1, 2)  # (Bd, Hkv, L, d)
-            qq = q[tok].unsqueeze(2)  # (Bd, H, 1, d)
+            Bd, L = slots.shape
+            flat = slots.reshape(-1)
+            kk = k_cache.index_select(0, flat).view(Bd, L, *k_cache.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
+            vv = v_cache.index_select(0, flat).view(Bd, L, *v_cache.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
+            qq = q.index_select(0, tok).unsqueeze(2)  # (Bd, H, 1, d)
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None, None, :],
                                                scale=scale, enable_gqa=True)  # (Bd, H, 1, d)
-            out[tok] = o.squeeze(2)
+            out.index_copy_(0, tok, o.squeeze(2))
         for i in pre:
             n, L = meta.query_lens_host[i], meta.seq_lens_host[i]
             start = meta.query_starts_host[i]
             slots = meta.memo(("slots", i), lambda: _slots_for(meta, i, L))  # (L,)
-            kk = k_cache[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, d)
-            vv = v_cache[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, d)
+            kk = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, d)
+            vv = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, d)
             qq = q[start:start + n].transpose(0, 1).unsqueeze(0)  # (1, H, n, d)
             mask = meta.memo(("mask", i, window), lambda: _causal_mask(L - n, n, L, window, q.device))
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale,

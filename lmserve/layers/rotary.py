@@ -48,11 +48,15 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows for the positions: (N, 1, d) each. Done once per step, shared by all layers."""
+        return (self.cos.index_select(0, positions).unsqueeze(1),
+                self.sin.index_select(0, positions).unsqueeze(1))
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (N, H, d), k: (N, Hkv, d), positions: (N,) -> rotated (q, k) in their dtype."""
-        cos = self.cos[positions].unsqueeze(1)  # (N, 1, d)
-        sin = self.sin[positions].unsqueeze(1)  # (N, 1, d)
+        cos, sin = cos_sin if cos_sin is not None else self.lookup(positions)  # (N, 1, d) each
         qf, kf = q.float(), k.float()
         q2 = qf * cos + self._rotate_half(qf) * sin
         k2 = kf * cos + self._rotate_half(kf) * sin

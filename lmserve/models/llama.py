@@ -44,7 +44,7 @@ class Attention(nn.Module):
         v = v.view(n, self.hkv, self.d)  # (N, Hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, meta.memo(("rope", id(self.rotary)), lambda: self.rotary.lookup(positions)))
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)  # (N, H, d)
         return self.o_proj(o.reshape(n, self.h * self.d))  # (N, hidden)
 

@@ -35,7 +35,12 @@ class ModelSource:
 
 
 def resolve_model(name: str) -> ModelSource:
-    """A short name, an HF folder, a GGUF file, or a folder holding one GGUF file."""
+    """A short name, an HF folder, a GGUF file, a folder holding one GGUF file, or 'shape:NAME'
+    (a random-weight model of a named real shape, for speed runs)."""
+    if name.startswith("shape:"):
+        from lmserve.models.shapes import shape_config
+        shape_config(name.removeprefix("shape:"))  # validates the name
+        return ModelSource(Path(name), "shape")
     if name in KNOWN_MODELS:
         pkg, fname = KNOWN_MODELS[name]
         spec = importlib.util.find_spec(pkg)  # locate without importing (its __init__ has deps)
@@ -86,6 +91,38 @@ def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
     for f in bins:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+# ---------------------------------------------------------------- random weights of a named shape
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Deterministic random tensors under HF names (N(0, 0.02) matrices, unit norms): the same seed
+    gives the same weights, so our model and an HF baseline can be built alike without a file."""
+    g = torch.Generator().manual_seed(seed)
+    h, d, hq, hkv, i = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) * 0.02
+
+    yield "model.embed_tokens.weight", mat(cfg.vocab_size, h)
+    for layer in range(cfg.num_layers):
+        pre = f"model.layers.{layer}."
+        yield pre + "input_layernorm.weight", torch.ones(h)
+        yield pre + "post_attention_layernorm.weight", torch.ones(h)
+        for name, rows in (("q_proj", hq * d), ("k_proj", hkv * d), ("v_proj", hkv * d)):
+            yield pre + f"self_attn.{name}.weight", mat(rows, h)
+            if cfg.qkv_bias:
+                yield pre + f"self_attn.{name}.bias", torch.randn(rows, generator=g) * 0.02
+        yield pre + "self_attn.o_proj.weight", mat(h, hq * d)
+        if cfg.qk_norm:
+            yield pre + "self_attn.q_norm.weight", torch.ones(d)
+            yield pre + "self_attn.k_norm.weight", torch.ones(d)
+        yield pre + "mlp.gate_proj.weight", mat(i, h)
+        yield pre + "mlp.up_proj.weight", mat(i, h)
+        yield pre + "mlp.down_proj.weight", mat(h, i)
+    yield "model.norm.weight", torch.ones(h)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", mat(cfg.vocab_size, h)
 
 
 # ---------------------------------------------------------------- GGUF

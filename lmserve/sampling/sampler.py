@@ -4,9 +4,10 @@ Order of logit processing (as vLLM does): penalties (repetition on prompt+output
 frequency on output), logit_bias, min_tokens masking of stop tokens, then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> sample.
 
-Sampling draws with the exponential race (argmax of p / E with E ~ Exp(1)), which picks token i with
-probability exactly p_i. Every sequence has its own torch.Generator, so a seeded request draws the
-same noise whatever else is in the batch. Logprobs are the model's raw log-softmax (before any
+Sampling is by inverse CDF: one uniform u per row from that sequence's own torch.Generator, and the
+token is the first whose cumulative probability (float64) exceeds u. A seeded request therefore draws
+the same numbers whatever else is in the batch, and it costs one random number per row, not one per
+vocabulary entry. Logprobs are the model's raw log-softmax (before any
 processing), as vLLM and OpenAI report them.
 """
 
@@ -73,6 +74,12 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _needs_processing(s: Sequence) -> bool:
+    p = s.params
+    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+            or bool(p.logit_bias) or s.num_output_tokens < p.min_tokens)
+
+
 class Sampler:
     """Turns the last-position logits of each sampling sequence into its next token."""
 
@@ -81,7 +88,8 @@ class Sampler:
         B = logits.shape[0]
         want_lp = [s.params.logprobs for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None  # (B, V)
-        logits = apply_penalties(logits.clone(), seqs)
+        if any(_needs_processing(s) for s in seqs):
+            logits = apply_penalties(logits.clone(), seqs)
 
         temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)  # (B,)
         greedy = temps == 0
@@ -93,12 +101,13 @@ class Sampler:
             min_p = torch.tensor([float(s.params.min_p) for s in seqs], device=logits.device)
             if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
                 scaled = filter_logits(scaled, top_k, top_p, min_p)
-            probs = scaled.softmax(dim=-1)  # (B, V)
-            for i, s in enumerate(seqs):
-                if greedy[i]:
-                    continue
-                noise = torch.empty_like(probs[i]).exponential_(generator=s.generator)  # (V,)
-                tokens[i] = (probs[i] / noise).argmax()
+            cdf = scaled.softmax(dim=-1).double().cumsum(dim=-1)  # (B, V)
+            dev = logits.device
+            u = torch.stack([torch.rand((), generator=s.generator, dtype=torch.float64, device=dev)
+                             if s.params.temperature > 0 else torch.zeros((), dtype=torch.float64, device=dev)
+                             for s in seqs])  # (B,), no host sync
+            drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
+            tokens = torch.where(greedy, tokens, drawn.clamp_(max=logits.shape[1] - 1))
         token_list = tokens.tolist()
 
         logprobs: list[Logprob | None] = [None] * B

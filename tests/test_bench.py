@@ -1,0 +1,46 @@
+"""Benches run end to end on a tiny model (no timing asserted): JSON schema, HF and naive baselines, plots."""
+
+from __future__ import annotations
+
+import json
+
+from lmserve.cli import main
+
+
+def test_throughput_json_with_hf_baseline(tiny_models, tmp_path, capsys):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["qwen2"]
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", str(path), "--preset", "tiny", "--compare", "hf",
+                 "--hf-batch-size", "4", "--output-json", str(out), "--no-progress", "--plot"]) == 0
+    r = json.loads(out.read_text())
+    assert r["bench"] == "throughput" and r["workload"]["num_requests"] == 6
+    ours = r["lmserve"]
+    for key in ("output_tokens_per_s", "total_tokens_per_s", "requests_per_s", "peak_kv_blocks_used",
+                "prefix_cache_hit_rate", "preemptions", "ttft_s", "tpot_s"):
+        assert key in ours
+    assert ours["output_tokens"] > 0
+    assert 0 < ours["peak_kv_blocks_used"] <= ours["kv_blocks_total"]
+    hf = r["baselines"]["hf"]
+    assert hf["output_tokens"] == ours["output_tokens"]  # same requests, same useful lengths
+    assert hf["lmserve_speedup"] > 0
+    meta = r["meta"]
+    assert meta["versions"]["torch"] and "args" in meta and meta["args"]["model"] == str(path)
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert "lmserve:" in capsys.readouterr().out
+
+
+def test_latency_with_naive_curve(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["llama"]
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", str(path), "--batch-size", "2", "--input-len", "8",
+                 "--output-len", "6", "--repeats", "2", "--compare", "hf", "--compare", "naive",
+                 "--naive-max-len", "48", "--output-json", str(out), "--plot", "--no-progress"]) == 0
+    r = json.loads(out.read_text())
+    lat = r["lmserve"]
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        assert set(lat[key]) >= {"mean", "p50", "p90", "p99"}
+    assert lat["bandwidth_fraction"] > 0 and lat["weight_bytes"] > 0
+    naive = r["baselines"]["naive"]
+    assert len(naive["lengths"]) == len(naive["naive_s_per_token"]) == len(naive["cached_s_per_token"])
+    assert r["baselines"]["hf"]["tpot_s"] > 0
+    assert out.with_name(out.stem + "-naive.png").is_file()

@@ -1,0 +1,63 @@
+"""The planner reproduces the worked examples of the KV-cache arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from lmserve.cli import main
+from lmserve.plan import DEVICES, PlanModel, model_from_name, plan
+
+
+def mk(layers: int, kv_heads: int, head_dim: int = 128, heads: int | None = None) -> PlanModel:
+    heads = heads or kv_heads
+    return PlanModel("t", layers, heads, kv_heads, head_dim, heads * head_dim, 4 * heads * head_dim, 32000)
+
+
+def test_kv_bytes_worked_examples():
+    r = plan(mk(40, 40), DEVICES["h100"], "bf16", seq_len=1024)
+    assert r["kv_bytes_per_token"] == 819_200
+    assert math.isclose(r["kv_bytes_per_seq"] / 1e9, 0.84, abs_tol=0.01)  # ~0.8 GB per 1024 tokens
+    assert math.isclose(64 * r["kv_bytes_per_seq"] / 1e9, 54, abs_tol=0.5)  # ~54 GB for 64 of them
+    gqa = plan(mk(40, 8, heads=40), DEVICES["h100"], "bf16")
+    assert r["kv_bytes_per_token"] / gqa["kv_bytes_per_token"] == 5
+    assert gqa["kv_saving_vs_mha"] == 5 and gqa["attention_kind"] == "GQA"
+    big = plan(mk(80, 64), DEVICES["h100"], "bf16", seq_len=4096)
+    assert big["kv_bytes_per_token"] == 2_621_440
+    assert math.isclose(big["kv_bytes_per_seq"] / 2**30, 10, abs_tol=0.05)  # ~10 GB for 4096 tokens
+    assert plan(mk(96, 96), DEVICES["h100"], "bf16")["kv_bytes_per_token"] == 4_718_592
+
+
+def test_ridge_point_and_mla():
+    r = plan(mk(40, 40), DEVICES["h100"], "bf16")
+    assert math.isclose(r["ridge_flop_per_byte"], 989 / 3.35, rel_tol=1e-9)
+    assert round(r["ridge_flop_per_byte"]) == 295
+    mla = plan(model_from_name("deepseek-v3"), DEVICES["h200"], "bf16")
+    # 512 + 64 latent dims per layer vs 128 heads x 128 dims x 2 (K and V)
+    assert math.isclose(mla["kv_saving_vs_mha"], 128 * 128 * 2 / 576, rel_tol=1e-9)
+    assert round(mla["kv_saving_vs_mha"]) == 57 and mla["attention_kind"] == "MLA"
+
+
+def test_decode_bound_and_intensity():
+    m = model_from_name("qwen3-0.6b")
+    r = plan(m, DEVICES["h200"], "bf16", batch=1, seq_len=256)
+    # batch-1 decode is memory-bound: time >= weight bytes / bandwidth
+    assert r["decode"]["bound"] == "memory"
+    assert r["decode"]["step_ms"] >= r["weight_bytes"] / 4.8e12 * 1e3
+    assert r["decode"]["tokens_per_s"] < 4.8e12 / r["weight_bytes"]
+    # MLP arithmetic intensity is about the batch size
+    for b in (1, 8, 64):
+        assert math.isclose(plan(m, DEVICES["h200"], "bf16", batch=b)["mlp_arithmetic_intensity"], b, rel_tol=0.1)
+    # at a large enough batch decode turns compute-bound, and KV memory eventually caps the batch
+    table = plan(m, DEVICES["l4"], "bf16", seq_len=4096, batches=(1, 64, 1024, 4096))["table"]
+    assert table[0]["fits"] and not table[-1]["fits"]
+
+
+def test_cli_json(capsys):  # type: ignore[no-untyped-def]
+    assert main(["plan", "--layers", "40", "--kv-heads", "40", "--head-dim", "128", "--device", "h100",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["kv_bytes_per_token"] == 819_200
+    assert main(["plan", "--model", "smollm2-135m", "--device", "cpu", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "46,080 bytes/token" in out  # 2 x 30 layers x 3 kv heads x 64 x 4 bytes
