@@ -138,8 +138,6 @@ class Engine:
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if params.n > 1 or (params.best_of or 1) > 1:
-            raise ValueError("n: only n=1 is supported by this version")
         need = self.block_manager.blocks_needed(n + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"max_tokens: the request needs {need} KV blocks but the cache has "
@@ -158,12 +156,50 @@ class Engine:
         eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids)
         seq = Sequence(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None,
                        eos_token_ids=eos, arrival_time=arrival_time or time.time())
-        seq.generator = torch.Generator(device=self.config.device)
-        seq.generator.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
-        if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self._init_sampling_state(seq)
         self.requests[request_id] = [seq]
+        if params.num_samples > 1 and len(ids) == 1:  # nothing to share: independent children
+            for i in range(1, params.num_samples):
+                child = self._new_child(seq, i)
+                self.requests[request_id].append(child)
+                self.scheduler.add(child)
+        else:
+            seq.forks_pending = params.num_samples - 1
         self.scheduler.add(seq)
+
+    def _init_sampling_state(self, seq: Sequence) -> None:
+        """Per-sequence generator (request seed + child index, else a draw from the engine's RNG)."""
+        p = seq.params
+        seq.generator = torch.Generator(device=self.config.device)
+        seq.generator.manual_seed(p.seed + seq.index if p.seed is not None else self._rng.randrange(2**63))
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
+
+    def _new_child(self, parent: Sequence, index: int) -> Sequence:
+        child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, prompt=parent.prompt,
+                         eos_token_ids=parent.eos_token_ids, arrival_time=parent.arrival_time, index=index)
+        self._init_sampling_state(child)
+        return child
+
+    def _fork(self, parent: Sequence) -> None:
+        """Parent has computed all but its last prompt token: children take its blocks by reference.
+
+        Each child then runs the last prompt token itself, writing into the shared last block, which
+        the scheduler copies for it first (copy-on-write), and samples its own first token.
+        """
+        after = parent
+        for i in range(1, parent.forks_pending + 1):
+            child = self._new_child(parent, i)
+            child.token_ids = list(parent.token_ids)
+            child.block_table = self.block_manager.fork(parent.block_table)
+            child.block_hashes = list(parent.block_hashes)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.requests[parent.request_id].append(child)
+            self.scheduler.add_running(child, after=after)
+            after = child
+        parent.forks_pending = 0
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False if it is unknown or already done."""
@@ -190,6 +226,9 @@ class Engine:
         res = self.runner.execute(out)
         for seq in self.scheduler.update_from_output(out, res.sampled):
             self._process_text(seq)
+        for seq, _ in out.scheduled:
+            if seq.forks_pending and seq.num_computed_tokens == seq.num_prompt_tokens - 1 and not seq.is_finished:
+                self._fork(seq)
         touched = {seq.request_id for seq, _ in out.scheduled}
         outputs = []
         for rid in touched:
@@ -221,7 +260,12 @@ class Engine:
 
     def _make_output(self, rid: str, seqs: list[Sequence]) -> RequestOutput:
         outs = []
-        for s in seqs:
+        s0 = seqs[0]
+        finished = all(s.is_finished for s in seqs)
+        shown = sorted(seqs, key=lambda s: s.index)
+        if finished and s0.params.num_samples > s0.params.n:  # best_of: the n most likely
+            shown = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:s0.params.n]
+        for rank, s in enumerate(shown):
             hold = 0 if s.is_finished or not s.params.stop else max(map(len, s.params.stop)) - 1
             visible = max(s.num_emitted_chars, len(s.text) - hold)
             delta = s.text[s.num_emitted_chars:visible]
@@ -230,19 +274,18 @@ class Engine:
             delta_ids = out_ids[s.num_emitted_tokens:]
             s.num_emitted_tokens = len(out_ids)
             outs.append(CompletionOutput(
-                index=s.index, text=s.text, token_ids=out_ids, finish_reason=s.finish_reason,
+                index=rank if finished and s0.params.num_samples > s0.params.n else s.index, text=s.text, token_ids=out_ids, finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
-                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob if s.params.needs_logprob else None,
                 logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
                 delta_text=delta, delta_token_ids=delta_ids))
-        s0 = seqs[0]
         metrics = RequestMetrics(
             arrival_time=s0.arrival_time, first_scheduled_time=s0.first_scheduled_time,
             first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
             finished_time=max((s.finished_time or 0) for s in seqs) if all(s.is_finished for s in seqs) else None,
             num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=sum(s.num_output_tokens for s in seqs),
             num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))
-        return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, all(s.is_finished for s in seqs),
+        return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, finished,
                              metrics, list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None)
 
     def score(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:

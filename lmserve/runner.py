@@ -73,6 +73,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.kv_cache.copy_blocks(out.block_copies)
         input_ids, positions, meta = self.build_inputs(out)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # (N, hidden)
         rows: list[int] = []
@@ -91,7 +92,8 @@ class ModelRunner:
         res = self.sampler(logits, sampling)
         for seq, lp in zip(sampling, res.logprobs):
             if lp is not None:
-                seq.logprobs.append(lp)
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp.logprob
         return RunnerOutput(dict(zip(sampling, res.token_ids)))
 

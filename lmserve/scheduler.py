@@ -26,6 +26,7 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Sequence, int]]
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -71,16 +72,18 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
 
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        decoding = [s for s in self.running if self._tokens_to_compute(s) == 1]
+        prefilling = [s for s in self.running if self._tokens_to_compute(s) > 1]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.grow(seq.block_table, seq.num_computed_tokens + n):
+            n = min(self._tokens_to_compute(seq), budget)
+            while (cow := self.bm.reserve(seq.block_table, seq.num_computed_tokens,
+                                          seq.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -89,14 +92,17 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 scheduled[seq] = n
+                copies.extend(cow)
                 budget -= n
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             use_cache = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
             prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes) if use_cache else []
+            if seq.forks_pending and prefix and len(prefix) * self.bm.block_size >= seq.num_prompt_tokens - 1:
+                prefix = prefix[:-1]  # a forking sequence must have its fork-point token left to run
             cached = len(prefix) * self.bm.block_size
-            n = min(seq.num_tokens - cached, budget)
+            n = min(self._tokens_to_compute(seq, cached), budget)
             if not self.bm.allocate(seq.block_table, cached + n, prefix):
                 break
             self.waiting.popleft()
@@ -113,7 +119,20 @@ class Scheduler:
         self.stats.computed_tokens += sum(scheduled.values())
         used = self.bm.num_blocks - self.bm.num_free_blocks
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
-        return SchedulerOutput(list(scheduled.items()), preempted)
+        return SchedulerOutput(list(scheduled.items()), preempted, copies)
+
+    @staticmethod
+    def _tokens_to_compute(seq: Sequence, computed: int | None = None) -> int:
+        """Tokens left to run; a sequence that will fork stops one token short of its prompt's end."""
+        computed = seq.num_computed_tokens if computed is None else computed
+        end = seq.num_prompt_tokens - 1 if seq.forks_pending and computed < seq.num_prompt_tokens - 1 \
+            else seq.num_tokens
+        return end - computed
+
+    def add_running(self, seq: Sequence, after: Sequence) -> None:
+        """Insert a forked child right after its parent (it already holds its blocks)."""
+        seq.status = Status.RUNNING
+        self.running.insert(self.running.index(after) + 1, seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it at the front for recomputation."""

@@ -93,6 +93,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def num_samples(self) -> int:
+        """How many continuations to generate (best_of, else n)."""
+        return self.best_of or self.n
+
+    @property
+    def needs_logprob(self) -> bool:
+        """Whether the chosen tokens' logprobs must be computed (asked for, or to rank best_of)."""
+        return self.logprobs is not None or self.num_samples > self.n
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -140,6 +150,7 @@ class Sequence:
     text: str = field(default="", init=False)
     num_emitted_chars: int = field(default=0, init=False)  # streaming: text already handed out
     num_emitted_tokens: int = field(default=0, init=False)
+    forks_pending: int = field(default=0, init=False)  # children still to fork once the prompt is in
     detok: Any = field(default=None, init=False)  # IncrementalDetokenizer, owned by the engine
 
     def __post_init__(self) -> None:

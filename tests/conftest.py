@@ -16,7 +16,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "llama_mqa"]
 def _hf_config(family: str):  # type: ignore[no-untyped-def]
     import transformers as tf
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0)
     if family == "llama":

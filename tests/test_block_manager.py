@@ -21,7 +21,7 @@ def check_invariants(bm: BlockManager, holders: dict[int, tuple[list[int], list[
     assert sum(h is not None for h in bm.block_hash) == len(bm.hash_to_block)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free", "commit"]), st.integers(0, 5),
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free", "commit", "fork", "write"]), st.integers(0, 5),
                          st.integers(1, 40), st.integers(0, 2)), min_size=1, max_size=120)
 
 
@@ -52,6 +52,26 @@ def test_random_ops_no_leak(ops, num_blocks, block_size):  # type: ignore[no-unt
         elif op == "commit" and who in holders:
             table, tokens = holders[who]
             bm.cache_full_blocks(table, tokens, len(tokens))
+        elif op == "fork" and who in holders:
+            child = next((k for k in range(6) if k not in holders), None)
+            if child is not None:
+                table, tokens = holders[who]
+                holders[child] = (bm.fork(table), list(tokens))
+        elif op == "write" and who in holders:
+            # write the next n % 5 + 1 positions: shared blocks in range are copied first
+            table, tokens = holders[who]
+            start = len(tokens)
+            before = list(table)
+            copies = bm.reserve(table, start, start + n % 5 + 1)
+            if copies is None:
+                assert table == before
+            else:
+                for src, dst in copies:
+                    assert src in before and dst in table and dst not in before
+                    assert bm.ref_count[src] >= 1 and bm.ref_count[dst] == 1
+                for i in range(start // block_size, len(table)):
+                    assert bm.ref_count[table[i]] == 1  # every block written is private
+                tokens.extend([7] * (n % 5 + 1))
         elif op == "free" and who in holders:
             table, _ = holders.pop(who)
             bm.free(table)

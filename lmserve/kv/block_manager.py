@@ -115,6 +115,35 @@ class BlockManager:
             block_table.append(self._take_free())
         return True
 
+    def reserve(self, block_table: list[int], start: int, end: int) -> list[tuple[int, int]] | None:
+        """Make token positions [start, end) of a sequence writable: append fresh blocks to cover
+        `end`, and give the sequence a private copy of any block in the range that others still hold
+        (copy-on-write). Returns the (src, dst) block copies the runner must do before writing, or
+        None (changing nothing) when the pool is short.
+        """
+        bs = self.block_size
+        shared = [i for i in range(start // bs, min(len(block_table), -(-end // bs)))
+                  if self.ref_count[block_table[i]] > 1]
+        grow = max(0, self.blocks_needed(end) - len(block_table))
+        if grow + len(shared) > len(self.free_queue):
+            return None
+        copies = []
+        for i in shared:
+            src = block_table[i]
+            dst = self._take_free()
+            self.ref_count[src] -= 1  # still > 0: another holder keeps it
+            block_table[i] = dst
+            copies.append((src, dst))
+        for _ in range(grow):
+            block_table.append(self._take_free())
+        return copies
+
+    def fork(self, block_table: list[int]) -> list[int]:
+        """A new block table sharing every block of `block_table` (one more reference each)."""
+        for b in block_table:
+            self.ref_count[b] += 1
+        return list(block_table)
+
     def free(self, block_table: list[int]) -> None:
         """Drop one reference to each block; tail blocks enter the free queue first (evicted first)."""
         for b in reversed(block_table):

@@ -28,3 +28,15 @@ class KVCache:
     @classmethod
     def blocks_for_budget(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget: int) -> int:
         return budget // cls.bytes_per_block(cfg, block_size, dtype)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write for forked sequences)."""
+        if not copies:
+            return
+        bs = self.block_size
+        dev = self.layers[0].device
+        off = torch.arange(bs, device=dev)
+        src = (torch.tensor([s for s, _ in copies], device=dev).unsqueeze(1) * bs + off).reshape(-1)  # (C*bs,)
+        dst = (torch.tensor([d for _, d in copies], device=dev).unsqueeze(1) * bs + off).reshape(-1)  # (C*bs,)
+        for layer in self.layers:  # (2, slots, Hkv, d)
+            layer.index_copy_(1, dst, layer.index_select(1, src))

@@ -86,7 +86,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: (B, V) float32, one row per sequence in `seqs`."""
         B = logits.shape[0]
-        want_lp = [s.params.logprobs for s in seqs]
+        want_lp = [(s.params.logprobs or 0) if s.params.needs_logprob else None for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None  # (B, V)
         if any(_needs_processing(s) for s in seqs):
             logits = apply_penalties(logits.clone(), seqs)

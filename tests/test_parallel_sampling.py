@@ -1,0 +1,80 @@
+"""n / best_of on shared, copy-on-write blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["llama"]
+    return LLM(str(path), block_size=16, kv_cache_memory="256MiB")
+
+
+PROMPT = [(5 * i + 7) % 120 + 3 for i in range(37)]  # 37 tokens: the last block is partial
+
+
+def test_children_equal_seeded_requests_alone(llm):  # type: ignore[no-untyped-def]
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+    fam = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert [o.index for o in fam.outputs] == [0, 1, 2, 3]
+    texts = [o.token_ids for o in fam.outputs]
+    assert len({tuple(t) for t in texts}) > 1  # they really differ (so shared writes would be caught)
+    for i, out in enumerate(fam.outputs):
+        alone = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=11 + i, max_tokens=24, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == alone.token_ids, i
+    st = llm.stats()
+    assert st.used_blocks == 0 and st.free_blocks == st.num_blocks
+
+
+def test_children_under_preemption(tiny_models):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["llama"]
+    from lmserve.kv.cache import KVCache
+    from lmserve.models.loader import hf_config
+    import torch
+    per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
+    small = LLM(str(path), block_size=4, kv_cache_memory=per_block * 40, enable_prefix_caching=False)
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)
+    fam = small.generate([PROMPT, PROMPT[:20]], params, use_tqdm=False)
+    assert small.stats().num_preemptions > 0
+    big = LLM(str(path), block_size=4, kv_cache_memory="64MiB")
+    ref = big.generate([PROMPT, PROMPT[:20]], params, use_tqdm=False)
+    for a, b in zip(fam, ref):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    st = small.stats()
+    assert st.used_blocks == 0
+
+
+def test_memory_saving_n8(tiny_models):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["qwen3"]
+    prompt = [(3 * i + 1) % 120 + 4 for i in range(1024)]
+    opts = dict(block_size=16, kv_cache_memory="512MiB", max_num_batched_tokens=2048)
+    shared = LLM(str(path), enable_prefix_caching=False, **opts)
+    shared.generate([prompt], SamplingParams(n=8, temperature=1.0, seed=1, max_tokens=256, ignore_eos=True),
+                    use_tqdm=False)
+    separate = LLM(str(path), enable_prefix_caching=False, **opts)
+    separate.generate([prompt] * 8, [SamplingParams(temperature=1.0, seed=1 + i, max_tokens=256, ignore_eos=True)
+                                     for i in range(8)], use_tqdm=False)
+    peak_shared = shared.stats().peak_used_blocks
+    peak_separate = separate.stats().peak_used_blocks
+    saving = 1 - peak_shared / peak_separate
+    print(f"peak blocks: shared {peak_shared}, separate {peak_separate}, saving {saving:.1%}")
+    assert peak_separate == 8 * (-(-(1024 + 256) // 16))
+    assert saving >= 0.55
+
+
+def test_best_of_returns_most_likely(llm):  # type: ignore[no-untyped-def]
+    params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 2 and [o.index for o in out.outputs] == [0, 1]
+    lps = [o.cumulative_logprob for o in out.outputs]
+    assert lps[0] >= lps[1]
+    alone = [llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=3 + i, max_tokens=12, ignore_eos=True,
+                                                   logprobs=0), use_tqdm=False)[0].outputs[0] for i in range(5)]
+    best = sorted(alone, key=lambda o: -o.cumulative_logprob)[:2]
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in best]
+    for o, b in zip(out.outputs, best):
+        assert abs(o.cumulative_logprob - b.cumulative_logprob) < 1e-4
