@@ -225,7 +225,12 @@ class Engine:
             return []
         res = self.runner.execute(out)
         for seq in self.scheduler.update_from_output(out, res.sampled):
-            self._process_text(seq)
+            try:
+                self._process_text(seq)
+            except Exception as e:  # one request's failure must not reach the others
+                log.exception("output processing failed for %s", seq.request_id)
+                seq.error = f"{type(e).__name__}: {e}"
+                self.scheduler.finish(seq, "error")
         for seq, _ in out.scheduled:
             if seq.forks_pending and seq.num_computed_tokens == seq.num_prompt_tokens - 1 and not seq.is_finished:
                 self._fork(seq)
@@ -278,7 +283,7 @@ class Engine:
                 stop_reason=s.stop_reason,
                 cumulative_logprob=s.cumulative_logprob if s.params.needs_logprob else None,
                 logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-                delta_text=delta, delta_token_ids=delta_ids))
+                delta_text=delta, delta_token_ids=delta_ids, error=s.error))
         metrics = RequestMetrics(
             arrival_time=s0.arrival_time, first_scheduled_time=s0.first_scheduled_time,
             first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),

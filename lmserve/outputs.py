@@ -54,6 +54,7 @@ class CompletionOutput:
     logprobs: list[Logprob] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

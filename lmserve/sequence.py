@@ -150,7 +150,8 @@ class Sequence:
     text: str = field(default="", init=False)
     num_emitted_chars: int = field(default=0, init=False)  # streaming: text already handed out
     num_emitted_tokens: int = field(default=0, init=False)
-    forks_pending: int = field(default=0, init=False)  # children still to fork once the prompt is in
+    forks_pending: int = field(default=0, init=False)
+    error: str | None = field(default=None, init=False)  # set when finish_reason == "error"  # children still to fork once the prompt is in
     detok: Any = field(default=None, init=False)  # IncrementalDetokenizer, owned by the engine
 
     def __post_init__(self) -> None:

@@ -1,0 +1,159 @@
+"""AsyncEngine: one thread drives Engine.step() for every request; asyncio handlers talk to it
+through queues, so the event loop never runs a forward pass.
+
+Requests enter and leave only between steps: `submit` and `abort` put work on thread-safe lists that
+the loop drains before each step; each request's outputs are pushed to its own asyncio.Queue with
+`loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from lmserve.engine import Engine
+from lmserve.outputs import RequestOutput
+from lmserve.sequence import SamplingParams
+
+log = logging.getLogger("lmserve.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    finished: bool = False
+
+    def put(self, item: object) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """Owns the engine thread. All Engine mutation happens on that thread."""
+
+    def __init__(self, engine: Engine, max_queue: int | None = None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, list[int], SamplingParams, _Stream]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight are aborted."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._pending) + len(self.engine.scheduler.waiting)
+
+    # ------------------------------------------------------------ requests
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs step by step; aborts it if the consumer goes away."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        with self._lock:
+            if self.max_queue is not None and len(self._pending) + len(self.engine.scheduler.waiting) >= self.max_queue:
+                raise QueueFullError(f"{self.max_queue} requests are already waiting")
+            if not self._thread.is_alive():
+                raise EngineDeadError("the engine loop is not running")
+            self._pending.append((request_id, prompt_ids, params, stream))
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.finished = True
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    # ------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a failed forward: fail the requests in flight, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+                    continue
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                        if out.finished:
+                            del self._streams[out.request_id]
+        except BaseException as e:  # the loop itself died: /health turns 503
+            log.exception("engine loop died")
+            self.error = e
+        finally:
+            self._fail_all(EngineDeadError("the server is shutting down"), pending_too=True)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            aborts, self._aborts = self._aborts, []
+        for rid, ids, params, stream in pending:
+            try:
+                self.engine.add_request(rid, ids, params)
+                self._streams[rid] = stream
+            except Exception as e:  # validated already; anything left is this request's alone
+                stream.put(e)
+        for rid in aborts:
+            self.engine.abort_request(rid)
+            self._streams.pop(rid, None)
+
+    def _fail_all(self, error: BaseException, pending_too: bool = False) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+        if pending_too:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for _, _, _, stream in pending:
+                stream.put(error)

@@ -1,0 +1,48 @@
+"""`lmserve serve`: load the engine, then run the OpenAI-compatible app under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    from lmserve.cli import add_engine_args
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("LMSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (or set LMSERVE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="request bodies above this get 413")
+    p.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
+    p.add_argument("--log-level", default="info")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from lmserve.cli import engine_kwargs
+    from lmserve.config import EngineConfig
+    from lmserve.engine import Engine
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+
+    logging.getLogger("lmserve").setLevel(a.log_level.upper())
+    engine = Engine(EngineConfig(model=a.model, **engine_kwargs(a)))
+    ae = AsyncEngine(engine, max_queue=a.max_queue)
+    app = build_app(ae, a.served_model_name or a.model, a.api_key, a.max_body_bytes, a.request_timeout)
+    print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on http://{a.host}:{a.port}",
+          flush=True)
+    # uvicorn finishes in-flight requests on SIGTERM/SIGINT (up to 30 s), then re-raises the signal
+    # under the handler that was installed before it started: make that a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30)
+    return 0

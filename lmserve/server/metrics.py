@@ -1,0 +1,69 @@
+"""Prometheus metrics: request outcomes and latencies (observed as requests finish), and engine state
+(read from the engine's stats at scrape time)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from lmserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class _EngineCollector:
+    def __init__(self, async_engine: Any) -> None:
+        self.ae = async_engine
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        st = self.ae.engine.stats()
+        g = GaugeMetricFamily
+        yield g("lmserve_num_requests_running", "Sequences running in the engine", value=st.num_running)
+        yield g("lmserve_num_requests_waiting", "Requests waiting to be scheduled", value=self.ae.num_waiting)
+        yield g("lmserve_kv_blocks_used", "KV cache blocks in use", value=st.used_blocks)
+        yield g("lmserve_kv_blocks_free", "KV cache blocks free (including cached)", value=st.free_blocks)
+        yield g("lmserve_kv_blocks_total", "KV cache blocks in the pool", value=st.num_blocks)
+        yield g("lmserve_kv_blocks_cached", "Free blocks still holding a reusable prefix", value=st.cached_blocks)
+        yield g("lmserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up",
+                value=st.prefix_hit_rate)
+        yield CounterMetricFamily("lmserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=st.prefix_hit_tokens)
+        yield CounterMetricFamily("lmserve_preemptions", "Sequences preempted", value=st.num_preemptions)
+        yield g("lmserve_engine_alive", "1 while the engine loop runs", value=1.0 if self.ae.alive else 0.0)
+
+
+class ServerMetrics:
+    """One registry per app (tests start several servers in one process)."""
+
+    def __init__(self, async_engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("lmserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("lmserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("lmserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("lmserve_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("lmserve_time_per_output_token_seconds", "TPOT", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("lmserve_e2e_request_latency_seconds", "End-to-end latency", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.queue = Histogram("lmserve_request_queue_time_seconds", "Arrival to first schedule",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(async_engine))
+
+    def observe(self, out: RequestOutput) -> None:
+        """Record a finished request."""
+        m = out.metrics
+        for c in out.outputs:
+            self.requests.labels(c.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(m.num_output_tokens)
+        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e), (self.queue, m.queue_time)):
+            if value is not None:
+                hist.observe(value)
+
+    def aborted(self, n: int = 1) -> None:
+        self.requests.labels("abort").inc(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

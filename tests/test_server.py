@@ -1,0 +1,329 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+KEY = "test-key-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smol):  # type: ignore[no-untyped-def]
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    ae = AsyncEngine(smol.engine, max_queue=64)
+    app = build_app(ae, "smollm2-135m", api_key=KEY, max_body_bytes=64 * 1024)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}", "ae": ae, "engine": smol.engine}
+    srv.should_exit = True
+    th.join(30)
+
+
+@pytest.fixture
+def client(server):  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, path: str, body: object, headers: dict | None = None, raw: bytes | None = None) -> httpx.Response:  # type: ignore[no-untyped-def]
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+    return httpx.post(server["url"] + path, content=raw if raw is not None else json.dumps(body), headers=h,
+                      timeout=120)
+
+
+def assert_idle(server) -> None:  # type: ignore[no-untyped-def]
+    """No running requests and every KV block free, per /metrics."""
+    for _ in range(100):
+        text = httpx.get(server["url"] + "/metrics").text
+        vals = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+        if vals["lmserve_num_requests_running"] == 0 and vals["lmserve_kv_blocks_used"] == 0 \
+                and vals["lmserve_num_requests_waiting"] == 0:
+            assert vals["lmserve_kv_blocks_free"] == vals["lmserve_kv_blocks_total"]
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"server not idle: {vals}")
+
+
+def good_request_works(client) -> None:  # type: ignore[no-untyped-def]
+    r = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=4,
+                                  temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens == 4
+
+
+# ---------------------------------------------------------------- happy paths
+
+def test_completion_plain_and_usage(client, server):  # type: ignore[no-untyped-def]
+    r = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0)
+    ref = server["engine"].tokenizer
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.encode("The capital of France is"))
+    assert r.usage.completion_tokens == 8 and r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_completion_stream_equals_plain(client):  # type: ignore[no-untyped-def]
+    kw = dict(model="smollm2-135m", prompt="Once upon a time", max_tokens=24, temperature=0.9, seed=5)
+    plain = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_chat_plain_and_stream(client):  # type: ignore[no-untyped-def]
+    msgs = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
+    plain = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=16, temperature=0)
+    assert "4" in plain.choices[0].message.content and plain.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_completion_tokens=16,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_n_and_seed(client):  # type: ignore[no-untyped-def]
+    kw = dict(model="smollm2-135m", prompt="My favourite colour is", max_tokens=10, temperature=1.0, seed=42)
+    a = client.completions.create(n=3, **kw)
+    b = client.completions.create(n=3, **kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # same seed, same texts
+    assert a.usage.completion_tokens == 30
+
+
+def test_logprobs_and_echo(client, server):  # type: ignore[no-untyped-def]
+    r = client.completions.create(model="smollm2-135m", prompt="The sky is", max_tokens=3, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3
+    assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+    ids = [504, 7042, 314, 1345]
+    e = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                  logprobs=1)
+    elp = e.choices[0].logprobs
+    assert elp.token_logprobs[0] is None and len(elp.tokens) == len(ids) + 1
+    tok = server["engine"].tokenizer
+    assert e.choices[0].text.startswith(tok.decode(ids, skip_special_tokens=False))
+    # prompt logprobs equal the model's own log-softmax at those positions
+    full = server["engine"].score(ids).double().log_softmax(-1)
+    for i in range(1, len(ids)):
+        assert abs(elp.token_logprobs[i] - full[i - 1, ids[i]].item()) < 1e-3
+    # scoring mode: max_tokens=0 with echo returns the prompt only
+    s = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}).json()
+    assert len(s["choices"][0]["logprobs"]["tokens"]) == len(ids) and s["usage"]["completion_tokens"] == 0
+    c = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    assert len(c.choices[0].logprobs.content) == 3 and len(c.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def test_stop_and_token_id_prompts(client):  # type: ignore[no-untyped-def]
+    free = client.completions.create(model="smollm2-135m", prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0)
+    words = free.choices[0].text.split(",")
+    stop = words[1] + ","
+    r = client.completions.create(model="smollm2-135m", prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0,
+                                  stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    batch = client.completions.create(model="smollm2-135m", prompt=[[504, 7042], [504, 2988, 314]], max_tokens=2,
+                                      temperature=0)
+    assert len(batch.choices) == 2 and batch.usage.prompt_tokens == 5
+
+
+def test_tokenize_detokenize_models_health(server):  # type: ignore[no-untyped-def]
+    t = post(server, "/tokenize", {"prompt": "Hello world"}).json()
+    assert t["count"] == len(t["tokens"]) > 0
+    assert post(server, "/detokenize", {"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
+    assert post(server, "/detokenize", {"tokens": [10**7]}).status_code == 400
+    m = httpx.get(server["url"] + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert m["data"][0]["id"] == "smollm2-135m"
+    assert httpx.get(server["url"] + "/health").status_code == 200  # open without a key
+
+
+# ---------------------------------------------------------------- auth
+
+def test_auth(server):  # type: ignore[no-untyped-def]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server["url"] + "/v1/completions", json={"prompt": "hi"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server["url"] + "/v1/models").status_code == 401
+
+
+# ---------------------------------------------------------------- bad input
+
+BAD = [
+    ("/v1/completions", None, b"{not json", 400, None),
+    ("/v1/completions", {"max_tokens": 4}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "four"}, None, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": ""}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, -3]}, None, 400, "prompt_token_ids"),
+    ("/v1/completions", {"prompt": [1, 49152]}, None, 400, "prompt_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}, None, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 100}, None, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, None, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, None, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 5}}, None, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, None, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, None, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 40}, None, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, None, 404, "model"),
+    ("/v1/completions", {"prompt": "x" * 70000}, None, 413, None),
+    ("/v1/chat/completions", {"messages": []}, None, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, None, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}, None, 400,
+     "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path,body,raw,status,param", BAD)
+def test_bad_input(server, client, path, body, raw, status, param):  # type: ignore[no-untyped-def]
+    r = post(server, path, body, raw=raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param or (err["param"] or "").startswith(param), err
+    good_request_works(client)
+
+
+def test_wrong_content_type(server, client):  # type: ignore[no-untyped-def]
+    r = post(server, "/v1/completions", None, headers={"Content-Type": "text/plain"}, raw=b'{"prompt": "hi"}')
+    assert r.status_code == 415 and "error" in r.json()
+    good_request_works(client)
+
+
+def test_queue_full_gives_429(server, client, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(server["engine"].scheduler, "max_num_seqs", 1)
+    monkeypatch.setattr(server["ae"], "max_queue", 1)
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            h = {"Authorization": f"Bearer {KEY}"}
+
+            async def until(cond) -> None:  # type: ignore[no-untyped-def]
+                for _ in range(200):
+                    if cond():
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError("condition not reached")
+
+            def send(i: int):  # type: ignore[no-untyped-def]
+                return asyncio.ensure_future(c.post(server["url"] + "/v1/completions", headers=h,
+                                                    json={"prompt": f"Story {i}:", "max_tokens": 40,
+                                                          "ignore_eos": True}))
+            first = send(0)
+            await until(lambda: len(server["engine"].scheduler.running) == 1)
+            second = send(1)  # max_num_seqs=1: this one waits
+            await until(lambda: server["ae"].num_waiting == 1)
+            extra = await c.post(server["url"] + "/v1/completions", headers=h, json={"prompt": "hi", "max_tokens": 2})
+            return [extra, await first, await second]
+
+    extra, *long = asyncio.run(go())
+    assert extra.status_code == 429 and extra.headers["Retry-After"] == "1"
+    assert extra.json()["error"]["type"] == "rate_limit_error"
+    assert all(r.status_code == 200 for r in long)
+    monkeypatch.undo()
+    good_request_works(client)
+
+
+def test_exception_in_one_request_is_500_others_unharmed(server, client, monkeypatch):  # type: ignore[no-untyped-def]
+    eng = server["engine"]
+    original = eng._process_text
+
+    def flaky(seq):  # type: ignore[no-untyped-def]
+        if seq.params.max_tokens == 13:  # the marked request
+            raise RuntimeError("boom")
+        return original(seq)
+
+    monkeypatch.setattr(eng, "_process_text", flaky)
+
+    async def go() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            h = {"Authorization": f"Bearer {KEY}"}
+            ok = asyncio.ensure_future(c.post(server["url"] + "/v1/completions", headers=h,
+                                              json={"prompt": "The capital of France is", "max_tokens": 12,
+                                                    "temperature": 0}))
+            bad = asyncio.ensure_future(c.post(server["url"] + "/v1/completions", headers=h,
+                                               json={"prompt": "EXPLODE now", "max_tokens": 13}))
+            return await bad, await ok
+
+    bad, ok = asyncio.run(go())
+    assert bad.status_code == 500 and "boom" in bad.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
+    monkeypatch.undo()
+    assert_idle(server)
+
+
+# ---------------------------------------------------------------- concurrency
+
+PROMPTS = [f"Tell me fact number {i} about {t}:" for i, t in
+           enumerate(["cats", "the moon", "rivers", "bread", "jazz", "glaciers", "owls", "copper"] * 8)]
+
+
+async def stream_one(c: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, stop_after: int | None = None
+                     ) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    text = ""
+    async with c.stream("POST", url + "/v1/completions", json=body,
+                        headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        n = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            text += chunk["choices"][0]["text"]
+            n += 1
+            if stop_after is not None and n >= stop_after:
+                return text  # leaving the block closes the connection mid-stream
+    return text
+
+
+def test_64_concurrent_streams_match_alone(server, client):  # type: ignore[no-untyped-def]
+    lengths = [4 + (i * 7) % 20 for i in range(64)]
+
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await asyncio.gather(*(stream_one(c, server["url"], p, n) for p, n in zip(PROMPTS, lengths)))
+
+    texts = asyncio.run(go())
+    for i in range(0, 64, 9):  # spot-check against the same request sent alone
+        alone = client.completions.create(model="smollm2-135m", prompt=PROMPTS[i], max_tokens=lengths[i],
+                                          temperature=0).choices[0].text
+        assert texts[i] == alone, i
+    assert_idle(server)
+
+
+def test_32_disconnects_free_everything(server, client):  # type: ignore[no-untyped-def]
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=300) as c:
+            await asyncio.gather(*(stream_one(c, server["url"], p, 200, stop_after=2) for p in PROMPTS[:32]))
+
+    asyncio.run(go())
+    assert_idle(server)
+    good_request_works(client)
+    text = httpx.get(server["url"] + "/metrics").text
+    assert 'lmserve_requests_total{finish_reason="abort"}' in text
