@@ -327,3 +327,21 @@ def test_32_disconnects_free_everything(server, client):  # type: ignore[no-unty
     good_request_works(client)
     text = httpx.get(server["url"] + "/metrics").text
     assert 'lmserve_requests_total{finish_reason="abort"}' in text
+
+
+def test_bench_serve_against_server(server, tmp_path):  # type: ignore[no-untyped-def]
+    from lmserve.cli import main
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--url", server["url"], "--api-key", KEY, "--num-requests", "10",
+               "--request-rate", "20", "--input-len", "4", "16", "--output-len", "4", "12",
+               "--shared-prefix-fraction", "0.5", "--num-prefixes", "1", "--prefix-len", "64", "--n-fraction", "0.3",
+               "--slo-ttft-ms", "60000", "--output-json", str(out), "--plot", "--no-progress"])
+    assert rc == 0
+    r = json.loads(out.read_text())["results"]
+    assert r["completed"] == 10 and r["failed"] == 0
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(r[key]) >= {"mean", "p50", "p90", "p99"}
+    assert r["goodput_requests_per_s"] > 0 and r["output_tokens_per_s"] > 0
+    assert 0 < r["prefix_cache_hit_rate"] <= 1
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert_idle(server)
