@@ -141,6 +141,15 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     enforce_eager: bool = True
+    # speculative decoding
+    speculative_method: str | None = None  # None | "ngram" | "draft"
+    num_speculative_tokens: int = 3
+    draft_model: str | None = None  # path or known name; defaults to the target itself (with draft_num_layers)
+    draft_num_layers: int | None = None  # keep only the first N layers of the draft (a truncated copy)
+    ngram_min: int = 1
+    ngram_max: int = 3
+    spec_max_batch: int = 8  # no speculation when more sequences than this are running
+    spec_min_acceptance: float = 0.25  # pause a request's speculation below this running acceptance rate
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -153,6 +162,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
+        if self.speculative_method and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         resolve_dtype(self.dtype, self.device)
 
     @property

@@ -8,6 +8,7 @@ ValueError naming the field and leaves the engine and the other requests as they
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -24,7 +25,8 @@ from lmserve.models.registry import build_model
 from lmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Scheduler, SchedulerOutput
-from lmserve.sequence import SamplingParams, Sequence
+from lmserve.sequence import SamplingParams, Sequence, Status
+from lmserve.spec.build import build_proposer
 from lmserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lmserve")
@@ -47,14 +49,20 @@ class EngineStats:
     peak_used_blocks: int
     num_running: int
     num_waiting: int
+    spec: dict | None = None  # speculative decoding counters, when it is on
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prompt_tokens_queried if self.prompt_tokens_queried else 0.0
 
 
-def load_model(config: EngineConfig) -> tuple[ModelConfig, torch.nn.Module, Tokenizer | None]:
-    """Resolve config.model on disk, build our model, load its weights, and its tokenizer."""
+def load_model(config: EngineConfig, num_layers: int | None = None
+               ) -> tuple[ModelConfig, torch.nn.Module, Tokenizer | None]:
+    """Resolve config.model on disk, build our model, load its weights, and its tokenizer.
+
+    num_layers keeps only the first N decoder layers (with the final norm and head): a truncated
+    copy, the honest baseline draft model for speculative decoding on a CPU.
+    """
     src = resolve_model(config.model)
     backend = get_backend(config.extra.get("attention_backend", "torch"))
     tokenizer: Tokenizer | None = None
@@ -73,6 +81,12 @@ def load_model(config: EngineConfig) -> tuple[ModelConfig, torch.nn.Module, Toke
         tok_dir = config.tokenizer or src.path
         if any((src.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) or config.tokenizer:
             tokenizer = Tokenizer.from_hf_dir(tok_dir, cfg.eos_token_ids)
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise ValueError(f"draft_num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+        weights = ((n, t) for n, t in weights
+                   if not (n.startswith("model.layers.") and int(n.split(".")[2]) >= num_layers))
     model = build_model(cfg, backend)
     model.load_weights(weights)
     model = model.to(device=config.device, dtype=config.torch_dtype).eval()
@@ -96,6 +110,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.proposer = build_proposer(config, cfg) if config.speculative_method else None
         self.requests: dict[str, list[Sequence]] = {}
         self._rng = random.Random(config.seed)
         self.load_time = time.perf_counter() - t0
@@ -167,6 +182,47 @@ class Engine:
             seq.forks_pending = params.num_samples - 1
         self.scheduler.add(seq)
 
+    # ---------------------------------------------------------------- speculation
+    def _num_draft_tokens(self, seq: Sequence) -> int:
+        """The dynamic rule: k drafts, or 0 when the batch is large (decode is no longer memory-bound,
+        so verification costs real compute) or this request's drafts have mostly been rejected (then
+        speculation pauses for a while and probes again)."""
+        c = self.config
+        if not seq.params.speculative or seq.forks_pending or len(self.scheduler.running) > c.spec_max_batch:
+            return 0
+        if seq.spec_pause > 0:
+            seq.spec_pause -= 1
+            return 0
+        if seq.spec_acceptance < c.spec_min_acceptance:
+            seq.spec_pause, seq.spec_acceptance = 16, c.spec_min_acceptance  # pause, then probe again
+            return 0
+        room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        return max(0, min(c.num_speculative_tokens, room))
+
+    def _propose(self) -> None:
+        seqs = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
+        ks = [self._num_draft_tokens(s) for s in seqs]
+        if not any(ks):
+            return
+        for seq, prop in zip(seqs, self.proposer.propose(seqs, ks)):
+            if prop.tokens:
+                seq.token_ids.extend(prop.tokens)
+                seq.num_draft = len(prop.tokens)
+                seq.draft_probs = prop.probs
+
+    def _trim_drafts(self, out: SchedulerOutput) -> None:
+        """Drop drafts the scheduler could not fit (or of preempted sequences) before the forward."""
+        got = dict(out.scheduled)
+        for seqs in self.requests.values():
+            for seq in seqs:
+                if not seq.num_draft:
+                    continue
+                keep = max(0, got.get(seq, 0) - 1) if seq.status is Status.RUNNING else 0
+                if keep < seq.num_draft:
+                    del seq.token_ids[len(seq.token_ids) - (seq.num_draft - keep):]
+                    seq.num_draft = keep
+                    seq.draft_probs = None if not keep or seq.draft_probs is None else seq.draft_probs[:keep]
+
     def _init_sampling_state(self, seq: Sequence) -> None:
         """Per-sequence generator (request seed + child index, else a draw from the engine's RNG)."""
         p = seq.params
@@ -203,12 +259,18 @@ class Engine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False if it is unknown or already done."""
-        seqs = self.requests.pop(request_id, None)
+        seqs = self.requests.get(request_id)
         if seqs is None:
             return False
         for seq in seqs:
             self.scheduler.finish(seq, "abort")
+        self._forget(request_id)
         return True
+
+    def _forget(self, request_id: str) -> None:
+        for seq in self.requests.pop(request_id, []):
+            if self.proposer is not None:
+                self.proposer.release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -220,13 +282,17 @@ class Engine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that advanced (finished ones last seen here)."""
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
+        if self.proposer is not None:
+            self._trim_drafts(out)
         if out.is_empty:
             return []
         res = self.runner.execute(out)
-        for seq in self.scheduler.update_from_output(out, res.sampled):
+        for seq, new in self.scheduler.update_from_output(out, res.sampled, res.rejected).items():
             try:
-                self._process_text(seq)
+                self._process_text(seq, new)
             except Exception as e:  # one request's failure must not reach the others
                 log.exception("output processing failed for %s", seq.request_id)
                 seq.error = f"{type(e).__name__}: {e}"
@@ -242,26 +308,33 @@ class Engine:
                 continue
             outputs.append(self._make_output(rid, seqs))
             if all(s.is_finished for s in seqs):
-                del self.requests[rid]
+                self._forget(rid)
         return outputs
 
-    def _process_text(self, seq: Sequence) -> None:
-        """Detokenize the new token and apply stop strings (the stop string itself is not emitted)."""
+    def _process_text(self, seq: Sequence, new_tokens: list[int]) -> None:
+        """Detokenize the new tokens one by one and apply stop strings (the stop string itself is not
+        emitted). Tokens after a stop string (possible when several arrive at once) are dropped."""
         if seq.detok is None:
             return
-        before = len(seq.text)
-        seq.text += seq.detok.step([seq.token_ids[-1]])
         p = seq.params
-        if p.stop and seq.finish_reason in (None, "length"):
+        for i, tok in enumerate(new_tokens):
+            before = len(seq.text)
+            seq.text += seq.detok.step([tok])
+            if not p.stop or seq.finish_reason not in (None, "length"):
+                continue
             for stop in p.stop:
                 idx = seq.text.find(stop, max(0, before - len(stop) + 1))
-                if idx != -1:
-                    seq.text = seq.text[:idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
-                    if seq.is_finished:  # hit the length limit on the same token: the stop wins
-                        seq.finish_reason, seq.stop_reason = "stop", stop
-                    else:
-                        self.scheduler.finish(seq, "stop", stop_reason=stop)
-                    break
+                if idx == -1:
+                    continue
+                seq.text = seq.text[:idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
+                extra = len(new_tokens) - i - 1
+                if extra:
+                    del seq.token_ids[len(seq.token_ids) - extra:]
+                if seq.is_finished:  # hit the length limit on the same token: the stop wins
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                else:
+                    self.scheduler.finish(seq, "stop", stop_reason=stop)
+                return
 
     def _make_output(self, rid: str, seqs: list[Sequence]) -> RequestOutput:
         outs = []
@@ -324,7 +397,8 @@ class Engine:
             prefix_hit_tokens=st.prefix_hit_tokens, prompt_tokens_queried=st.prompt_tokens_queried,
             num_preemptions=st.num_preemptions, computed_tokens=st.computed_tokens,
             peak_used_blocks=st.peak_used_blocks,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            spec=self.runner.spec_stats.as_dict() if self.proposer is not None else None)
 
     def info(self) -> dict[str, Any]:
         return {"model": self.config.model, "architecture": self.model_config.architecture,

@@ -8,22 +8,26 @@ LM head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lmserve.attention import AttentionMetadata
 from lmserve.kv.cache import KVCache
-from lmserve.sampling.sampler import Sampler, make_logprob
+from lmserve.sampling.rejection import verify
+from lmserve.sampling.sampler import Sampler, TokenView, make_logprob
 from lmserve.scheduler import SchedulerOutput
-from lmserve.sequence import Sequence
+from lmserve.sequence import Logprob, Sequence
+from lmserve.spec import SpecStats
 
 
 @dataclass
 class RunnerOutput:
-    """Sampled token per sequence that reached its end this step."""
+    """Tokens to append per sequence that reached its end this step (one, or several when drafts
+    were accepted), and how many draft tokens each speculating sequence must roll back."""
 
-    sampled: dict[Sequence, int]
+    sampled: dict[Sequence, list[int]]
+    rejected: dict[Sequence, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -35,6 +39,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = torch.device(device)
         self.sampler = Sampler()
+        self.spec_stats = SpecStats()
 
     def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the step: input_ids (N,), positions (N,), metadata."""
@@ -78,24 +83,51 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # (N, hidden)
         rows: list[int] = []
         sampling: list[Sequence] = []
+        speculating: list[tuple[Sequence, int, int]] = []
         start = 0
         for seq, n in out.scheduled:
             if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                 self._prompt_logprobs(seq, hidden[start:start + n], n)
-            if seq.num_computed_tokens + n == seq.num_tokens:
+            if seq.num_draft:
+                speculating.append((seq, start, n))
+            elif seq.num_computed_tokens + n == seq.num_tokens:
                 rows.append(start + n - 1)
                 sampling.append(seq)
             start += n
-        if not sampling:
-            return RunnerOutput({})
-        logits = self.model.compute_logits(hidden[rows])  # (B, V) float32
-        res = self.sampler(logits, sampling)
-        for seq, lp in zip(sampling, res.logprobs):
-            if lp is not None:
-                if seq.params.logprobs is not None:
-                    seq.logprobs.append(lp)
-                seq.cumulative_logprob += lp.logprob
-        return RunnerOutput(dict(zip(sampling, res.token_ids)))
+        result = RunnerOutput({})
+        if sampling:
+            logits = self.model.compute_logits(hidden[rows])  # (B, V) float32
+            res = self.sampler(logits, sampling)
+            for seq, tok, lp in zip(sampling, res.token_ids, res.logprobs):
+                result.sampled[seq] = [tok]
+                self._record_logprob(seq, lp)
+        for seq, start, n in speculating:
+            self._verify(seq, hidden[start:start + n], result)
+        return result
+
+    def _record_logprob(self, seq: Sequence, lp: Logprob | None) -> None:
+        if lp is not None:
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp.logprob
+
+    def _verify(self, seq: Sequence, hidden: torch.Tensor, result: RunnerOutput) -> None:
+        """Score the last committed token and the drafts in one pass, then rejection-sample."""
+        k = seq.num_draft
+        base = seq.num_tokens - k  # committed tokens
+        logits = self.model.compute_logits(hidden)  # (k+1, V): row i predicts token base + i
+        views = [TokenView(seq, base + i) for i in range(k + 1)]
+        probs = self.sampler.target_probs(logits, views)  # (k+1, V)
+        drafts = seq.token_ids[base:]
+        tokens, accepted = verify(probs, drafts, seq.draft_probs, seq.generator, seq.params.temperature == 0)
+        result.sampled[seq] = tokens
+        result.rejected[seq] = k - accepted
+        self.spec_stats.record(k, accepted)
+        seq.spec_acceptance = 0.7 * seq.spec_acceptance + 0.3 * (accepted / k)
+        if seq.params.needs_logprob:
+            raw = logits.log_softmax(dim=-1)  # (k+1, V)
+            for i, tok in enumerate(tokens):
+                self._record_logprob(seq, make_logprob(raw[i], tok, seq.params.logprobs or 0))
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, n: int) -> None:
         """Record logprobs of prompt tokens predicted from this chunk's positions. hidden: (n, hidden)."""

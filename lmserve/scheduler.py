@@ -145,27 +145,43 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---------------------------------------------------------------- update
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, int]) -> list[Sequence]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, list[int]],
+                           rejected: dict[Sequence, int] | None = None) -> dict[Sequence, list[int]]:
         """Advance progress, append sampled tokens, finish sequences that hit a token-level stop.
 
-        Returns the sequences that received a new token this step.
+        A speculating sequence ran its last token plus its drafts; `rejected[seq]` of those drafts
+        were wrong: they leave the token list, their KV slots are rolled back (blocks past the
+        computed tokens return to the pool), and the accepted drafts plus the corrected token are
+        appended like any sampled tokens. Returns the tokens each sequence actually received.
         """
+        rejected = rejected or {}
         for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
+            if seq.num_draft:
+                del seq.token_ids[len(seq.token_ids) - seq.num_draft:]
+                seq.num_draft, seq.draft_probs = 0, None
+            seq.num_computed_tokens += n - rejected.get(seq, 0)
+            if rejected.get(seq):
+                self.bm.shrink(seq.block_table, seq.num_computed_tokens)
             self.bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
         now = time.time()
-        for seq, tok in sampled.items():
-            seq.append_token(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            p = seq.params
-            if not p.ignore_eos and tok in seq.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
-                self.finish(seq, "stop")
-            elif tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
-                self.finish(seq, "stop", stop_reason=tok)
-            elif seq.num_output_tokens >= p.max_tokens:
-                self.finish(seq, "length")
-        return list(sampled)
+        received: dict[Sequence, list[int]] = {}
+        for seq, toks in sampled.items():
+            got = received[seq] = []
+            for tok in toks:
+                seq.append_token(tok)
+                got.append(tok)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                p = seq.params
+                if not p.ignore_eos and tok in seq.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
+                    self.finish(seq, "stop")
+                elif tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+                    self.finish(seq, "stop", stop_reason=tok)
+                elif seq.num_output_tokens >= p.max_tokens:
+                    self.finish(seq, "length")
+                if seq.is_finished:
+                    break
+        return received
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence (stop, length, abort, error) and free its blocks at once."""

@@ -38,6 +38,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # per-request opt-out of speculative decoding
 
     MAX_LOGPROBS = 20
 
@@ -151,7 +152,11 @@ class Sequence:
     num_emitted_chars: int = field(default=0, init=False)  # streaming: text already handed out
     num_emitted_tokens: int = field(default=0, init=False)
     forks_pending: int = field(default=0, init=False)
-    error: str | None = field(default=None, init=False)  # set when finish_reason == "error"  # children still to fork once the prompt is in
+    error: str | None = field(default=None, init=False)  # set when finish_reason == "error"
+    num_draft: int = field(default=0, init=False)  # speculative tokens at the end of token_ids this step
+    draft_probs: Any = field(default=None, init=False)  # (num_draft, V) draft distributions, or None
+    spec_acceptance: float = field(default=1.0, init=False)  # running acceptance rate (EMA)
+    spec_pause: int = field(default=0, init=False)  # steps left without speculation  # children still to fork once the prompt is in
     detok: Any = field(default=None, init=False)  # IncrementalDetokenizer, owned by the engine
 
     def __post_init__(self) -> None:

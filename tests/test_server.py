@@ -253,10 +253,10 @@ def test_exception_in_one_request_is_500_others_unharmed(server, client, monkeyp
     eng = server["engine"]
     original = eng._process_text
 
-    def flaky(seq):  # type: ignore[no-untyped-def]
+    def flaky(seq, new):  # type: ignore[no-untyped-def]
         if seq.params.max_tokens == 13:  # the marked request
             raise RuntimeError("boom")
-        return original(seq)
+        return original(seq, new)
 
     monkeypatch.setattr(eng, "_process_text", flaky)
 

@@ -42,6 +42,10 @@ class AttentionMetadata:
     def query_starts_host(self) -> list[int]:
         return self.memo("qstarts", lambda: [0, *accumulate(self.query_lens_host)][:-1])
 
+    def query_start_loc_host_ends(self) -> list[int]:
+        """Flat index of each sequence's last new token."""
+        return [a + n - 1 for a, n in zip(self.query_starts_host, self.query_lens_host)]
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)

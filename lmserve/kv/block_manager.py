@@ -138,6 +138,13 @@ class BlockManager:
             block_table.append(self._take_free())
         return copies
 
+    def shrink(self, block_table: list[int], num_tokens: int) -> None:
+        """Release the blocks past what num_tokens needs (speculative rollback)."""
+        keep = self.blocks_needed(num_tokens)
+        tail = block_table[keep:]
+        del block_table[keep:]
+        self.free(tail)
+
     def fork(self, block_table: list[int]) -> list[int]:
         """A new block table sharing every block of `block_table` (one more reference each)."""
         for b in block_table:

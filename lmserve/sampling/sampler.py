@@ -80,20 +80,53 @@ def _needs_processing(s: Sequence) -> bool:
             or bool(p.logit_bias) or s.num_output_tokens < p.min_tokens)
 
 
+@dataclass
+class TokenView:
+    """A sequence as it stands at one position: what penalties see when scoring token `upto`.
+
+    Speculative verification scores several positions of one sequence in a step; position i must
+    be processed as if the drafts before it were already output.
+    """
+
+    seq: Sequence
+    upto: int  # number of tokens before the predicted one
+
+    @property
+    def params(self):  # type: ignore[no-untyped-def]
+        return self.seq.params
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[:self.upto]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.seq.num_prompt_tokens:self.upto]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.upto - self.seq.num_prompt_tokens
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.seq.eos_token_ids
+
+    @property
+    def generator(self):  # type: ignore[no-untyped-def]
+        return self.seq.generator
+
+
 class Sampler:
     """Turns the last-position logits of each sampling sequence into its next token."""
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: (B, V) float32, one row per sequence in `seqs`."""
-        B = logits.shape[0]
-        want_lp = [(s.params.logprobs or 0) if s.params.needs_logprob else None for s in seqs]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None  # (B, V)
+    def target_probs(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
+        """The distribution each row samples from, after all processing: (B, V) float32.
+        Greedy rows are one-hot at their (processed) argmax."""
         if any(_needs_processing(s) for s in seqs):
             logits = apply_penalties(logits.clone(), seqs)
-
         temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)  # (B,)
         greedy = temps == 0
-        tokens = logits.argmax(dim=-1)  # (B,)
+        probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
         if not bool(greedy.all()):
             scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)  # (B, V)
             top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
@@ -101,13 +134,20 @@ class Sampler:
             min_p = torch.tensor([float(s.params.min_p) for s in seqs], device=logits.device)
             if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
                 scaled = filter_logits(scaled, top_k, top_p, min_p)
-            cdf = scaled.softmax(dim=-1).double().cumsum(dim=-1)  # (B, V)
-            dev = logits.device
-            u = torch.stack([torch.rand((), generator=s.generator, dtype=torch.float64, device=dev)
-                             if s.params.temperature > 0 else torch.zeros((), dtype=torch.float64, device=dev)
-                             for s in seqs])  # (B,), no host sync
-            drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
-            tokens = torch.where(greedy, tokens, drawn.clamp_(max=logits.shape[1] - 1))
+            probs = torch.where(greedy.unsqueeze(1), probs, scaled.softmax(dim=-1))
+        return probs
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: (B, V) float32, one row per sequence in `seqs`."""
+        B = logits.shape[0]
+        want_lp = [(s.params.logprobs or 0) if s.params.needs_logprob else None for s in seqs]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None  # (B, V)
+        probs = self.target_probs(logits, seqs)  # (B, V)
+        greedy = [s.params.temperature == 0 for s in seqs]
+        if all(greedy):
+            tokens = probs.argmax(dim=-1)
+        else:
+            tokens = draw(probs, [None if g else s.generator for s, g in zip(seqs, greedy)])
         token_list = tokens.tolist()
 
         logprobs: list[Logprob | None] = [None] * B
@@ -117,6 +157,18 @@ class Sampler:
                     continue
                 logprobs[i] = make_logprob(raw_logprobs[i], token_list[i], n)
         return SamplerOutput(token_list, logprobs)
+
+
+def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:  # type: ignore[type-arg]
+    """Inverse-CDF draw per row with that row's generator (None: argmax). probs: (B, V) -> (B,)."""
+    dev = probs.device
+    cdf = probs.double().cumsum(dim=-1)  # (B, V)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=dev) if g is not None
+                     else torch.zeros((), dtype=torch.float64, device=dev) for g in generators])  # (B,), no sync
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
+    drawn.clamp_(max=probs.shape[1] - 1)
+    is_greedy = torch.tensor([g is None for g in generators], device=dev)
+    return torch.where(is_greedy, probs.argmax(dim=-1), drawn)
 
 
 def make_logprob(row: torch.Tensor, token_id: int, top_n: int) -> Logprob:

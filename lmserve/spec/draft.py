@@ -1,0 +1,97 @@
+"""Draft-model proposer: a smaller model with the same tokenizer and its own paged KV cache.
+
+For each target sequence it keeps a mirror Sequence in its own BlockManager. Every engine step it
+first syncs the mirror to the target's committed tokens (keeping the KV of the longest common prefix,
+rolling back the rest), then runs k batched steps: the first catches up on the tokens it has not seen
+and samples draft 1, each later step decodes the previous draft and samples the next. Drafts are
+drawn from the draft model's processed distribution (same temperature / top-k / top-p / penalties
+as the request), which is what the rejection step needs as p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmserve.config import EngineConfig, ModelConfig
+from lmserve.kv import BlockManager, KVCache
+from lmserve.runner import ModelRunner
+from lmserve.sampling.sampler import Sampler, TokenView, draw
+from lmserve.scheduler import SchedulerOutput
+from lmserve.sequence import Sequence
+from lmserve.spec import Proposal
+
+
+class DraftModelProposer:
+    """Runs the draft model k steps per engine step over all speculating sequences at once."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, kv_budget: int, config: EngineConfig) -> None:
+        dtype = config.torch_dtype
+        num_blocks = max(1, KVCache.blocks_for_budget(cfg, config.block_size, dtype, kv_budget))
+        self.cfg = cfg
+        self.model = model
+        self.kv = KVCache(cfg, num_blocks, config.block_size, dtype, config.device)
+        self.bm = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, self.kv, config.device)
+        self.sampler = Sampler()
+        self.mirrors: dict[int, Sequence] = {}
+
+    def _mirror(self, seq: Sequence) -> Sequence:
+        m = self.mirrors.get(id(seq))
+        if m is None or m.request_id != seq.request_id:
+            m = Sequence(seq.request_id, seq.prompt_token_ids, seq.params, eos_token_ids=seq.eos_token_ids)
+            m.generator = torch.Generator(device=self.kv.layers[0].device)
+            m.generator.manual_seed(int(torch.randint(0, 2**62, (), generator=seq.generator)))
+            self.mirrors[id(seq)] = m
+        target = seq.token_ids
+        lcp = 0
+        limit = min(len(m.token_ids), len(target), m.num_computed_tokens)
+        while lcp < limit and m.token_ids[lcp] == target[lcp]:
+            lcp += 1
+        m.num_computed_tokens = lcp
+        m.token_ids = list(target)
+        self.bm.shrink(m.block_table, lcp)
+        return m
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        mirrors = {i: self._mirror(s) for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0}
+        drafts: dict[int, list[int]] = {i: [] for i in mirrors}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in mirrors}
+        active = dict(mirrors)
+        for r in range(max(ks, default=0)):
+            batch = []
+            for i, m in list(active.items()):
+                if r >= ks[i]:
+                    del active[i]
+                    continue
+                n = m.num_tokens - m.num_computed_tokens
+                if self.bm.reserve(m.block_table, m.num_computed_tokens, m.num_computed_tokens + n) is None:
+                    del active[i]  # the draft cache is full: this sequence proposes what it has
+                    continue
+                batch.append((i, m, n))
+            if not batch:
+                break
+            out = SchedulerOutput([(m, n) for _, m, n in batch])
+            ids, pos, meta = self.runner.build_inputs(out)
+            hidden = self.model(ids, pos, self.kv.layers, meta)  # (N, hidden)
+            ends = torch.tensor(meta.query_start_loc_host_ends(), device=hidden.device)
+            logits = self.model.compute_logits(hidden[ends])  # (B, V)
+            p = self.sampler.target_probs(logits, [TokenView(m, m.num_tokens) for _, m, _ in batch])  # (B, V)
+            toks = draw(p, [None if m.params.temperature == 0 else m.generator for _, m, _ in batch]).tolist()
+            for (i, m, n), tok, row in zip(batch, toks, p):
+                m.num_computed_tokens += n
+                m.token_ids.append(tok)
+                drafts[i].append(tok)
+                probs[i].append(row)
+        return [Proposal(drafts[i], torch.stack(probs[i])) if i in drafts and drafts[i] else Proposal([])
+                for i in range(len(seqs))]
+
+    def release(self, seq: Sequence) -> None:
+        m = self.mirrors.pop(id(seq), None)
+        if m is not None:
+            self.bm.free(m.block_table)
+
+    def sweep(self, live: set[int]) -> None:
+        """Free the mirrors of sequences that are gone."""
+        for key in [k for k in self.mirrors if k not in live]:
+            self.bm.free(self.mirrors.pop(key).block_table)
