@@ -48,11 +48,10 @@ def add_parser(sub: Any) -> None:
     lat.add_argument("--naive-max-len", type=int, default=256, help="longest context for --compare naive")
     lat.set_defaults(func=cmd_latency)
 
-    try:
-        from lmserve.bench import serve as serve_bench
-        serve_bench.add_parser(bs)
-    except ImportError:
-        pass
+    from lmserve.bench import serve as serve_bench
+    from lmserve.bench import spec as spec_bench
+    serve_bench.add_parser(bs)
+    spec_bench.add_parser(bs)
 
 
 def _llm(a: argparse.Namespace):  # type: ignore[no-untyped-def]
