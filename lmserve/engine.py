@@ -24,6 +24,7 @@ from lmserve.models.loader import GGUFFile, hf_config, hf_weights, random_weight
 from lmserve.models.registry import build_model
 from lmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lmserve.runner import ModelRunner
+from lmserve.sampling.beam import BeamState
 from lmserve.scheduler import Scheduler, SchedulerOutput
 from lmserve.sequence import SamplingParams, Sequence, Status
 from lmserve.spec.build import build_proposer
@@ -112,6 +113,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
         self.proposer = build_proposer(config, cfg) if config.speculative_method else None
         self.requests: dict[str, list[Sequence]] = {}
+        self.beams: dict[str, BeamState] = {}  # beam-search requests: their search state
         self._rng = random.Random(config.seed)
         self.load_time = time.perf_counter() - t0
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)", self.load_time,
@@ -173,7 +175,11 @@ class Engine:
                        eos_token_ids=eos, arrival_time=arrival_time or time.time())
         self._init_sampling_state(seq)
         self.requests[request_id] = [seq]
-        if params.num_samples > 1 and len(ids) == 1:  # nothing to share: independent children
+        if params.use_beam_search:
+            ends = tuple(params.stop_token_ids) + (() if params.ignore_eos else eos)
+            self.beams[request_id] = BeamState(params.beam_width, params.max_tokens, ends, params.length_penalty,
+                                               params.early_stopping)
+        elif params.num_samples > 1 and len(ids) == 1:  # nothing to share: independent children
             for i in range(1, params.num_samples):
                 child = self._new_child(seq, i)
                 self.requests[request_id].append(child)
@@ -188,7 +194,8 @@ class Engine:
         so verification costs real compute) or this request's drafts have mostly been rejected (then
         speculation pauses for a while and probes again)."""
         c = self.config
-        if not seq.params.speculative or seq.forks_pending or len(self.scheduler.running) > c.spec_max_batch:
+        if (not seq.params.speculative or seq.params.use_beam_search or seq.forks_pending
+                or len(self.scheduler.running) > c.spec_max_batch):
             return 0
         if seq.spec_pause > 0:
             seq.spec_pause -= 1
@@ -245,17 +252,50 @@ class Engine:
         """
         after = parent
         for i in range(1, parent.forks_pending + 1):
-            child = self._new_child(parent, i)
-            child.token_ids = list(parent.token_ids)
-            child.block_table = self.block_manager.fork(parent.block_table)
-            child.block_hashes = list(parent.block_hashes)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.first_scheduled_time = parent.first_scheduled_time
-            self.requests[parent.request_id].append(child)
-            self.scheduler.add_running(child, after=after)
-            after = child
+            after = self._clone(parent, i, after)
         parent.forks_pending = 0
+
+    def _clone(self, parent: Sequence, index: int, after: Sequence) -> Sequence:
+        """A running copy of `parent` holding its blocks by reference (copy-on-write later)."""
+        child = self._new_child(parent, index)
+        child.token_ids = list(parent.token_ids)
+        child.block_table = self.block_manager.fork(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.first_token_time = parent.first_token_time
+        child.cumulative_logprob = parent.cumulative_logprob
+        self.requests[parent.request_id].append(child)
+        self.scheduler.add_running(child, after=after)
+        return child
+
+    def _beam_step(self, rid: str) -> None:
+        """Advance a beam-search request once every running beam has its next-token log-probs."""
+        st = self.beams[rid]
+        seqs = [s for s in self.requests[rid] if not s.is_finished]
+        if any(s.pending_logprobs is None for s in seqs):
+            return  # a beam was preempted or not scheduled: wait for it
+        lp = torch.stack([s.pending_logprobs for s in seqs])  # (B, V)
+        for s in seqs:
+            s.pending_logprobs = None
+        nxt = st.step([s.output_token_ids for s in seqs], [s.cumulative_logprob for s in seqs], lp)
+        used: set[int] = set()
+        plan = []
+        for b, tok, score in nxt:  # fork first: a clone copies its parent before the parent moves on
+            parent = seqs[b]
+            child = parent if b not in used else self._clone(parent, len(self.requests[rid]), parent)
+            used.add(b)
+            plan.append((child, tok, score))
+        now = time.time()
+        for child, tok, score in plan:
+            child.append_token(tok)
+            child.cumulative_logprob = score
+            if child.first_token_time is None:
+                child.first_token_time = now
+        for b, s in enumerate(seqs):
+            if b not in used or st.done:
+                self.scheduler.finish(s, "length")  # pruned, or the search is over: blocks freed now
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False if it is unknown or already done."""
@@ -268,6 +308,7 @@ class Engine:
         return True
 
     def _forget(self, request_id: str) -> None:
+        self.beams.pop(request_id, None)
         for seq in self.requests.pop(request_id, []):
             if self.proposer is not None:
                 self.proposer.release(seq)
@@ -300,6 +341,8 @@ class Engine:
         for seq, _ in out.scheduled:
             if seq.forks_pending and seq.num_computed_tokens == seq.num_prompt_tokens - 1 and not seq.is_finished:
                 self._fork(seq)
+        for rid in {s.request_id for s in res.beam}:
+            self._beam_step(rid)
         touched = {seq.request_id for seq, _ in out.scheduled}
         outputs = []
         for rid in touched:
@@ -337,6 +380,8 @@ class Engine:
                 return
 
     def _make_output(self, rid: str, seqs: list[Sequence]) -> RequestOutput:
+        if rid in self.beams:
+            return self._beam_output(rid, seqs)
         outs = []
         s0 = seqs[0]
         finished = all(s.is_finished for s in seqs)
@@ -385,6 +430,25 @@ class Engine:
                 return self.model.compute_logits(hidden[-1:] if last_only else hidden)  # (T, V)
         finally:
             self.block_manager.free(seq.block_table)
+
+    def _beam_output(self, rid: str, seqs: list[Sequence]) -> RequestOutput:
+        st = self.beams[rid]
+        s0 = seqs[0]
+        finished = all(s.is_finished for s in seqs)
+        outs = []
+        if finished:
+            for i, h in enumerate(st.best(s0.params.n)):
+                text = self.tokenizer.decode(h.tokens, s0.params.skip_special_tokens) if self.tokenizer else ""
+                outs.append(CompletionOutput(index=i, text=text, token_ids=h.tokens, cumulative_logprob=h.score,
+                                             finish_reason="stop" if h.ended_by_eos else "length",
+                                             delta_text=text, delta_token_ids=h.tokens))
+        metrics = RequestMetrics(
+            arrival_time=s0.arrival_time, first_scheduled_time=s0.first_scheduled_time,
+            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+            finished_time=max((s.finished_time or 0) for s in seqs) if finished else None,
+            num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=sum(len(o.token_ids) for o in outs),
+            num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))
+        return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, finished, metrics)
 
     # ---------------------------------------------------------------- state
     def stats(self) -> EngineStats:

@@ -28,6 +28,7 @@ class RunnerOutput:
 
     sampled: dict[Sequence, list[int]]
     rejected: dict[Sequence, int] = field(default_factory=dict)
+    beam: list[Sequence] = field(default_factory=list)  # beam sequences whose next-token logprobs are ready
 
 
 class ModelRunner:
@@ -97,6 +98,15 @@ class ModelRunner:
         result = RunnerOutput({})
         if sampling:
             logits = self.model.compute_logits(hidden[rows])  # (B, V) float32
+            beam = [i for i, s in enumerate(sampling) if s.params.use_beam_search]
+            if beam:  # beam search decides from log-probs, in the engine, per request
+                lps = logits[beam].log_softmax(dim=-1)  # (Bb, V)
+                for j, i in enumerate(beam):
+                    sampling[i].pending_logprobs = lps[j]
+                    result.beam.append(sampling[i])
+                keep = [i for i in range(len(sampling)) if not sampling[i].params.use_beam_search]
+                sampling, logits = [sampling[i] for i in keep], logits[keep]
+        if sampling:
             res = self.sampler(logits, sampling)
             for seq, tok, lp in zip(sampling, res.token_ids, res.logprobs):
                 result.sampled[seq] = [tok]

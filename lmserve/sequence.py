@@ -39,6 +39,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # per-request opt-out of speculative decoding
+    use_beam_search: bool = False  # beam width = best_of or n; sampling options are not used
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     MAX_LOGPROBS = 20
 
@@ -96,7 +99,11 @@ class SamplingParams:
 
     @property
     def num_samples(self) -> int:
-        """How many continuations to generate (best_of, else n)."""
+        """How many continuations to generate (best_of, else n); beams fork as they go instead."""
+        return 1 if self.use_beam_search else (self.best_of or self.n)
+
+    @property
+    def beam_width(self) -> int:
         return self.best_of or self.n
 
     @property
@@ -156,7 +163,8 @@ class Sequence:
     num_draft: int = field(default=0, init=False)  # speculative tokens at the end of token_ids this step
     draft_probs: Any = field(default=None, init=False)  # (num_draft, V) draft distributions, or None
     spec_acceptance: float = field(default=1.0, init=False)  # running acceptance rate (EMA)
-    spec_pause: int = field(default=0, init=False)  # steps left without speculation  # children still to fork once the prompt is in
+    spec_pause: int = field(default=0, init=False)  # steps left without speculation
+    pending_logprobs: Any = field(default=None, init=False)  # beam search: (V,) log-softmax awaiting the beam step  # children still to fork once the prompt is in
     detok: Any = field(default=None, init=False)  # IncrementalDetokenizer, owned by the engine
 
     def __post_init__(self) -> None:

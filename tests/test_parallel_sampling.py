@@ -78,3 +78,55 @@ def test_best_of_returns_most_likely(llm):  # type: ignore[no-untyped-def]
     assert [o.token_ids for o in out.outputs] == [o.token_ids for o in best]
     for o, b in zip(out.outputs, best):
         assert abs(o.cumulative_logprob - b.cumulative_logprob) < 1e-4
+
+
+def test_families_never_leak(tiny_models):  # type: ignore[no-untyped-def]
+    """Random mixes of n / best_of / beam requests in a pool small enough to preempt, with aborts."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    path, _ = tiny_models["llama"]
+    import torch
+    from lmserve.kv.cache import KVCache
+    from lmserve.models.loader import hf_config
+    per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
+    llm = LLM(str(path), block_size=4, kv_cache_memory=per_block * 48, max_num_batched_tokens=64)
+    eng = llm.engine
+    kinds = st.sampled_from(["n", "best_of", "beam", "single"])
+    reqs = st.lists(st.tuples(kinds, st.integers(2, 30), st.integers(2, 24), st.booleans()), min_size=1, max_size=6)
+
+    @settings(max_examples=15, deadline=None)
+    @given(reqs=reqs, abort_after=st.integers(0, 6))
+    def run(reqs, abort_after):  # type: ignore[no-untyped-def]
+        ids = []
+        for i, (kind, plen, max_tokens, abort) in enumerate(reqs):
+            p = dict(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=i)
+            if kind == "n":
+                p["n"] = 3
+            elif kind == "best_of":
+                p.update(n=2, best_of=3)
+            elif kind == "beam":
+                p.update(use_beam_search=True, n=2, best_of=3, temperature=0)
+            rid = f"fam-{i}-{id(reqs)}"
+            eng.add_request(rid, [(7 * j + i) % 120 + 3 for j in range(plen)], SamplingParams(**p))
+            ids.append((rid, abort))
+        steps = 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps += 1
+            if steps == abort_after:
+                for rid, abort in ids:
+                    if abort:
+                        eng.abort_request(rid)
+            bm = eng.block_manager
+            counts = [0] * bm.num_blocks
+            for seqs in eng.requests.values():
+                for s in seqs:
+                    if not s.is_finished:
+                        for b in s.block_table:
+                            counts[b] += 1
+            assert counts == bm.ref_count
+        st_ = llm.stats()
+        assert st_.used_blocks == 0 and st_.free_blocks == st_.num_blocks
+
+    run()
+    assert llm.stats().num_preemptions > 0

@@ -115,6 +115,20 @@ def test_n_and_seed(client):  # type: ignore[no-untyped-def]
     assert a.usage.completion_tokens == 30
 
 
+def test_beam_search_and_best_of(client, server):  # type: ignore[no-untyped-def]
+    kw = dict(model="smollm2-135m", prompt="The three primary colours are", max_tokens=8, n=2)
+    beam = client.completions.create(extra_body={"use_beam_search": True}, best_of=3, temperature=0, **kw)
+    again = client.completions.create(extra_body={"use_beam_search": True}, best_of=3, temperature=0, **kw)
+    assert len(beam.choices) == 2 and beam.usage.completion_tokens > 0
+    assert [c.text for c in beam.choices] == [c.text for c in again.choices]  # deterministic
+    assert beam.choices[0].text != beam.choices[1].text  # two different beams
+    best = client.completions.create(best_of=3, temperature=1.0, seed=4, **kw)
+    assert len(best.choices) == 2
+    r = post(server, "/v1/completions", {"prompt": "hi", "use_beam_search": True, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    assert_idle(server)
+
+
 def test_logprobs_and_echo(client, server):  # type: ignore[no-untyped-def]
     r = client.completions.create(model="smollm2-135m", prompt="The sky is", max_tokens=3, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs

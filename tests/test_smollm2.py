@@ -76,3 +76,19 @@ def test_cold_load_time(llm):  # type: ignore[no-untyped-def]
     info = llm.engine.info()
     print("cold load (engine part):", info["load_time_s"], "s", "cpus:", os.cpu_count())
     assert info["load_time_s"] > 0
+
+
+def test_beam_search_matches_hf(hf_ref, llm):  # type: ignore[no-untyped-def]
+    tok, model = hf_ref
+    for prompt in PROMPTS[:3]:
+        ids = tok(prompt).input_ids
+        out = llm.generate([ids], SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=16),
+                           use_tqdm=False)[0]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), num_beams=3, num_return_sequences=2, do_sample=False,
+                                 max_new_tokens=16, pad_token_id=tok.pad_token_id, early_stopping=False)
+        eos = tok.eos_token_id
+        rows = []
+        for row in ref[:, len(ids):].tolist():
+            rows.append(row[: row.index(eos) + 1] if eos in row else row)
+        assert [o.token_ids for o in out.outputs] == rows, prompt

@@ -103,9 +103,8 @@ class OpenAIServer:
             bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
         except ValueError:
             raise ApiError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
-        if body.use_beam_search:
-            raise ApiError(400, "use_beam_search: beam search is not supported by this server yet",
-                           param="use_beam_search")
+        if body.use_beam_search and body.stream:
+            raise ApiError(400, "use_beam_search: beam search results cannot be streamed", param="use_beam_search")
         if body.stream and body.best_of and body.best_of > body.n:
             raise ApiError(400, "best_of: cannot stream when best_of > n", param="best_of")
         try:
@@ -115,9 +114,11 @@ class OpenAIServer:
                 min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, logit_bias=bias,
                 seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, max_tokens=max_tokens,
-                min_tokens=min(body.min_tokens, max_tokens), ignore_eos=body.ignore_eos, logprobs=logprobs,
+                min_tokens=min(body.min_tokens, max_tokens), ignore_eos=body.ignore_eos,
+                logprobs=None if body.use_beam_search else logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
-                include_stop_str_in_output=body.include_stop_str_in_output)
+                include_stop_str_in_output=body.include_stop_str_in_output, use_beam_search=body.use_beam_search,
+                length_penalty=body.length_penalty, early_stopping=body.early_stopping)
         except ValueError as e:
             raise _value_error(e) from None
 

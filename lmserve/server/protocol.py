@@ -47,6 +47,8 @@ class _Sampling(_Body):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
     use_beam_search: StrictBool = False
+    length_penalty: float = 1.0
+    early_stopping: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
     @field_validator("stop")
