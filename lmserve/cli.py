@@ -25,6 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
     g.add_argument("--num-speculative-tokens", type=int, default=3)
     g.add_argument("--draft-model", default=None, help="draft model (default: the target itself, truncated)")
@@ -38,7 +39,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(tokenizer=a.tokenizer, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
                 kv_cache_memory=a.kv_cache_memory, dtype=a.dtype, device=a.device, seed=a.seed,
-                max_model_len=a.max_model_len, speculative_method=a.speculative_method,
+                max_model_len=a.max_model_len, attention_backend=a.attention_backend, speculative_method=a.speculative_method,
                 num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
                 draft_num_layers=a.draft_num_layers, ngram_min=a.ngram_min, ngram_max=a.ngram_max,
                 spec_max_batch=a.spec_max_batch)

@@ -141,6 +141,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     enforce_eager: bool = True
+    attention_backend: str = "auto"  # auto (triton on CUDA, else torch) | torch | triton
     # speculative decoding
     speculative_method: str | None = None  # None | "ngram" | "draft"
     num_speculative_tokens: int = 3

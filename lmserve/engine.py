@@ -65,7 +65,7 @@ def load_model(config: EngineConfig, num_layers: int | None = None
     copy, the honest baseline draft model for speculative decoding on a CPU.
     """
     src = resolve_model(config.model)
-    backend = get_backend(config.extra.get("attention_backend", "torch"))
+    backend = get_backend(config.attention_backend, config.device)
     tokenizer: Tokenizer | None = None
     if src.kind == "shape":
         from lmserve.models.shapes import shape_config

@@ -66,9 +66,21 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """Backend registry: 'torch' (reference, any device)."""
+def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
+    """Backend registry: 'torch' (reference, any device), 'triton' (paged kernels; CUDA, or the CPU
+    under TRITON_INTERPRET=1), 'auto' (triton on CUDA when it imports, else torch)."""
+    if name == "auto":
+        name = "torch"
+        if str(device).startswith("cuda"):
+            try:
+                import triton  # noqa: F401
+                name = "triton"
+            except ImportError:
+                pass
     if name == "torch":
         from lmserve.attention.torch_ref import TorchAttention
         return TorchAttention()
-    raise ValueError(f"unknown attention backend {name!r} (available: torch)")
+    if name == "triton":
+        from lmserve.attention.triton_attn import TritonAttention
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r} (available: auto, torch, triton)")

@@ -1,0 +1,259 @@
+"""Triton attention over the paged KV cache: KV store, FlashAttention-style prefill, split-KV decode.
+
+Selected automatically on CUDA; on the CPU they run (slowly) under TRITON_INTERPRET=1, which is how
+the tests check them against the torch reference and a float64 reference.
+
+Layouts (as in the reference): q (N, H, d); k/v cache (num_slots, Hkv, d) with slot = block * bs +
+offset; block_tables (B, M); query_start_loc (B+1,); seq_lens (B,) = context length after the step.
+
+GQA: a program owns one KV head and all G = H / Hkv query heads that read it, so each K/V tile is
+loaded once per query group: the query tile is BLOCK_M tokens x G heads, flattened into rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmserve.attention.backend import AttentionMetadata
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, row_stride, cache_stride,
+                     HD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per new token: copy its (Hkv*d) K and V rows to the cache slot."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    offs = tl.arange(0, BLOCK)
+    m = offs < HD
+    tl.store(kc_ptr + slot * cache_stride + offs, tl.load(k_ptr + t * row_stride + offs, mask=m), mask=m)
+    tl.store(vc_ptr + slot * cache_stride + offs, tl.load(v_ptr + t * row_stride + offs, mask=m), mask=m)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: (N, Hkv, d) contiguous; caches: (S, Hkv, d)."""
+    n, hkv, d = k.shape
+    if n == 0:
+        return
+    hd = hkv * d
+    _store_kv_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, hd, k_cache.stride(0), HD=hd,
+                           BLOCK=triton.next_power_of_2(hd))
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_seq_ptr, work_q_ptr,
+                    scale, window,
+                    stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
+                    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Causal attention of BLOCK_M new tokens (x G heads) over the sequence's whole paged context."""
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(work_seq_ptr + w)
+    q0 = tl.load(work_q_ptr + w)  # first new token of this tile, relative to the sequence's new tokens
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    ctx = tl.load(sl_ptr + seq)
+    first_pos = ctx - q_len
+
+    R: tl.constexpr = BLOCK_M * G_P2
+    r = tl.arange(0, R)
+    tok = q0 + r // G_P2  # (R,)
+    hig = r % G_P2
+    row_ok = (tok < q_len) & (hig < G)
+    head = kvh * G + hig
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qn + head[:, None] * stride_qh + dd[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (R, BLOCK_D)
+    q_pos = first_pos + tok  # (R,)
+
+    m_i = tl.full([R], float("-inf"), tl.float32)
+    l_i = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, BLOCK_D], tl.float32)
+    hi = tl.minimum(ctx, first_pos + q0 + BLOCK_M)  # causal: no key past the tile's last query
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, first_pos + q0 - window + 1)
+    n_lo = lo // BS
+    n_hi = (hi + BS - 1) // BS
+    koffs = tl.arange(0, BS)
+    for j in range(n_lo, n_hi):
+        blk = tl.load(bt_ptr + seq * stride_btb + j)
+        slots = blk * BS + koffs  # (BS,)
+        k_pos = j * BS + koffs
+        kv_ok = k_pos < ctx
+        k = tl.load(kc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # (BS, BLOCK_D)
+        v = tl.load(vc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale  # (R, BS)
+        ok = (k_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        if HAS_WINDOW:
+            ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + (q_start + tok)[:, None] * stride_qn + head[:, None] * stride_qh + dd[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_ptr, seq_idx_ptr,
+                   scale, window, pages_per_split,
+                   stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
+                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                   G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """One decode query (x G heads) over one split of its pages; writes a partial output and its LSE."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(seq_idx_ptr + b)
+    tok = tl.load(qsl_ptr + seq)
+    ctx = tl.load(sl_ptr + seq)
+    q_pos = ctx - 1
+    hig = tl.arange(0, G_P2)
+    h_ok = hig < G
+    head = kvh * G + hig
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    q = tl.load(q_ptr + tok * stride_qn + head[:, None] * stride_qh + dd[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (G_P2, BLOCK_D)
+
+    lo_page = 0
+    if HAS_WINDOW:
+        lo_page = tl.maximum(0, q_pos - window + 1) // BS
+    n_pages = (ctx + BS - 1) // BS
+    p_start = lo_page + split * pages_per_split
+    p_end = tl.minimum(p_start + pages_per_split, n_pages)
+    m_i = tl.full([G_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_P2], tl.float32)
+    acc = tl.zeros([G_P2, BLOCK_D], tl.float32)
+    koffs = tl.arange(0, BS)
+    for j in range(p_start, p_end):
+        blk = tl.load(bt_ptr + seq * stride_btb + j)
+        slots = blk * BS + koffs
+        k_pos = j * BS + koffs
+        kv_ok = k_pos < ctx
+        if HAS_WINDOW:
+            kv_ok = kv_ok & (k_pos > q_pos - window)
+        k = tl.load(kc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (BS, BLOCK_D)
+        v = tl.load(vc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, BS)
+        s = tl.where(kv_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+    tl.store(op_ptr + b * stride_ob + head[:, None] * stride_oh + split * stride_os + dd[None, :], out,
+             mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=h_ok)
+
+
+@triton.jit
+def _reduce_kernel(op_ptr, lse_ptr, o_ptr, qsl_ptr, seq_idx_ptr, num_splits,
+                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_qn, stride_qh,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Combine the splits of one (decode query, head): softmax-weighted by each split's LSE."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.load(seq_idx_ptr + b)
+    tok = tl.load(qsl_ptr + seq)
+    ss = tl.arange(0, BLOCK_S)
+    s_ok = ss < num_splits
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + ss, mask=s_ok, other=float("-inf"))  # (S,)
+    m = tl.max(lse, 0)
+    w = tl.where(s_ok & (lse > float("-inf")), tl.exp(lse - m), 0.0)
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    parts = tl.load(op_ptr + b * stride_ob + h * stride_oh + ss[:, None] * stride_os + dd[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # (S, BLOCK_D)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(o_ptr + tok * stride_qn + h * stride_qh + dd, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
+class TritonAttention:
+    """Backend: Triton store + prefill + split-KV decode kernels."""
+
+    def __init__(self, rows: int = 64, max_splits: int = 16, target_programs: int = 264) -> None:
+        self.rows = rows  # query rows (tokens x heads of a group) per prefill program; >= 16 for tl.dot
+        self.max_splits = max_splits
+        self.target_programs = target_programs  # ~2 waves of an H100/H200's 132 SMs
+
+    def _plan(self, meta: AttentionMetadata, num_kv_heads: int, group: int) -> dict:
+        """Per-step work lists, shared by all layers: prefill tiles and the decode split count."""
+        dev = meta.block_tables.device
+        block_m = max(1, self.rows // triton.next_power_of_2(group))
+        dec = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
+        work_seq: list[int] = []
+        work_q: list[int] = []
+        for i, n in enumerate(meta.query_lens_host):
+            if n > 1:
+                for q0 in range(0, n, block_m):
+                    work_seq.append(i)
+                    work_q.append(q0)
+        plan: dict = {"block_m": block_m,
+                      "dec": torch.tensor(dec, dtype=torch.int32, device=dev) if dec else None,
+                      "work_seq": torch.tensor(work_seq, dtype=torch.int32, device=dev) if work_seq else None,
+                      "work_q": torch.tensor(work_q, dtype=torch.int32, device=dev) if work_q else None}
+        if dec:
+            max_pages = max(-(-meta.seq_lens_host[i] // meta.block_size) for i in dec)
+            want = max(1, self.target_programs // (len(dec) * num_kv_heads))
+            splits = max(1, min(self.max_splits, max_pages, want))
+            plan["splits"] = splits
+            plan["pages_per_split"] = -(-max_pages // splits)
+        return plan
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+        """q: (N, H, d), k/v: (N, Hkv, d), kv_cache: (2, S, Hkv, d) -> (N, H, d)."""
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        n, h, d = q.shape
+        hkv = k.shape[1]
+        g = h // hkv
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        plan = meta.memo(("triton_plan", hkv, g), lambda: self._plan(meta, hkv, g))
+        bt = meta.block_tables
+        common = dict(G=g, G_P2=triton.next_power_of_2(g), D=d, BLOCK_D=triton.next_power_of_2(d),
+                      BS=meta.block_size, HAS_WINDOW=window is not None)
+        win = window or 0
+        if plan["work_seq"] is not None:
+            work_seq, work_q = plan["work_seq"], plan["work_q"]
+            _prefill_kernel[(work_seq.numel(), hkv)](
+                q, k_cache, v_cache, out, bt, meta.query_start_loc, meta.seq_lens, work_seq, work_q,
+                scale, win, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), bt.stride(0),
+                BLOCK_M=plan["block_m"], **common)
+        if plan["dec"] is not None:
+            dec = plan["dec"]
+            nd, splits = dec.numel(), plan["splits"]
+            part = torch.empty(nd, h, splits, d, dtype=torch.float32, device=q.device)
+            lse = torch.empty(nd, h, splits, dtype=torch.float32, device=q.device)
+            _decode_kernel[(nd, hkv, splits)](
+                q, k_cache, v_cache, part, lse, bt, meta.query_start_loc, meta.seq_lens, dec,
+                scale, win, plan["pages_per_split"],
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), bt.stride(0),
+                part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), **common)
+            _reduce_kernel[(nd, h)](
+                part, lse, out, meta.query_start_loc, dec, splits,
+                part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+                out.stride(0), out.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
+                BLOCK_S=triton.next_power_of_2(splits))
+        return out
