@@ -37,7 +37,7 @@ def server(smol):  # type: ignore[no-untyped-def]
         if srv.started:
             break
         time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "ae": ae, "engine": smol.engine}
+    yield {"url": f"http://127.0.0.1:{port}", "ae": ae, "engine": smol.engine, "srv": app.state.server}
     srv.should_exit = True
     th.join(30)
 
@@ -359,3 +359,12 @@ def test_bench_serve_against_server(server, tmp_path):  # type: ignore[no-untype
     assert 0 < r["prefix_cache_hit_rate"] <= 1
     assert out.with_suffix(".png").stat().st_size > 1000
     assert_idle(server)
+
+
+def test_request_timeout_aborts(server, client, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(server["srv"], "request_timeout", 0.5)
+    r = post(server, "/v1/completions", {"prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True})
+    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+    monkeypatch.undo()
+    assert_idle(server)
+    good_request_works(client)

@@ -48,10 +48,12 @@ def add_parser(sub: Any) -> None:
     lat.add_argument("--naive-max-len", type=int, default=256, help="longest context for --compare naive")
     lat.set_defaults(func=cmd_latency)
 
+    from lmserve.bench import parallel as parallel_bench
     from lmserve.bench import serve as serve_bench
     from lmserve.bench import spec as spec_bench
     serve_bench.add_parser(bs)
     spec_bench.add_parser(bs)
+    parallel_bench.add_parser(bs)
 
 
 def _llm(a: argparse.Namespace):  # type: ignore[no-untyped-def]
