@@ -30,6 +30,10 @@ SHAPES: dict[str, dict] = {
     "mistral-7b": dict(architecture="MistralForCausalLM", vocab_size=32000, hidden_size=4096,
                        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                        max_position_embeddings=32768),
+    # not a real model: a 2-layer Qwen3-like shape for dry runs of GPU scripts on a CPU
+    "debug-tiny": dict(architecture="Qwen3ForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=2048,
+                       tie_word_embeddings=True, qk_norm=True),
 }
 
 # latent-KV (MLA) models for the planner only: layers, heads, kv_lora_rank, rope dims, params
