@@ -329,6 +329,10 @@ class Engine:
         if self.proposer is not None:
             self._trim_drafts(out)
         if out.is_empty:
+            if self.requests:  # never legitimate: validation guarantees every request can run alone
+                raise RuntimeError(f"scheduler stalled with {len(self.requests)} requests "
+                                   f"(running {len(self.scheduler.running)}, waiting {len(self.scheduler.waiting)}, "
+                                   f"free blocks {self.block_manager.num_free_blocks})")
             return []
         res = self.runner.execute(out)
         for seq, new in self.scheduler.update_from_output(out, res.sampled, res.rejected).items():

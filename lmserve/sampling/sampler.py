@@ -124,15 +124,17 @@ class Sampler:
         Greedy rows are one-hot at their (processed) argmax."""
         if any(_needs_processing(s) for s in seqs):
             logits = apply_penalties(logits.clone(), seqs)
-        temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)  # (B,)
-        greedy = temps == 0
+        dev = logits.device
+        greedy_host = [s.params.temperature == 0 for s in seqs]  # decided on the host: no device sync
         probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
-        if not bool(greedy.all()):
-            scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)  # (B, V)
-            top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
-            top_p = torch.tensor([float(s.params.top_p) for s in seqs], device=logits.device)
-            min_p = torch.tensor([float(s.params.min_p) for s in seqs], device=logits.device)
-            if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
+        if not all(greedy_host):
+            greedy = torch.tensor(greedy_host, device=dev)  # (B,)
+            temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev)  # (B,)
+            scaled = logits / temps.unsqueeze(1)  # (B, V)
+            if any(s.params.top_k > 0 or s.params.top_p < 1 or s.params.min_p > 0 for s in seqs):
+                top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
+                top_p = torch.tensor([float(s.params.top_p) for s in seqs], device=dev)
+                min_p = torch.tensor([float(s.params.min_p) for s in seqs], device=dev)
                 scaled = filter_logits(scaled, top_k, top_p, min_p)
             probs = torch.where(greedy.unsqueeze(1), probs, scaled.softmax(dim=-1))
         return probs
