@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmserve.layers import dispatch
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim."""
@@ -18,6 +20,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        fused = dispatch.fused_ops(x)
+        if fused is not None and x.dim() == 2:
+            out, new_res = fused.add_rmsnorm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, new_res)
         if residual is not None:
             x = x + residual
             residual = x

@@ -14,6 +14,7 @@ from torch import nn
 
 from lmserve.attention import AttentionBackend, AttentionMetadata
 from lmserve.config import ModelConfig
+from lmserve.layers import dispatch
 from lmserve.layers.linear import Linear, MergedLinear
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryEmbedding
@@ -44,7 +45,13 @@ class Attention(nn.Module):
         v = v.view(n, self.hkv, self.d)  # (N, Hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, meta.memo(("rope", id(self.rotary)), lambda: self.rotary.lookup(positions)))
+        cos_sin = meta.memo(("rope", id(self.rotary)), lambda: self.rotary.lookup(positions))
+        fused = dispatch.fused_ops(q)
+        if fused is not None:  # in place on the q/k views of the qkv output
+            cos, sin = cos_sin[0].squeeze(1), cos_sin[1].squeeze(1)  # (N, d) each
+            q, k = fused.rotary_(q, cos, sin), fused.rotary_(k, cos, sin)
+        else:
+            q, k = self.rotary(positions, q, k, cos_sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)  # (N, H, d)
         return self.o_proj(o.reshape(n, self.h * self.d))  # (N, hidden)
 
@@ -60,7 +67,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # (N, I) each
+        gate_up = self.gate_up_proj(x)  # (N, 2I)
+        fused = dispatch.fused_ops(gate_up)
+        if fused is not None:
+            return self.down_proj(fused.silu_and_mul(gate_up))  # (N, hidden)
+        gate, up = self.gate_up_proj.split(gate_up)  # (N, I) each
         return self.down_proj(F.silu(gate) * up)  # (N, hidden)
 
 
