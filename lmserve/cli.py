@@ -20,7 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB, 512MiB")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache budget, e.g. 2GiB, 512MiB (default: 1GiB on CPU; on CUDA what "
+                        "--gpu-memory-utilization leaves after a profiled step)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
@@ -38,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(tokenizer=a.tokenizer, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
-                kv_cache_memory=a.kv_cache_memory, dtype=a.dtype, device=a.device, seed=a.seed,
+                kv_cache_memory=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, dtype=a.dtype, device=a.device, seed=a.seed,
                 max_model_len=a.max_model_len, attention_backend=a.attention_backend, speculative_method=a.speculative_method,
                 num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
                 draft_num_layers=a.draft_num_layers, ngram_min=a.ngram_min, ngram_max=a.ngram_max,

@@ -135,7 +135,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | float | str = "1GiB"
+    kv_cache_memory: int | float | str | None = None  # None: 1 GiB on CPU; on CUDA measured (see below)
+    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + activations + KV
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
@@ -162,7 +163,12 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.kv_cache_memory is None and not str(self.device).startswith("cuda"):
+            object.__setattr__(self, "kv_cache_memory", "1GiB")
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
         if self.speculative_method and self.num_speculative_tokens < 1:

@@ -94,6 +94,17 @@ def load_model(config: EngineConfig, num_layers: int | None = None
     return cfg, model, tokenizer
 
 
+def kv_budget_from_profile(total: int, utilization: float, peak: int, scratch_kv: int) -> int:
+    """Bytes left for the KV cache: utilization x device memory, minus the measured peak of the profile
+    step (weights + activations + the scratch cache it used, which the real cache replaces)."""
+    budget = int(total * utilization) - (peak - scratch_kv)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization}: the model's profiled peak "
+                         f"({(peak - scratch_kv) / 2**30:.2f} GiB) leaves nothing of {total * utilization / 2**30:.2f} "
+                         f"GiB for the KV cache; raise it or lower max_num_batched_tokens")
+    return budget
+
+
 class Engine:
     """The serving core: requests in, incremental RequestOutputs out, one step at a time."""
 
@@ -103,21 +114,49 @@ class Engine:
         self.model_config, self.model, self.tokenizer = load_model(config)
         cfg = self.model_config
         self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
-        num_blocks = KVCache.blocks_for_budget(cfg, config.block_size, config.torch_dtype, config.kv_cache_memory)
+        self.kv_budget = config.kv_cache_memory if config.kv_cache_memory is not None else self._profile_kv_budget()
+        num_blocks = KVCache.blocks_for_budget(cfg, config.block_size, config.torch_dtype, self.kv_budget)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of "
+            raise ValueError(f"kv_cache_memory={self.kv_budget} bytes holds no KV block of "
                              f"{KVCache.bytes_per_block(cfg, config.block_size, config.torch_dtype)} bytes")
         self.kv_cache = KVCache(cfg, num_blocks, config.block_size, config.torch_dtype, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
-        self.proposer = build_proposer(config, cfg) if config.speculative_method else None
+        self.proposer = build_proposer(config, cfg, self.kv_budget) if config.speculative_method else None
         self.requests: dict[str, list[Sequence]] = {}
         self.beams: dict[str, BeamState] = {}  # beam-search requests: their search state
         self._rng = random.Random(config.seed)
         self.load_time = time.perf_counter() - t0
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)", self.load_time,
                  num_blocks, config.block_size, num_blocks * config.block_size)
+
+    @torch.inference_mode()
+    def _profile_kv_budget(self) -> int:
+        """CUDA: run the largest step the scheduler can build (max_num_batched_tokens tokens, logits
+        for max_num_seqs rows) on a scratch cache, read the real peak of allocated memory, and give
+        the KV cache what gpu_memory_utilization leaves."""
+        cfg, c = self.model_config, self.config
+        n = max(1, min(c.max_num_batched_tokens, self.max_model_len - 1))
+        blocks = -(-n // c.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        scratch = KVCache(cfg, blocks, c.block_size, c.torch_dtype, c.device)
+        seq = Sequence("__profile__", [0] * n, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(blocks))
+        ids, pos, meta = ModelRunner(self.model, scratch, c.device).build_inputs(SchedulerOutput([(seq, n)]))
+        hidden = self.model(ids, pos, scratch.layers, meta)  # (n, hidden)
+        rows = hidden[-1:].expand(min(c.max_num_seqs, n), -1)
+        self.model.compute_logits(rows).softmax(dim=-1).cumsum(dim=-1)  # the sampler's working set
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        scratch_bytes = sum(t.numel() * t.element_size() for t in scratch.layers)
+        del scratch, hidden, rows
+        total = torch.cuda.get_device_properties(torch.device(c.device)).total_memory
+        budget = kv_budget_from_profile(total, c.gpu_memory_utilization, peak, scratch_bytes)
+        log.info("memory profile: peak %.2f GiB of %.1f GiB; KV cache gets %.2f GiB", peak / 2**30,
+                 total / 2**30, budget / 2**30)
+        return budget
 
     # ---------------------------------------------------------------- requests
     @property

@@ -114,3 +114,18 @@ def test_chat_and_metrics(smol):  # type: ignore[no-untyped-def]
     assert m.num_output_tokens == len(out.outputs[0].token_ids)
     if m.num_output_tokens > 1:
         assert m.tpot is not None and m.tpot > 0
+
+
+def test_kv_budget_from_profile():
+    from lmserve.engine import kv_budget_from_profile
+    gib = 2**30
+    # 141 GiB device at 0.9, a profiled peak of 3 GiB of which 0.5 GiB was the scratch cache
+    assert kv_budget_from_profile(141 * gib, 0.9, 3 * gib, gib // 2) == int(141 * gib * 0.9) - (3 * gib - gib // 2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_budget_from_profile(10 * gib, 0.1, 2 * gib, 0)
+
+
+def test_cpu_default_kv_budget(smol):  # type: ignore[no-untyped-def]
+    assert smol.engine.kv_budget == 2**30  # 1 GiB on the CPU unless given
+    st = smol.stats()
+    assert st.kv_capacity_tokens == st.num_blocks * st.block_size == (2**30 // (46080 * 16)) * 16

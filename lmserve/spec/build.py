@@ -5,7 +5,7 @@ from __future__ import annotations
 from lmserve.config import EngineConfig, ModelConfig
 
 
-def build_proposer(config: EngineConfig, target: ModelConfig):  # type: ignore[no-untyped-def]
+def build_proposer(config: EngineConfig, target: ModelConfig, kv_budget: int):  # type: ignore[no-untyped-def]
     if config.speculative_method == "ngram":
         from lmserve.spec.ngram import NgramProposer
         return NgramProposer(config.ngram_min, config.ngram_max)
@@ -17,6 +17,6 @@ def build_proposer(config: EngineConfig, target: ModelConfig):  # type: ignore[n
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"draft_model: vocabulary {cfg.vocab_size} differs from the target's {target.vocab_size}")
         # the draft's cache holds about as many tokens as the target's
-        budget = max(1, config.kv_cache_memory * cfg.kv_bytes_per_token_per_elem // target.kv_bytes_per_token_per_elem)
+        budget = max(1, kv_budget * cfg.kv_bytes_per_token_per_elem // target.kv_bytes_per_token_per_elem)
         return DraftModelProposer(model, cfg, budget, config)
     raise ValueError(f"unknown speculative_method {config.speculative_method!r}")
