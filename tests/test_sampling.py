@@ -84,7 +84,6 @@ def test_filters_never_emit_outside_allowed_set(kind):  # type: ignore[no-untype
 
 
 def test_penalties_match_reference():
-    V = 10
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0, 1.0, -0.5, 0.25, 4.0]])
     params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25,
                             logit_bias={4: 10.0}, max_tokens=5)

@@ -23,7 +23,6 @@ from lmserve.attention.triton_attn import TritonAttention, store_kv  # noqa: E40
 def make_step(ctx_lens: list[int], q_lens: list[int], bs: int, hkv: int, d: int, seed: int):
     """A random paged cache holding each sequence's earlier context, and the step's metadata."""
     g = torch.Generator().manual_seed(seed)
-    B = len(ctx_lens)
     pages = [-(-c // bs) for c in ctx_lens]
     total = sum(pages) + 3
     perm = torch.randperm(total, generator=g).tolist()  # scattered physical blocks
