@@ -68,8 +68,8 @@ class ModelConfig:
             raise ValueError("model config: num_heads must be a multiple of num_kv_heads")
 
     @property
-    def kv_bytes_per_token_per_elem(self) -> int:
-        """Number of K+V elements one token occupies across all layers."""
+    def kv_elems_per_token(self) -> int:
+        """Number of K+V elements one token occupies across all layers (times dtype bytes = KV bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @classmethod

@@ -200,14 +200,17 @@ class Engine:
                              f"{self.block_manager.num_blocks}; raise kv_cache_memory or lower max_tokens")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request. Raises ValueError (naming the field) and changes nothing if bad."""
+                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> None:
+        """Validate and queue a request. Raises ValueError (naming the field) and changes nothing if bad.
+
+        prompt_token_ids: the caller's tokenization of a text prompt, so it is not tokenized twice.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        ids = self.tokenize_prompt(prompt)
+        ids = self.tokenize_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
         self.validate(ids, params)
         eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids)
         seq = Sequence(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None,
@@ -245,29 +248,30 @@ class Engine:
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         return max(0, min(c.num_speculative_tokens, room))
 
-    def _propose(self) -> None:
+    def _propose(self) -> list[Sequence]:
+        """Append drafts to the decoding sequences that speculate this step; returns those sequences."""
         seqs = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
         ks = [self._num_draft_tokens(s) for s in seqs]
         if not any(ks):
-            return
+            return []
+        drafted = []
         for seq, prop in zip(seqs, self.proposer.propose(seqs, ks)):
             if prop.tokens:
                 seq.token_ids.extend(prop.tokens)
                 seq.num_draft = len(prop.tokens)
                 seq.draft_probs = prop.probs
+                drafted.append(seq)
+        return drafted
 
-    def _trim_drafts(self, out: SchedulerOutput) -> None:
+    def _trim_drafts(self, out: SchedulerOutput, drafted: list[Sequence]) -> None:
         """Drop drafts the scheduler could not fit (or of preempted sequences) before the forward."""
         got = dict(out.scheduled)
-        for seqs in self.requests.values():
-            for seq in seqs:
-                if not seq.num_draft:
-                    continue
-                keep = max(0, got.get(seq, 0) - 1) if seq.status is Status.RUNNING else 0
-                if keep < seq.num_draft:
-                    del seq.token_ids[len(seq.token_ids) - (seq.num_draft - keep):]
-                    seq.num_draft = keep
-                    seq.draft_probs = None if not keep or seq.draft_probs is None else seq.draft_probs[:keep]
+        for seq in drafted:
+            keep = max(0, got.get(seq, 0) - 1) if seq.status is Status.RUNNING else 0
+            if keep < seq.num_draft:
+                del seq.token_ids[len(seq.token_ids) - (seq.num_draft - keep):]
+                seq.num_draft = keep
+                seq.draft_probs = None if not keep or seq.draft_probs is None else seq.draft_probs[:keep]
 
     def _init_sampling_state(self, seq: Sequence) -> None:
         """Per-sequence generator (request seed + child index, else a draw from the engine's RNG)."""
@@ -362,11 +366,10 @@ class Engine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that advanced (finished ones last seen here)."""
-        if self.proposer is not None:
-            self._propose()
+        drafted = self._propose() if self.proposer is not None else []
         out = self.scheduler.schedule()
-        if self.proposer is not None:
-            self._trim_drafts(out)
+        if drafted:
+            self._trim_drafts(out, drafted)
         if out.is_empty:
             if self.requests:  # never legitimate: validation guarantees every request can run alone
                 raise RuntimeError(f"scheduler stalled with {len(self.requests)} requests "
@@ -428,9 +431,9 @@ class Engine:
         outs = []
         s0 = seqs[0]
         finished = all(s.is_finished for s in seqs)
-        shown = sorted(seqs, key=lambda s: s.index)
-        if finished and s0.params.num_samples > s0.params.n:  # best_of: the n most likely
-            shown = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:s0.params.n]
+        ranked = finished and s0.params.num_samples > s0.params.n  # best_of: the n most likely, re-indexed
+        shown = (sorted(seqs, key=lambda s: -s.cumulative_logprob)[:s0.params.n] if ranked
+                 else sorted(seqs, key=lambda s: s.index))
         for rank, s in enumerate(shown):
             hold = 0 if s.is_finished or not s.params.stop else max(map(len, s.params.stop)) - 1
             visible = max(s.num_emitted_chars, len(s.text) - hold)
@@ -440,19 +443,25 @@ class Engine:
             delta_ids = out_ids[s.num_emitted_tokens:]
             s.num_emitted_tokens = len(out_ids)
             outs.append(CompletionOutput(
-                index=rank if finished and s0.params.num_samples > s0.params.n else s.index, text=s.text, token_ids=out_ids, finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
+                index=rank if ranked else s.index, text=s.text, token_ids=out_ids,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                 cumulative_logprob=s.cumulative_logprob if s.params.needs_logprob else None,
                 logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
                 delta_text=delta, delta_token_ids=delta_ids, error=s.error))
-        metrics = RequestMetrics(
-            arrival_time=s0.arrival_time, first_scheduled_time=s0.first_scheduled_time,
-            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
-            finished_time=max((s.finished_time or 0) for s in seqs) if all(s.is_finished for s in seqs) else None,
-            num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=sum(s.num_output_tokens for s in seqs),
-            num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))
+        metrics = self._metrics(seqs, finished, sum(s.num_output_tokens for s in seqs))
         return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, finished,
                              metrics, list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None)
+
+    @staticmethod
+    def _metrics(seqs: list[Sequence], finished: bool, num_output_tokens: int) -> RequestMetrics:
+        """A request's metrics from its sequences (the first holds the prompt-side facts)."""
+        s0 = seqs[0]
+        return RequestMetrics(
+            arrival_time=s0.arrival_time, first_scheduled_time=s0.first_scheduled_time,
+            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+            finished_time=max((s.finished_time or 0) for s in seqs) if finished else None,
+            num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=num_output_tokens,
+            num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))
 
     def score(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
         """Logits (T, V) float32 at every position of token_ids (or (1, V) for the last), in one
@@ -485,12 +494,7 @@ class Engine:
                 outs.append(CompletionOutput(index=i, text=text, token_ids=h.tokens, cumulative_logprob=h.score,
                                              finish_reason="stop" if h.ended_by_eos else "length",
                                              delta_text=text, delta_token_ids=h.tokens))
-        metrics = RequestMetrics(
-            arrival_time=s0.arrival_time, first_scheduled_time=s0.first_scheduled_time,
-            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
-            finished_time=max((s.finished_time or 0) for s in seqs) if finished else None,
-            num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=sum(len(o.token_ids) for o in outs),
-            num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))
+        metrics = self._metrics(seqs, finished, sum(len(o.token_ids) for o in outs))
         return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, finished, metrics)
 
     # ---------------------------------------------------------------- state

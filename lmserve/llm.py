@@ -44,11 +44,12 @@ class LLM:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        for p, sp in zip(prompts, plist):
-            self.engine.validate(self.engine.tokenize_prompt(p), sp)
+        token_ids = [self.engine.tokenize_prompt(p) for p in prompts]
+        for t, sp in zip(token_ids, plist):
+            self.engine.validate(t, sp)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, p, sp in zip(ids, prompts, plist):
-            self.engine.add_request(rid, p, sp)
+        for rid, p, t, sp in zip(ids, prompts, token_ids, plist):
+            self.engine.add_request(rid, p, sp, prompt_token_ids=t)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

@@ -63,10 +63,6 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -74,14 +70,15 @@ class Scheduler:
         preempted: list[Sequence] = []
         copies: list[tuple[int, int]] = []
 
-        decoding = [s for s in self.running if self._tokens_to_compute(s) == 1]
-        prefilling = [s for s in self.running if self._tokens_to_compute(s) > 1]
+        todo = {s: self._tokens_to_compute(s) for s in self.running}
+        decoding = [s for s, n in todo.items() if n == 1]
+        prefilling = [s for s, n in todo.items() if n > 1]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(self._tokens_to_compute(seq), budget)
+            n = min(todo[seq], budget)
             while (cow := self.bm.reserve(seq.block_table, seq.num_computed_tokens,
                                           seq.num_computed_tokens + n)) is None:
                 victim = self.running[-1]

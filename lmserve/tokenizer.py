@@ -161,9 +161,7 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         prev = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
         full = self.tok.decode(self.ids[self.prefix:], self.skip)
-        if full.endswith("\ufffd") or len(full) <= len(prev) and not full.startswith(prev):
-            return ""
-        if not full.startswith(prev):
-            return ""
+        if full.endswith("\ufffd") or not full.startswith(prev):
+            return ""  # an unfinished UTF-8 character, or a merge that rewrote the earlier text: wait
         self.prefix, self.read = self.read, len(self.ids)
         return full[len(prev):]

@@ -46,7 +46,7 @@ def test_random_ops_no_leak(ops, num_blocks, block_size):  # type: ignore[no-unt
             table, tokens = holders[who]
             before = list(table)
             tokens.extend(range(n % 7))
-            if not bm.grow(table, len(tokens)):
+            if bm.reserve(table, len(tokens) - n % 7, len(tokens)) is None:
                 assert table == before
                 tokens[:] = tokens[: len(tokens) - n % 7]
         elif op == "commit" and who in holders:
@@ -101,6 +101,6 @@ def test_prefix_hit_and_lru_eviction():
     c: list[int] = []
     assert bm.allocate(c, 8)
     assert bm.hash_to_block == {} and bm.find_cached_prefix(toks) == []
-    assert not bm.grow(c, 9)
+    assert bm.reserve(c, 8, 9) is None
     bm.free(c)
     assert bm.num_free_blocks == 4

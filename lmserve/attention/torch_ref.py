@@ -51,13 +51,9 @@ class TorchAttention:
         dec, pre = meta.memo("plan", lambda: _decode_plan(meta))
         if dec:
             tok, slots, valid = meta.memo("decode", lambda: _decode_gather(meta, dec))
-            mask = valid
-            if window is not None:
-                pos = meta.positions[tok]  # (Bd,)
-                L = slots.shape[1]
-                j = torch.arange(L, device=slots.device)
-                mask = valid & (j.unsqueeze(0) > (pos.unsqueeze(1) - window))
             Bd, L = slots.shape
+            mask = valid if window is None else meta.memo(
+                ("decode_mask", window), lambda: _window_mask(valid, meta.positions[tok], window))  # (Bd, L)
             flat = slots.reshape(-1)
             kk = k_cache.index_select(0, flat).view(Bd, L, *k_cache.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
             vv = v_cache.index_select(0, flat).view(Bd, L, *v_cache.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
@@ -77,6 +73,12 @@ class TorchAttention:
                                                enable_gqa=True)  # (1, H, n, d)
             out[start:start + n] = o[0].transpose(0, 1)
         return out
+
+
+def _window_mask(valid: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
+    """(Bd, L) decode mask: valid keys within `window` of each query position pos (Bd,)."""
+    j = torch.arange(valid.shape[1], device=valid.device)
+    return valid & (j.unsqueeze(0) > (pos.unsqueeze(1) - window))
 
 
 def _causal_mask(first_pos: int, n: int, L: int, window: int | None, device: torch.device) -> torch.Tensor:

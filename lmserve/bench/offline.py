@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from lmserve.bench.common import Request, percentiles, sync
+from lmserve.kv.cache import KVCache
 from lmserve.llm import LLM
 from lmserve.sequence import SamplingParams
 
@@ -66,7 +67,7 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int, repe
     dev = eng.config.device
     rng = random.Random(seed)
     vocab = eng.vocab_size
-    kv_tok = eng.model_config.kv_bytes_per_token_per_elem * torch.tensor([], dtype=eng.config.torch_dtype).element_size()
+    kv_tok = KVCache.bytes_per_block(eng.model_config, 1, eng.config.torch_dtype)  # KV bytes of one token
     wbytes = weight_bytes(eng.model)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     ttfts: list[float] = []

@@ -103,18 +103,6 @@ class BlockManager:
             block_table.append(self._take_free())
         return True
 
-    def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(block_table) <= len(self.free_queue)
-
-    def grow(self, block_table: list[int], num_tokens: int) -> bool:
-        """Append fresh blocks so the table covers num_tokens. False (no change) if the pool is short."""
-        need = self.blocks_needed(num_tokens) - len(block_table)
-        if need > len(self.free_queue):
-            return False
-        for _ in range(max(need, 0)):
-            block_table.append(self._take_free())
-        return True
-
     def reserve(self, block_table: list[int], start: int, end: int) -> list[tuple[int, int]] | None:
         """Make token positions [start, end) of a sequence writable: append fresh blocks to cover
         `end`, and give the sequence a private copy of any block in the range that others still hold
@@ -174,11 +162,6 @@ class BlockManager:
                 continue  # another block holds the same content; keep the first
             self.block_hash[b] = h
             self.hash_to_block[h] = b
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their contents, just not shareable)."""
-        self.hash_to_block.clear()
-        self.block_hash = [None] * self.num_blocks
 
     def _take_free(self) -> int:
         b, _ = self.free_queue.popitem(last=False)

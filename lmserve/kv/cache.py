@@ -23,7 +23,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return cfg.kv_bytes_per_token_per_elem * block_size * torch.tensor([], dtype=dtype).element_size()
+        return cfg.kv_elems_per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
     @classmethod
     def blocks_for_budget(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget: int) -> int:

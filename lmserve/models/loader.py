@@ -238,6 +238,3 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     out = w.shape[0]
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-
-def is_gguf(path: str | os.PathLike) -> bool:
-    return str(path).endswith(".gguf")

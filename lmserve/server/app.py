@@ -33,9 +33,21 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
+    @classmethod
+    def of(cls, e: BaseException) -> "ApiError":
+        """An ApiError as is; anything else as a 500."""
+        return e if isinstance(e, ApiError) else cls(500, str(e), type_="server_error")
+
+    @classmethod
+    def engine_failure(cls, error: str | None) -> "ApiError":
+        """A request that finished with finish_reason 'error' inside the engine."""
+        return cls(500, f"request failed inside the engine: {error}", type_="server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _value_error(e: Exception) -> ApiError:
@@ -213,7 +225,7 @@ class OpenAIServer:
         """Refuse at once (before streaming starts) when the engine is dead or the queue is full."""
         if not self.ae.alive:
             raise ApiError(503, "the engine loop is not running", type_="server_error")
-        if self.ae.max_queue is not None and self.ae.num_waiting + len(jobs) > self.ae.max_queue:
+        if not self.ae.has_room(len(jobs)):
             raise ApiError(429, f"too many requests waiting (limit {self.ae.max_queue})", type_="rate_limit_error",
                            headers={"Retry-After": "1"})
 
@@ -250,11 +262,17 @@ class OpenAIServer:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @staticmethod
+    def usage_flags(body: Any) -> tuple[bool, bool]:
+        """(a final usage chunk, usage in every chunk) as stream_options / the vLLM extension ask."""
+        opts = body.stream_options
+        return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats) or body.continuous_usage_stats
+
+    @staticmethod
     def raise_if_failed(outs: list[RequestOutput]) -> None:
         for o in outs:
             for c in o.outputs:
                 if c.finish_reason == "error":
-                    raise ApiError(500, f"request failed inside the engine: {c.error}", type_="server_error")
+                    raise ApiError.engine_failure(c.error)
 
     # ------------------------------------------------------------ routes
     async def completions(self, request: Request) -> Response:
@@ -320,18 +338,14 @@ class OpenAIServer:
                                  "model": self.served_model, "choices": choices,
                                  "usage": self.usage(outs, drop_generated=echo_only)})
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats) or \
-            body.continuous_usage_stats
+        include_usage, continuous = self.usage_flags(body)
 
         async def events() -> AsyncIterator[str]:
             last: dict[int, RequestOutput] = {}
-            sent_echo: set[int] = set()
+            sent_echo: set[tuple[int, int]] = set()
             async for i, item in self.stream_all(jobs):
                 if isinstance(item, BaseException):
-                    err = item if isinstance(item, ApiError) else ApiError(500, str(item), type_="server_error")
-                    yield _sse({"error": {"message": err.message, "type": err.type, "param": err.param,
-                                          "code": err.code}})
+                    yield _sse(ApiError.of(item).body())
                     break
                 last[i] = item
                 for c in item.outputs:
@@ -341,11 +355,10 @@ class OpenAIServer:
                         k = len(c.delta_token_ids)
                         lp_obj = self.completion_logprobs(c.delta_token_ids, list((c.logprobs or [])[-k:]), 0)
                     if body.echo and (i, c.index) not in sent_echo:
-                        sent_echo.add((i, c.index))  # type: ignore[arg-type]
+                        sent_echo.add((i, c.index))
                         delta = prompt_text(i) + delta
                     if c.finish_reason == "error":
-                        yield _sse({"error": {"message": f"request failed inside the engine: {c.error}",
-                                              "type": "server_error", "param": None, "code": None}})
+                        yield _sse(ApiError.engine_failure(c.error).body())
                         continue
                     if not delta and not c.finished and lp_obj is None:
                         continue
@@ -395,9 +408,7 @@ class OpenAIServer:
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                                  "model": self.served_model, "choices": choices, "usage": self.usage(outs)})
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats) or \
-            body.continuous_usage_stats
+        include_usage, continuous = self.usage_flags(body)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
             c: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -412,15 +423,12 @@ class OpenAIServer:
                           "finish_reason": None} for i in range(params.n)])
             async for _, item in self.stream_all(jobs):
                 if isinstance(item, BaseException):
-                    err = item if isinstance(item, ApiError) else ApiError(500, str(item), type_="server_error")
-                    yield _sse({"error": {"message": err.message, "type": err.type, "param": err.param,
-                                          "code": err.code}})
+                    yield _sse(ApiError.of(item).body())
                     break
                 last = item
                 for c in item.outputs:
                     if c.finish_reason == "error":
-                        yield _sse({"error": {"message": f"request failed inside the engine: {c.error}",
-                                              "type": "server_error", "param": None, "code": None}})
+                        yield _sse(ApiError.engine_failure(c.error).body())
                         continue
                     if not c.delta_text and not c.finished:
                         continue

@@ -45,7 +45,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._pending: list[tuple[str, list[int], SamplingParams, _Stream]] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
@@ -73,6 +73,10 @@ class AsyncEngine:
         with self._lock:
             return len(self._pending) + len(self.engine.scheduler.waiting)
 
+    def has_room(self, n: int = 1) -> bool:
+        """Whether n more requests may wait without passing max_queue."""
+        return self.max_queue is None or self.num_waiting + n <= self.max_queue
+
     # ------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
@@ -81,7 +85,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop is not running")
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
-            if self.max_queue is not None and len(self._pending) + len(self.engine.scheduler.waiting) >= self.max_queue:
+            if not self.has_room():
                 raise QueueFullError(f"{self.max_queue} requests are already waiting")
             if not self._thread.is_alive():
                 raise EngineDeadError("the engine loop is not running")

@@ -17,6 +17,6 @@ def build_proposer(config: EngineConfig, target: ModelConfig, kv_budget: int):  
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"draft_model: vocabulary {cfg.vocab_size} differs from the target's {target.vocab_size}")
         # the draft's cache holds about as many tokens as the target's
-        budget = max(1, kv_budget * cfg.kv_bytes_per_token_per_elem // target.kv_bytes_per_token_per_elem)
+        budget = max(1, kv_budget * cfg.kv_elems_per_token // target.kv_elems_per_token)
         return DraftModelProposer(model, cfg, budget, config)
     raise ValueError(f"unknown speculative_method {config.speculative_method!r}")
