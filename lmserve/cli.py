@@ -17,8 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or a known name (default %(default)s)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder, if not beside the model")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-num-seqs", type=int, default=None, help="default 64 on CPU, 256 on CUDA")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 512 on CPU, 8192 on CUDA")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget, e.g. 2GiB, 512MiB (default: 1GiB on CPU; on CUDA what "
@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                   help="decode batch sizes to capture (default 1 2 4 8 16 ... max-num-seqs)")
     g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
     g.add_argument("--num-speculative-tokens", type=int, default=3)
     g.add_argument("--draft-model", default=None, help="draft model (default: the target itself, truncated)")
@@ -45,7 +48,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 max_model_len=a.max_model_len, attention_backend=a.attention_backend, speculative_method=a.speculative_method,
                 num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
                 draft_num_layers=a.draft_num_layers, ngram_min=a.ngram_min, ngram_max=a.ngram_max,
-                spec_max_batch=a.spec_max_batch)
+                spec_max_batch=a.spec_max_batch, enforce_eager=a.enforce_eager, cuda_graph_sizes=a.cuda_graph_sizes)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

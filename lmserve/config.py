@@ -132,8 +132,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None  # None: 64 on CPU, 256 on CUDA
+    max_num_batched_tokens: int | None = None  # None: 512 on CPU, 8192 on CUDA
     enable_prefix_caching: bool = True
     kv_cache_memory: int | float | str | None = None  # None: 1 GiB on CPU; on CUDA measured (see below)
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + activations + KV
@@ -141,7 +141,8 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     max_model_len: int | None = None
-    enforce_eager: bool = True
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ... max_num_seqs
     attention_backend: str = "auto"  # auto (triton on CUDA, else torch) | torch | triton
     # speculative decoding
     speculative_method: str | None = None  # None | "ngram" | "draft"
@@ -157,13 +158,21 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        on_cuda = str(self.device).startswith("cuda")
+        if self.max_num_seqs is None:
+            object.__setattr__(self, "max_num_seqs", 256 if on_cuda else 64)
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", 8192 if on_cuda else 512)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.kv_cache_memory is None and not str(self.device).startswith("cuda"):
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes
+                                                  or any(b < 1 for b in self.cuda_graph_sizes)):
+            raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
+        if self.kv_cache_memory is None and not on_cuda:
             object.__setattr__(self, "kv_cache_memory", "1GiB")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
@@ -178,6 +187,15 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.device)
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """Decode batch sizes captured as CUDA graphs (a live batch is padded up to the next one):
+        cuda_graph_sizes, or 1, 2, 4 and multiples of 8 up to max_num_seqs (at most 512), as vLLM does."""
+        if self.cuda_graph_sizes is not None:
+            return sorted(set(self.cuda_graph_sizes))
+        top = min(self.max_num_seqs, 512)
+        return sorted({b for b in (1, 2, 4, *range(8, top + 1, 8)) if b <= top} | {top})
 
     def replace(self, **kw: Any) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

@@ -123,13 +123,31 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.graph_capture_time: float | None = None  # seconds spent capturing decode CUDA graphs
+        if self._use_graphs():
+            try:
+                self.graph_capture_time = self.runner.enable_graphs(config.graph_sizes, self.max_model_len)
+            except RuntimeError as e:  # a model or kernel that cannot be captured: serve eagerly, say so
+                log.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
+                self.runner.graphs = None
         self.proposer = build_proposer(config, cfg, self.kv_budget) if config.speculative_method else None
         self.requests: dict[str, list[Sequence]] = {}
         self.beams: dict[str, BeamState] = {}  # beam-search requests: their search state
         self._rng = random.Random(config.seed)
         self.load_time = time.perf_counter() - t0
-        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)", self.load_time,
-                 num_blocks, config.block_size, num_blocks * config.block_size)
+        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)%s", self.load_time,
+                 num_blocks, config.block_size, num_blocks * config.block_size,
+                 "" if self.graph_capture_time is None else
+                 f"; decode CUDA graphs captured in {self.graph_capture_time:.1f} s")
+
+    def _use_graphs(self) -> bool:
+        c = self.config
+        if c.enforce_eager or not str(c.device).startswith("cuda"):
+            return False
+        if not get_backend(c.attention_backend, c.device).supports_cuda_graphs:
+            log.info("attention backend %r cannot run in a CUDA graph: decode runs eagerly", c.attention_backend)
+            return False
+        return True
 
     @torch.inference_mode()
     def _profile_kv_budget(self) -> int:
@@ -463,23 +481,30 @@ class Engine:
             num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=num_output_tokens,
             num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))
 
-    def score(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
-        """Logits (T, V) float32 at every position of token_ids (or (1, V) for the last), in one
-        prefill through the paged cache.
+    def score(self, token_ids: list[int], last_only: bool = False, decode_from: int | None = None) -> torch.Tensor:
+        """Logits (T, V) float32 at every position of token_ids (or (1, V) for the last), teacher-forced
+        through the paged cache: one prefill, or with decode_from=P a prefill of the first P tokens and
+        then one decode step per later token (the decode kernels and CUDA graphs, fed given tokens).
 
         For teacher-forced checks and the naive (cache-less) baseline, which calls this once per
         generated token; uses and then frees its own blocks.
         """
         ids = self.tokenize_prompt(token_ids)
+        if decode_from is not None and not 1 <= decode_from <= len(ids):
+            raise ValueError(f"decode_from: must be in [1, {len(ids)}], got {decode_from}")
         seq = Sequence("__score__", ids, SamplingParams(max_tokens=1))
         if not self.block_manager.allocate(seq.block_table, len(ids)):
             raise RuntimeError("score: not enough free KV blocks")
         try:
-            out = SchedulerOutput([(seq, len(ids))])
-            input_ids, positions, meta = self.runner.build_inputs(out)
+            chunks = [len(ids)] if decode_from is None else [decode_from] + [1] * (len(ids) - decode_from)
+            logits = []
             with torch.inference_mode():
-                hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # (T, hidden)
-                return self.model.compute_logits(hidden[-1:] if last_only else hidden)  # (T, V)
+                for n in chunks:
+                    hidden = self.runner.forward(SchedulerOutput([(seq, n)]))  # (n, hidden)
+                    if not last_only or seq.num_computed_tokens + n == len(ids):
+                        logits.append(self.model.compute_logits(hidden[-1:] if last_only else hidden))  # (n, V)
+                    seq.num_computed_tokens += n
+            return torch.cat(logits)  # (T, V)
         finally:
             self.block_manager.free(seq.block_table)
 

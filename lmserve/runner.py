@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmserve.attention import AttentionMetadata
+from lmserve.graphs import DecodeGraphs
 from lmserve.kv.cache import KVCache
 from lmserve.sampling.rejection import verify
 from lmserve.sampling.sampler import Sampler, TokenView, make_logprob
@@ -41,6 +42,21 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler()
         self.spec_stats = SpecStats()
+        self.graphs: DecodeGraphs | None = None  # set by enable_graphs: decode steps replay CUDA graphs
+
+    def enable_graphs(self, sizes: list[int], max_model_len: int, capture: bool = True) -> float:
+        """Run one-token-per-sequence steps through DecodeGraphs; returns the capture time (s).
+        capture=False runs that padded static path without graphs (the CPU check of it)."""
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, sizes, max_model_len, capture=capture)
+        return self.graphs.capture_all()
+
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """The model over the step's flattened tokens: hidden states (N, hidden), from a CUDA graph
+        when the step is all single-token sequences and fits one, else eagerly."""
+        if self.graphs is not None and self.graphs.can_run(out):
+            return self.graphs.run(out)
+        input_ids, positions, meta = self.build_inputs(out)
+        return self.model(input_ids, positions, self.kv_cache.layers, meta)  # (N, hidden)
 
     def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the step: input_ids (N,), positions (N,), metadata."""
@@ -80,8 +96,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.kv_cache.copy_blocks(out.block_copies)
-        input_ids, positions, meta = self.build_inputs(out)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # (N, hidden)
+        hidden = self.forward(out)  # (N, hidden)
         rows: list[int] = []
         sampling: list[Sequence] = []
         speculating: list[tuple[Sequence, int, int]] = []
@@ -97,7 +112,8 @@ class ModelRunner:
             start += n
         result = RunnerOutput({})
         if sampling:
-            logits = self.model.compute_logits(hidden[rows])  # (B, V) float32
+            last = hidden[:len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows]  # (B, hidden); rows ascend
+            logits = self.model.compute_logits(last)  # (B, V) float32
             beam = [i for i, s in enumerate(sampling) if s.params.use_beam_search]
             if beam:  # beam search decides from log-probs, in the engine, per request
                 lps = logits[beam].log_softmax(dim=-1)  # (Bb, V)

@@ -26,6 +26,10 @@ class AttentionMetadata:
     block_tables:    (B, M)  physical block ids per sequence, padded with 0
     positions:       (N,)    absolute position of each new token
     Host copies (lists) of the lengths are kept so the reference path needs no device sync.
+
+    static_decode marks a CUDA-graph decode batch (built by DecodeGraphs): row i is the one new token
+    of sequence i, rows past the live batch are padding (slot -1, seq_len 0), and the host lists
+    describe the captured shape only, so a backend must plan from tensor shapes alone.
     """
 
     slot_mapping: torch.Tensor
@@ -36,6 +40,7 @@ class AttentionMetadata:
     block_size: int
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    static_decode: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -59,6 +64,8 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     """Stores the new K/V into the paged cache and attends over each sequence's whole context."""
+
+    supports_cuda_graphs: bool  # can run a static_decode batch (no host-side lengths, padding rows)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:

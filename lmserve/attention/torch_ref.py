@@ -42,8 +42,13 @@ def _decode_gather(meta: AttentionMetadata, dec: list[int]) -> tuple[torch.Tenso
 class TorchAttention:
     """Backend: torch SDPA over gathered pages."""
 
+    supports_cuda_graphs = False  # gathers to the longest context, a host-side length
+
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+        if meta.static_decode:
+            raise ValueError("the torch attention backend cannot run a static (CUDA-graph) decode batch")
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # (S, Hkv, d) each
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)

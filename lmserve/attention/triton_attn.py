@@ -22,13 +22,15 @@ from lmserve.attention.backend import AttentionMetadata
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, row_stride, cache_stride,
                      HD: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per new token: copy its (Hkv*d) K and V rows to the cache slot."""
+    """One program per new token: copy its (Hkv*d) K and V rows to the cache slot. Slot -1 marks a
+    padding row of a CUDA-graph batch: nothing is written."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     offs = tl.arange(0, BLOCK)
     m = offs < HD
-    tl.store(kc_ptr + slot * cache_stride + offs, tl.load(k_ptr + t * row_stride + offs, mask=m), mask=m)
-    tl.store(vc_ptr + slot * cache_stride + offs, tl.load(v_ptr + t * row_stride + offs, mask=m), mask=m)
+    if slot >= 0:
+        tl.store(kc_ptr + slot * cache_stride + offs, tl.load(k_ptr + t * row_stride + offs, mask=m), mask=m)
+        tl.store(vc_ptr + slot * cache_stride + offs, tl.load(v_ptr + t * row_stride + offs, mask=m), mask=m)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -108,12 +110,16 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_
 
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_ptr, seq_idx_ptr,
-                   scale, window, pages_per_split,
+                   scale, window, num_splits,
                    stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BS: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """One decode query (x G heads) over one split of its pages; writes a partial output and its LSE."""
+    """One decode query (x G heads) over one split of its pages; writes a partial output and its LSE.
+
+    Each sequence's pages (those inside its window) are cut into num_splits equal runs, so the split
+    count is a launch constant that needs no host-side lengths (what a CUDA graph requires). A
+    padding row (context 0) has no pages: its splits are empty and write LSE = -inf."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -133,6 +139,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_p
     if HAS_WINDOW:
         lo_page = tl.maximum(0, q_pos - window + 1) // BS
     n_pages = (ctx + BS - 1) // BS
+    pages_per_split = (n_pages - lo_page + num_splits - 1) // num_splits
     p_start = lo_page + split * pages_per_split
     p_end = tl.minimum(p_start + pages_per_split, n_pages)
     m_i = tl.full([G_P2], float("-inf"), tl.float32)
@@ -170,7 +177,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_p
 def _reduce_kernel(op_ptr, lse_ptr, o_ptr, qsl_ptr, seq_idx_ptr, num_splits,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_qn, stride_qh,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Combine the splits of one (decode query, head): softmax-weighted by each split's LSE."""
+    """Combine the splits of one (decode query, head): softmax-weighted by each split's LSE. A row
+    with no keys at all (a padding row) gets zeros."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(seq_idx_ptr + b)
@@ -179,27 +187,40 @@ def _reduce_kernel(op_ptr, lse_ptr, o_ptr, qsl_ptr, seq_idx_ptr, num_splits,
     s_ok = ss < num_splits
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + ss, mask=s_ok, other=float("-inf"))  # (S,)
     m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a row with no keys: every split is empty
     w = tl.where(s_ok & (lse > float("-inf")), tl.exp(lse - m), 0.0)
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < D
     parts = tl.load(op_ptr + b * stride_ob + h * stride_oh + ss[:, None] * stride_os + dd[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # (S, BLOCK_D)
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
     tl.store(o_ptr + tok * stride_qn + h * stride_qh + dd, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 class TritonAttention:
     """Backend: Triton store + prefill + split-KV decode kernels."""
 
+    supports_cuda_graphs = True  # a static decode batch needs no host-side lengths (see _plan)
+
     def __init__(self, rows: int = 64, max_splits: int = 16, target_programs: int = 264) -> None:
         self.rows = rows  # query rows (tokens x heads of a group) per prefill program; >= 16 for tl.dot
         self.max_splits = max_splits
         self.target_programs = target_programs  # ~2 waves of an H100/H200's 132 SMs
 
+    def _splits(self, num_decodes: int, num_kv_heads: int, max_pages: int | None = None) -> int:
+        """Split-KV factor: enough programs for ~2 waves, never more splits than pages."""
+        want = max(1, self.target_programs // (num_decodes * num_kv_heads))
+        return max(1, min(self.max_splits, want, max_pages or want))
+
     def _plan(self, meta: AttentionMetadata, num_kv_heads: int, group: int) -> dict:
         """Per-step work lists, shared by all layers: prefill tiles and the decode split count."""
         dev = meta.block_tables.device
         block_m = max(1, self.rows // triton.next_power_of_2(group))
+        if meta.static_decode:  # a CUDA-graph batch: row i is a decode of sequence i; no host lengths
+            b = meta.slot_mapping.shape[0]
+            return {"block_m": block_m, "work_seq": None, "work_q": None, "splits": self._splits(b, num_kv_heads),
+                    "dec": torch.arange(b, dtype=torch.int32, device=dev)}
         dec = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
         work_seq: list[int] = []
         work_q: list[int] = []
@@ -214,10 +235,7 @@ class TritonAttention:
                       "work_q": torch.tensor(work_q, dtype=torch.int32, device=dev) if work_q else None}
         if dec:
             max_pages = max(-(-meta.seq_lens_host[i] // meta.block_size) for i in dec)
-            want = max(1, self.target_programs // (len(dec) * num_kv_heads))
-            splits = max(1, min(self.max_splits, max_pages, want))
-            plan["splits"] = splits
-            plan["pages_per_split"] = -(-max_pages // splits)
+            plan["splits"] = self._splits(len(dec), num_kv_heads, max_pages)
         return plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -248,7 +266,7 @@ class TritonAttention:
             lse = torch.empty(nd, h, splits, dtype=torch.float32, device=q.device)
             _decode_kernel[(nd, hkv, splits)](
                 q, k_cache, v_cache, part, lse, bt, meta.query_start_loc, meta.seq_lens, dec,
-                scale, win, plan["pages_per_split"],
+                scale, win, splits,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), bt.stride(0),
                 part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), **common)
             _reduce_kernel[(nd, h)](

@@ -1,0 +1,138 @@
+"""CUDA graphs for decode steps.
+
+A decode step of a small model is a few hundred small kernels; launched one by one from Python, the
+launches, not the memory traffic, set the step time. DecodeGraphs captures the model's forward once
+per batch size in `sizes` (largest first, all in one memory pool) and replays it: a live batch of b
+decodes is padded up to the smallest captured size >= b.
+
+A graph replays fixed device addresses, so every input lives in a static buffer owned here, and the
+metadata of a captured batch is `static_decode` (see AttentionMetadata): row i is sequence i's one
+new token, and padding rows carry slot -1 (the store kernel skips them) and context length 0 (the
+decode kernel reads nothing for them, and they output zeros). Rows are independent in every other
+layer, so padding cannot touch the live rows. The LM head and the sampler run eagerly on the live
+rows afterwards.
+
+Prefill, mixed steps, speculative verification (several tokens per sequence) and batches larger
+than the largest size run eagerly. With capture=False the same padded static-buffer path runs
+without a graph: that is how the CPU tests check it (the attention kernels under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from lmserve.attention import AttentionMetadata
+from lmserve.kv.cache import KVCache
+from lmserve.scheduler import SchedulerOutput
+
+log = logging.getLogger("lmserve")
+
+
+class DecodeGraphs:
+    """Owns the static decode inputs and one captured graph (with its output buffer) per batch size."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sizes: list[int], max_model_len: int,
+                 capture: bool = True) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"graph batch sizes must be positive, got {sizes}")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = sorted(set(sizes))
+        self.max_batch = self.sizes[-1]
+        self.block_size = kv_cache.block_size
+        self.capture = capture
+        dev = kv_cache.layers[0].device
+        b, m = self.max_batch, -(-max_model_len // self.block_size)
+        # static inputs, filled by one copy per step; a graph of size s reads columns [:s]
+        self.columns = torch.zeros(4, b, dtype=torch.long, device=dev)  # (4, B)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.columns  # (B,) each
+        self.block_tables = torch.zeros(b, m, dtype=torch.long, device=dev)  # (B, max blocks per sequence)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.long, device=dev)  # (B+1,): one token each
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
+        self.capture_time = 0.0
+        self.replays = 0  # decode steps run through this path
+        self.padded_rows = 0  # padding rows computed, in all
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
+            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], positions=self.positions[:size],
+            block_size=self.block_size, query_lens_host=[1] * size, seq_lens_host=[0] * size, static_decode=True)
+
+    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache.layers, meta)  # (size, hidden)
+
+    @torch.inference_mode()
+    def capture_all(self) -> float:
+        """Capture every size (CUDA only); returns the seconds it took."""
+        if not self.capture:
+            return 0.0
+        t0 = time.perf_counter()
+        self.columns.zero_()
+        self.slot_mapping.fill_(-1)  # the warm-up and capture runs write no KV and read none
+        pool = None
+        for size in reversed(self.sizes):
+            for _ in range(2):  # compile the Triton kernels and settle allocations outside the capture
+                self._forward(size, self._meta(size))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            meta = self._meta(size)  # its per-step memo (rotary rows, kernel plan) is computed inside the graph
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(size, meta)
+            pool = graph.pool()
+            self.graphs[size] = (graph, out, meta)
+        torch.cuda.synchronize()
+        self.capture_time = time.perf_counter() - t0
+        log.info("captured %d CUDA graphs for decode (batch sizes %s) in %.1f s", len(self.sizes),
+                 _ranges(self.sizes), self.capture_time)
+        return self.capture_time
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest captured size that holds num_seqs, or None."""
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+    def can_run(self, out: SchedulerOutput) -> bool:
+        """A step every sequence of which computes exactly one token, and that fits a captured size."""
+        return (len(out.scheduled) <= self.max_batch and all(n == 1 for _, n in out.scheduled)
+                and max(len(s.block_table) for s, _ in out.scheduled) <= self.block_tables.shape[1])
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Hidden states (b, hidden) of the step's b one-token sequences, through the padded graph.
+
+        The returned rows are a view of the graph's output buffer: valid until the next replay."""
+        b = len(out.scheduled)
+        size = self.bucket(b)
+        assert size is not None and self.can_run(out)
+        bs = self.block_size
+        pad = size - b
+        cols: list[list[int]] = [[], [], [], []]  # input id, position, slot, context length
+        for seq, _ in out.scheduled:
+            c = seq.num_computed_tokens
+            cols[0].append(seq.token_ids[c])
+            cols[1].append(c)
+            cols[2].append(seq.block_table[c // bs] * bs + c % bs)
+            cols[3].append(c + 1)
+        for col, fill in zip(cols, (0, 0, -1, 0)):
+            col.extend([fill] * pad)
+        host = torch.tensor(cols, dtype=torch.long)  # (4, size)
+        width = max(len(seq.block_table) for seq, _ in out.scheduled)
+        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in out.scheduled],
+                              dtype=torch.long)  # (b, width); rows past b keep stale ids they never read
+        self.columns[:, :size].copy_(host)
+        self.block_tables[:b, :width].copy_(tables)
+        self.replays += 1
+        self.padded_rows += pad
+        if self.capture:
+            graph, hidden, _ = self.graphs[size]
+            graph.replay()
+        else:
+            hidden = self._forward(size, self._meta(size))
+        return hidden[:b]
+
+
+def _ranges(sizes: list[int]) -> str:
+    return ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{sizes[0]}, {sizes[1]}, ... {sizes[-1]}"

@@ -1,0 +1,95 @@
+"""The CUDA-graph decode path, checked on the CPU: the padded static-buffer batch (what a graph
+replays) run eagerly with the Triton kernels under TRITON_INTERPRET=1, against the float64 reference
+and against the engine's eager path. Capture and replay themselves need a GPU (scripts/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from lmserve import LLM, SamplingParams  # noqa: E402
+from lmserve.attention.backend import AttentionMetadata  # noqa: E402
+from lmserve.attention.torch_ref import TorchAttention  # noqa: E402
+from lmserve.attention.triton_attn import TritonAttention  # noqa: E402
+from lmserve.config import EngineConfig  # noqa: E402
+from tests.test_triton_kernels import float64_attention, make_step  # noqa: E402
+
+
+@pytest.mark.parametrize("group,bs,window", [(1, 16, None), (4, 32, None), (2, 16, 20)])
+def test_static_decode_batch_with_padding(group, bs, window):  # type: ignore[no-untyped-def]
+    """Live decode rows match float64; padding rows (slot -1, context 0) write no KV and output zeros."""
+    hkv, d, live, pad = 2, 32, [45, 3, 100], 2
+    h = hkv * group
+    meta, cache, tables = make_step(live, [1] * len(live), bs, hkv, d, seed=11 + group)
+    b = len(live) + pad
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(b, h, d, generator=g), torch.randn(b, hkv, d, generator=g), torch.randn(b, hkv, d, generator=g)
+    width = meta.block_tables.shape[1]
+    static = AttentionMetadata(
+        slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1)]),
+        query_start_loc=torch.arange(b + 1), seq_lens=torch.cat([meta.seq_lens, torch.zeros(pad, dtype=torch.long)]),
+        block_tables=torch.cat([meta.block_tables, torch.randint(0, 5, (pad, width))]),  # stale rows: never read
+        positions=torch.cat([meta.positions, torch.zeros(pad, dtype=torch.long)]), block_size=bs,
+        query_lens_host=[1] * b, seq_lens_host=[0] * b, static_decode=True)
+    before = cache.clone()
+    out = TritonAttention(target_programs=64).forward(q, k, v, cache, static, d ** -0.5, window)
+    changed = (cache != before).any(dim=(0, 2, 3)).nonzero().flatten()
+    assert sorted(changed.tolist()) == sorted(meta.slot_mapping.tolist())  # only the live rows' slots
+    exact = float64_attention(q[:len(live)], cache, meta, tables, d ** -0.5, window)
+    assert (out[:len(live)].double() - exact).abs().max() < 1e-4
+    assert torch.equal(out[len(live):], torch.zeros(pad, h, d))
+    with pytest.raises(ValueError, match="static"):
+        TorchAttention().forward(q, k, v, cache, static, d ** -0.5, window)
+
+
+def test_graph_sizes_config():
+    assert EngineConfig(max_num_seqs=20).graph_sizes == [1, 2, 4, 8, 16, 20]
+    assert EngineConfig(max_num_seqs=3).graph_sizes == [1, 2, 3]
+    assert EngineConfig(cuda_graph_sizes=[8, 1, 8]).graph_sizes == [1, 8]
+    assert EngineConfig(device="cuda", dtype="float32").max_num_seqs == 256  # defaults on CUDA
+    assert EngineConfig().max_num_batched_tokens == 512
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        EngineConfig(cuda_graph_sizes=[0, 4])
+
+
+@pytest.mark.parametrize("family", ["mistral"])  # sliding window, GQA 2
+def test_engine_static_decode_path_matches_eager(tiny_models, family):  # type: ignore[no-untyped-def]
+    """Greedy text through the padded static decode path (3 -> 2 -> 1 live rows in graphs of 4 and 2
+    and 1) equals the torch reference; the path really ran, with padding."""
+    path, _ = tiny_models[family]
+    prompts = [[5, 17, 33, 9, 100, 3] * 6, [11, 12], list(range(40, 77))]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (12, 5, 8)]
+    ref = LLM(str(path), attention_backend="torch").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), attention_backend="triton")
+    assert llm.engine.runner.graphs is None  # CPU: eager unless asked
+    llm.engine.runner.enable_graphs([1, 2, 4], llm.engine.max_model_len, capture=False)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    graphs = llm.engine.runner.graphs
+    assert graphs.replays >= 11  # every decode step after the first prefill
+    assert graphs.padded_rows > 0
+
+
+def test_score_decode_from_matches_prefill(tiny_models):  # type: ignore[no-untyped-def]
+    """Teacher-forced decode steps give the logits of one prefill, on both paths."""
+    path, _ = tiny_models["qwen3"]
+    toks = [(7 * i + 3) % 120 + 4 for i in range(40)]
+    ref = LLM(str(path), attention_backend="torch").engine
+    full = ref.score(toks)
+    assert full.shape == (40, 128)
+    assert (ref.score(toks, decode_from=9) - full).abs().max() < 1e-4
+    assert (ref.score(toks, decode_from=9, last_only=True) - full[-1:]).abs().max() < 1e-4
+    tri = LLM(str(path), attention_backend="triton").engine
+    tri.runner.enable_graphs([1, 2], tri.max_model_len, capture=False)
+    assert (tri.score(toks, decode_from=9) - full).abs().max() < 1e-4
+    assert tri.runner.graphs.replays == 31
+    assert tri.block_manager.stats().free == tri.block_manager.num_blocks  # score frees its blocks
+    with pytest.raises(ValueError, match="decode_from"):
+        ref.score(toks, decode_from=0)
