@@ -133,6 +133,7 @@ class Engine:
         self.proposer = build_proposer(config, cfg, self.kv_budget) if config.speculative_method else None
         self.requests: dict[str, list[Sequence]] = {}
         self.beams: dict[str, BeamState] = {}  # beam-search requests: their search state
+        self.final_only: set[str] = set()  # requests whose caller wants only the finished output
         self._rng = random.Random(config.seed)
         self.load_time = time.perf_counter() - t0
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)%s", self.load_time,
@@ -218,10 +219,13 @@ class Engine:
                              f"{self.block_manager.num_blocks}; raise kv_cache_memory or lower max_tokens")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> None:
+                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None,
+                    final_only: bool = False) -> None:
         """Validate and queue a request. Raises ValueError (naming the field) and changes nothing if bad.
 
         prompt_token_ids: the caller's tokenization of a text prompt, so it is not tokenized twice.
+        final_only: step() returns this request's output once, when it finishes (no per-step
+        outputs to build: what a batch caller such as LLM.generate wants); streaming callers leave it off.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -246,6 +250,8 @@ class Engine:
                 self.scheduler.add(child)
         else:
             seq.forks_pending = params.num_samples - 1
+        if final_only:
+            self.final_only.add(request_id)
         self.scheduler.add(seq)
 
     # ---------------------------------------------------------------- speculation
@@ -292,10 +298,10 @@ class Engine:
                 seq.draft_probs = None if not keep or seq.draft_probs is None else seq.draft_probs[:keep]
 
     def _init_sampling_state(self, seq: Sequence) -> None:
-        """Per-sequence generator (request seed + child index, else a draw from the engine's RNG)."""
+        """Per-sequence generator (request seed + child index, else a draw from the engine's RNG). It
+        lives on the host: a draw costs no device call, and its uniforms reach the device in one copy."""
         p = seq.params
-        seq.generator = torch.Generator(device=self.config.device)
-        seq.generator.manual_seed(p.seed + seq.index if p.seed is not None else self._rng.randrange(2**63))
+        seq.generator = random.Random(p.seed + seq.index if p.seed is not None else self._rng.randrange(2**63))
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
 
@@ -370,6 +376,7 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         self.beams.pop(request_id, None)
+        self.final_only.discard(request_id)
         for seq in self.requests.pop(request_id, []):
             if self.proposer is not None:
                 self.proposer.release(seq)
@@ -413,8 +420,10 @@ class Engine:
             seqs = self.requests.get(rid)
             if seqs is None:
                 continue
-            outputs.append(self._make_output(rid, seqs))
-            if all(s.is_finished for s in seqs):
+            finished = all(s.is_finished for s in seqs)
+            if finished or rid not in self.final_only:
+                outputs.append(self._make_output(rid, seqs))
+            if finished:
                 self._forget(rid)
         return outputs
 

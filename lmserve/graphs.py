@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from lmserve.attention import AttentionMetadata
+from lmserve.attention import AttentionMetadata, pack_block_tables
 from lmserve.kv.cache import KVCache
 from lmserve.scheduler import SchedulerOutput
 
@@ -119,11 +119,9 @@ class DecodeGraphs:
         for col, fill in zip(cols, (0, 0, -1, 0)):
             col.extend([fill] * pad)
         host = torch.tensor(cols, dtype=torch.long)  # (4, size)
-        width = max(len(seq.block_table) for seq, _ in out.scheduled)
-        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in out.scheduled],
-                              dtype=torch.long)  # (b, width); rows past b keep stale ids they never read
+        tables = pack_block_tables([seq.block_table for seq, _ in out.scheduled])  # (b, width)
         self.columns[:, :size].copy_(host)
-        self.block_tables[:b, :width].copy_(tables)
+        self.block_tables[:b, :tables.shape[1]].copy_(tables)  # rows past b keep stale ids they never read
         self.replays += 1
         self.padded_rows += pad
         if self.capture:

@@ -49,7 +49,7 @@ class LLM:
             self.engine.validate(t, sp)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, p, t, sp in zip(ids, prompts, token_ids, plist):
-            self.engine.add_request(rid, p, sp, prompt_token_ids=t)
+            self.engine.add_request(rid, p, sp, prompt_token_ids=t, final_only=True)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

@@ -9,10 +9,12 @@ LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
+import numpy as np
 import torch
 
-from lmserve.attention import AttentionMetadata
+from lmserve.attention import AttentionMetadata, pack_block_tables
 from lmserve.graphs import DecodeGraphs
 from lmserve.kv.cache import KVCache
 from lmserve.sampling.rejection import verify
@@ -59,7 +61,8 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache.layers, meta)  # (N, hidden)
 
     def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten the step: input_ids (N,), positions (N,), metadata."""
+        """Flatten the step: input_ids (N,), positions (N,), metadata. Host lists first, then one
+        tensor each (block tables through numpy: the largest of them)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -68,24 +71,25 @@ class ModelRunner:
         seqlens: list[int] = []
         for seq, n in out.scheduled:
             c = seq.num_computed_tokens
-            ids.extend(seq.token_ids[c:c + n])
-            pos.extend(range(c, c + n))
             bt = seq.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
+            ids.extend(seq.token_ids[c:c + n])
+            if n == 1:
+                pos.append(c)
+                slots.append(bt[c // bs] * bs + c % bs)
+            else:
+                p = np.arange(c, c + n)  # (n,)
+                pos.extend(p.tolist())
+                slots.extend((np.asarray(bt)[p // bs] * bs + p % bs).tolist())
             qlens.append(n)
             seqlens.append(c + n)
-        width = max(len(s.block_table) for s, _ in out.scheduled)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in out.scheduled]
         dev = self.device
-        qsl = [0]
-        for n in qlens:
-            qsl.append(qsl[-1] + n)
+        qsl = [0, *accumulate(qlens)]
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
             seq_lens=torch.tensor(seqlens, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            block_tables=pack_block_tables([s.block_table for s, _ in out.scheduled]).to(dev),
             positions=positions,
             block_size=bs,
             query_lens_host=qlens,

@@ -152,14 +152,18 @@ class Scheduler:
         appended like any sampled tokens. Returns the tokens each sequence actually received.
         """
         rejected = rejected or {}
+        bs = self.bm.block_size
         for seq, n in out.scheduled:
             if seq.num_draft:
                 del seq.token_ids[len(seq.token_ids) - seq.num_draft:]
                 seq.num_draft, seq.draft_probs = 0, None
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += n - rejected.get(seq, 0)
             if rejected.get(seq):
                 self.bm.shrink(seq.block_table, seq.num_computed_tokens)
-            self.bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
+            if seq.num_computed_tokens // bs > before // bs:  # a block filled up this step
+                self.bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens,
+                                          seq.block_hashes, first=before // bs)
         now = time.time()
         received: dict[Sequence, list[int]] = {}
         for seq, toks in sampled.items():

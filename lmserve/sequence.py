@@ -7,11 +7,11 @@ The block manager owns reference counts; the scheduler owns the queues the seque
 from __future__ import annotations
 
 import enum
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 
 @dataclass
@@ -147,7 +147,7 @@ class Sequence:
     status: Status = field(default=Status.WAITING, init=False)
     finish_reason: str | None = field(default=None, init=False)
     stop_reason: int | str | None = field(default=None, init=False)
-    generator: torch.Generator | None = field(default=None, init=False)
+    generator: random.Random | None = field(default=None, init=False)  # this sequence's draws (host-side)
     logprobs: list[Logprob] = field(default_factory=list, init=False)
     prompt_logprobs: list[Logprob | None] = field(default_factory=list, init=False)
     cumulative_logprob: float = field(default=0.0, init=False)

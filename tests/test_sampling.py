@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ def make_seqs(params: SamplingParams, n: int, seed0: int = 0, prompt=(1, 2, 3), 
     seqs = []
     for i in range(n):
         s = Sequence(f"r{i}", list(prompt), params, eos_token_ids=eos)
-        s.generator = torch.Generator().manual_seed(seed0 + i)
+        s.generator = random.Random(seed0 + i)
         seqs.append(s)
     return seqs
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -54,12 +56,13 @@ def test_rejection_two_tokens_exact():
     """V = {A, B}; draft p(A) = 0.8 > target q(A) = 0.3. Emitted token must be distributed as q."""
     q = torch.tensor([[0.3, 0.7], [0.5, 0.5]], dtype=torch.float64)
     p = torch.tensor([[0.8, 0.2]], dtype=torch.float64)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)  # the draft's draws
+    r = random.Random(0)  # the verifier's
     counts = torch.zeros(2, dtype=torch.float64)
     accepted_a = drafted_a = 0
     for _ in range(20000):
         x = int(torch.multinomial(p[0], 1, generator=g))  # the draft samples from p
-        toks, acc = verify(q, [x], p, g, greedy=False)
+        toks, acc = verify(q, [x], p, r, greedy=False)
         counts[toks[0]] += 1
         if x == 0:
             drafted_a += 1
@@ -77,12 +80,13 @@ def test_rejection_multi_position_and_point_mass():
     V, k = 6, 3
     q = torch.softmax(torch.randn(k + 1, V, dtype=torch.float64), -1)
     p = torch.softmax(torch.randn(k, V, dtype=torch.float64), -1)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1)  # the draft's draws
+    r = random.Random(1)  # the verifier's
     first = torch.zeros(V, dtype=torch.float64)
     second = torch.zeros(V, dtype=torch.float64)
     for _ in range(20000):
         drafts = [int(torch.multinomial(p[i], 1, generator=g)) for i in range(k)]
-        toks, _ = verify(q, drafts, p, g, greedy=False)
+        toks, _ = verify(q, drafts, p, r, greedy=False)
         first[toks[0]] += 1
         if len(toks) > 1:
             second[toks[1]] += 1
@@ -91,7 +95,7 @@ def test_rejection_multi_position_and_point_mass():
     # point-mass drafts (n-gram): the same law holds with p = one-hot
     pm = torch.zeros(V, dtype=torch.float64)
     for _ in range(20000):
-        toks, _ = verify(q, [2, 4], None, g, greedy=False)
+        toks, _ = verify(q, [2, 4], None, r, greedy=False)
         pm[toks[0]] += 1
     assert chi2_pvalue(pm, q[0]) > 1e-3
     # greedy accepts exactly the drafts that equal the argmax

@@ -1,5 +1,5 @@
 """Attention over the paged KV cache: metadata built once per step, and the backends that read it."""
 
-from lmserve.attention.backend import AttentionBackend, AttentionMetadata, get_backend
+from lmserve.attention.backend import AttentionBackend, AttentionMetadata, get_backend, pack_block_tables
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "pack_block_tables"]

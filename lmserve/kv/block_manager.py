@@ -149,13 +149,15 @@ class BlockManager:
         block_table.clear()
 
     def cache_full_blocks(self, block_table: list[int], token_ids: Seq[int], num_computed: int,
-                          known: list[int] | None = None) -> None:
-        """Register the hashes of the full, computed blocks of a sequence so others can share them."""
+                          known: list[int] | None = None, first: int = 0) -> None:
+        """Register the hashes of the full, computed blocks of a sequence so others can share them;
+        blocks before `first` were seen on an earlier step."""
         if not self.enable_prefix_caching:
             return
         num_full = min(num_computed // self.block_size, len(block_table))
-        for i, h in enumerate(self.block_hashes(token_ids, num_full, known)):
-            b = block_table[i]
+        hashes = self.block_hashes(token_ids, num_full, known)
+        for i in range(first, num_full):
+            b, h = block_table[i], hashes[i]
             if self.block_hash[b] is not None:
                 continue  # already registered (a hit, or registered on an earlier step)
             if h in self.hash_to_block:

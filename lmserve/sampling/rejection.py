@@ -10,23 +10,25 @@ p_i = one-hot(x_i). Greedy requests accept exactly the drafts equal to the targe
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 
-def _uniform(gen: torch.Generator | None, device: torch.device) -> float:
-    return float(torch.rand((), generator=gen, dtype=torch.float64, device=device))
+def _uniform(gen: random.Random | None) -> float:
+    return (gen or random).random()
 
 
-def _sample(dist: torch.Tensor, gen: torch.Generator | None) -> int:
+def _sample(dist: torch.Tensor, gen: random.Random | None) -> int:
     """Inverse-CDF draw from an unnormalised (V,) float64 distribution."""
     cdf = dist.cumsum(0)
-    u = _uniform(gen, dist.device) * float(cdf[-1])
+    u = _uniform(gen) * float(cdf[-1])
     return int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True)
                .clamp_(max=dist.shape[0] - 1))
 
 
 def verify(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-           generator: torch.Generator | None, greedy: bool) -> tuple[list[int], int]:
+           generator: random.Random | None, greedy: bool) -> tuple[list[int], int]:
     """target: (k+1, V) processed target probabilities; draft_probs: (k, V) or None (point mass).
 
     Returns (tokens to emit: accepted drafts + one corrected or bonus token, number accepted).
@@ -42,7 +44,7 @@ def verify(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
     for i, x in enumerate(drafts):
         qx = float(q[i, x])
         px = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        if px > 0 and _uniform(generator, q.device) < min(1.0, qx / px):
+        if px > 0 and _uniform(generator) < min(1.0, qx / px):
             continue
         if draft_probs is None:
             residual = q[i].clone()

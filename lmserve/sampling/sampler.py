@@ -4,7 +4,7 @@ Order of logit processing (as vLLM does): penalties (repetition on prompt+output
 frequency on output), logit_bias, min_tokens masking of stop tokens, then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> sample.
 
-Sampling is by inverse CDF: one uniform u per row from that sequence's own torch.Generator, and the
+Sampling is by inverse CDF: one uniform u per row from that sequence's own random.Random, and the
 token is the first whose cumulative probability (float64) exceeds u. A seeded request therefore draws
 the same numbers whatever else is in the batch, and it costs one random number per row, not one per
 vocabulary entry. Logprobs are the model's raw log-softmax (before any
@@ -117,27 +117,30 @@ class TokenView:
 
 
 class Sampler:
-    """Turns the last-position logits of each sampling sequence into its next token."""
+    """Turns the last-position logits of each sampling sequence into its next token.
+
+    Everything decided per row (greedy or not, temperature, filters, the uniform for the draw) is
+    known on the host: it reaches the device as one small tensor per kind, and the step's one
+    device-to-host sync is reading back the chosen tokens."""
 
     def target_probs(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
         """The distribution each row samples from, after all processing: (B, V) float32.
         Greedy rows are one-hot at their (processed) argmax."""
         if any(_needs_processing(s) for s in seqs):
             logits = apply_penalties(logits.clone(), seqs)
-        dev = logits.device
-        greedy_host = [s.params.temperature == 0 for s in seqs]  # decided on the host: no device sync
         probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
-        if not all(greedy_host):
-            greedy = torch.tensor(greedy_host, device=dev)  # (B,)
-            temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev)  # (B,)
-            scaled = logits / temps.unsqueeze(1)  # (B, V)
-            if any(s.params.top_k > 0 or s.params.top_p < 1 or s.params.min_p > 0 for s in seqs):
-                top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
-                top_p = torch.tensor([float(s.params.top_p) for s in seqs], device=dev)
-                min_p = torch.tensor([float(s.params.min_p) for s in seqs], device=dev)
-                scaled = filter_logits(scaled, top_k, top_p, min_p)
-            probs = torch.where(greedy.unsqueeze(1), probs, scaled.softmax(dim=-1))
-        return probs
+        params = [s.params for s in seqs]
+        if all(p.temperature == 0 for p in params):
+            return probs
+        filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        rows = [(float(p.temperature == 0), p.temperature or 1.0, p.top_k, p.top_p, p.min_p) for p in params]
+        host = torch.tensor(rows if filtered else [r[:2] for r in rows], dtype=torch.float32)  # (B, 5 or 2)
+        cols = host.to(logits.device).unbind(1)
+        greedy, temps = cols[0] > 0, cols[1]  # (B,) each
+        scaled = logits / temps.unsqueeze(1)  # (B, V)
+        if filtered:
+            scaled = filter_logits(scaled, cols[2].long(), cols[3], cols[4])
+        return torch.where(greedy.unsqueeze(1), probs, scaled.softmax(dim=-1))
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: (B, V) float32, one row per sequence in `seqs`."""
@@ -162,15 +165,16 @@ class Sampler:
 
 
 def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:  # type: ignore[type-arg]
-    """Inverse-CDF draw per row with that row's generator (None: argmax). probs: (B, V) -> (B,)."""
-    dev = probs.device
+    """Inverse-CDF draw per row with that row's random.Random (None: argmax). probs: (B, V) -> (B,).
+
+    The uniforms are drawn on the host and sent in one copy, with the greedy mask."""
+    host = torch.tensor([[g.random() if g is not None else 0.0 for g in generators],
+                         [float(g is None) for g in generators]], dtype=torch.float64)  # (2, B)
+    u, is_greedy = host.to(probs.device).unbind(0)  # (B,) each
     cdf = probs.double().cumsum(dim=-1)  # (B, V)
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=dev) if g is not None
-                     else torch.zeros((), dtype=torch.float64, device=dev) for g in generators])  # (B,), no sync
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
     drawn.clamp_(max=probs.shape[1] - 1)
-    is_greedy = torch.tensor([g is None for g in generators], device=dev)
-    return torch.where(is_greedy, probs.argmax(dim=-1), drawn)
+    return torch.where(is_greedy > 0, probs.argmax(dim=-1), drawn)
 
 
 def make_logprob(row: torch.Tensor, token_id: int, top_n: int) -> Logprob:

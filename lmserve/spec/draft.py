@@ -10,6 +10,8 @@ as the request), which is what the rejection step needs as p.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from lmserve.config import EngineConfig, ModelConfig
@@ -39,8 +41,7 @@ class DraftModelProposer:
         m = self.mirrors.get(id(seq))
         if m is None or m.request_id != seq.request_id:
             m = Sequence(seq.request_id, seq.prompt_token_ids, seq.params, eos_token_ids=seq.eos_token_ids)
-            m.generator = torch.Generator(device=self.kv.layers[0].device)
-            m.generator.manual_seed(int(torch.randint(0, 2**62, (), generator=seq.generator)))
+            m.generator = random.Random(seq.generator.getrandbits(62))
             self.mirrors[id(seq)] = m
         target = seq.token_ids
         lcp = 0
