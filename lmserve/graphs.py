@@ -27,6 +27,7 @@ import torch
 from lmserve.attention import AttentionMetadata, pack_block_tables
 from lmserve.kv.cache import KVCache
 from lmserve.scheduler import SchedulerOutput
+from lmserve.utils import to_device
 
 log = logging.getLogger("lmserve")
 
@@ -120,8 +121,9 @@ class DecodeGraphs:
             col.extend([fill] * pad)
         host = torch.tensor(cols, dtype=torch.long)  # (4, size)
         tables = pack_block_tables([seq.block_table for seq, _ in out.scheduled])  # (b, width)
-        self.columns[:, :size].copy_(host)
-        self.block_tables[:b, :tables.shape[1]].copy_(tables)  # rows past b keep stale ids they never read
+        self.columns[:, :size].copy_(to_device(host, self.columns.device))
+        # rows past b keep stale ids they never read
+        self.block_tables[:b, :tables.shape[1]].copy_(to_device(tables, self.block_tables.device))
         self.replays += 1
         self.padded_rows += pad
         if self.capture:

@@ -22,6 +22,7 @@ from lmserve.sampling.sampler import Sampler, TokenView, make_logprob
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Logprob, Sequence
 from lmserve.spec import SpecStats
+from lmserve.utils import to_device
 
 
 @dataclass
@@ -84,18 +85,14 @@ class ModelRunner:
             seqlens.append(c + n)
         dev = self.device
         qsl = [0, *accumulate(qlens)]
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        n, b = len(ids), len(qlens)
+        flat = to_device(torch.tensor(ids + pos + slots + qsl + seqlens, dtype=torch.long), dev)  # one copy
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens = flat.split([n, n, n, b + 1, b])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor(seqlens, dtype=torch.long, device=dev),
-            block_tables=pack_block_tables([s.block_table for s, _ in out.scheduled]).to(dev),
-            positions=positions,
-            block_size=bs,
-            query_lens_host=qlens,
-            seq_lens_host=seqlens,
-        )
-        return torch.tensor(ids, dtype=torch.long, device=dev), positions, meta
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=to_device(pack_block_tables([s.block_table for s, _ in out.scheduled]), dev),
+            positions=positions, block_size=bs, query_lens_host=qlens, seq_lens_host=seqlens)
+        return input_ids, positions, meta
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

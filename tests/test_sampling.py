@@ -146,3 +146,30 @@ def test_logprob_of_chosen_token_matches_forward(tiny_models):  # type: ignore[n
     for i, lp in enumerate(out.logprobs):
         assert math.isclose(lp.logprob, full[len(prompt) - 1 + i, lp.token_id].item(), abs_tol=1e-4)
     assert math.isclose(out.cumulative_logprob, sum(lp.logprob for lp in out.logprobs), abs_tol=1e-6)
+
+
+def test_batched_penalties_and_logprobs_per_row():
+    """Rows with different penalties and different logprob counts, in one batch: each row equals
+    what it gets alone (the flat (row, token) scatter and the one-transfer readback keep rows apart)."""
+    torch.manual_seed(3)
+    V = 16
+    logits = torch.randn(4, V)
+    specs = [dict(repetition_penalty=1.3, logprobs=2), dict(frequency_penalty=0.7, logit_bias={5: 3.0}),
+             dict(presence_penalty=0.4, logprobs=0, min_tokens=9), dict(logprobs=5)]
+    seqs = []
+    for i, kw in enumerate(specs):
+        s = Sequence(f"r{i}", [i, i + 1, 2], SamplingParams(temperature=0, max_tokens=9, **kw), eos_token_ids=(4,))
+        s.token_ids += [7, 7, i + 8]
+        seqs.append(s)
+    batch = Sampler()(logits.clone(), seqs)
+    for i, s in enumerate(seqs):
+        alone = Sampler()(logits[i:i + 1].clone(), [s])
+        assert alone.token_ids[0] == batch.token_ids[i]
+        assert (alone.logprobs[0] is None) == (batch.logprobs[i] is None) == (s.params.logprobs is None)
+        if alone.logprobs[0] is not None:
+            assert alone.logprobs[0] == batch.logprobs[i]
+            assert len(batch.logprobs[i].top) == s.params.logprobs
+    pen = apply_penalties(logits.clone(), seqs)
+    assert pen[2, 4] == float("-inf")  # min_tokens bans eos on row 2 only
+    assert torch.isfinite(pen[[0, 1, 3], 4]).all()
+    assert torch.equal(pen[3], logits[3])  # a row without penalties is untouched

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from lmserve.attention.backend import AttentionMetadata
+from lmserve.utils import to_device
 
 
 @triton.jit
@@ -229,10 +230,10 @@ class TritonAttention:
                 for q0 in range(0, n, block_m):
                     work_seq.append(i)
                     work_q.append(q0)
-        plan: dict = {"block_m": block_m,
-                      "dec": torch.tensor(dec, dtype=torch.int32, device=dev) if dec else None,
-                      "work_seq": torch.tensor(work_seq, dtype=torch.int32, device=dev) if work_seq else None,
-                      "work_q": torch.tensor(work_q, dtype=torch.int32, device=dev) if work_q else None}
+        lists = (dec, work_seq, work_q)
+        flat = to_device(torch.tensor(dec + work_seq + work_q, dtype=torch.int32), dev).split(list(map(len, lists)))
+        plan: dict = {"block_m": block_m, **{k: t if len(v) else None
+                                             for k, t, v in zip(("dec", "work_seq", "work_q"), flat, lists)}}
         if dec:
             max_pages = max(-(-meta.seq_lens_host[i] // meta.block_size) for i in dec)
             plan["splits"] = self._splits(len(dec), num_kv_heads, max_pages)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lmserve.config import ModelConfig
+from lmserve.utils import to_device
 
 
 class KVCache:
@@ -36,7 +37,8 @@ class KVCache:
         bs = self.block_size
         dev = self.layers[0].device
         off = torch.arange(bs, device=dev)
-        src = (torch.tensor([s for s, _ in copies], device=dev).unsqueeze(1) * bs + off).reshape(-1)  # (C*bs,)
-        dst = (torch.tensor([d for _, d in copies], device=dev).unsqueeze(1) * bs + off).reshape(-1)  # (C*bs,)
+        pairs = to_device(torch.tensor(copies, dtype=torch.long), dev)  # (C, 2): src, dst
+        src = (pairs[:, :1] * bs + off).reshape(-1)  # (C*bs,)
+        dst = (pairs[:, 1:] * bs + off).reshape(-1)  # (C*bs,)
         for layer in self.layers:  # (2, slots, Hkv, d)
             layer.index_copy_(1, dst, layer.index_select(1, src))

@@ -13,11 +13,13 @@ processing), as vLLM and OpenAI report them.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from lmserve.sequence import Logprob, Sequence
+from lmserve.utils import to_device
 
 
 @dataclass
@@ -28,29 +30,46 @@ class SamplerOutput:
     logprobs: list[Logprob | None]
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Repetition / presence / frequency penalties, logit_bias and min_tokens, in place. logits: (B, V)."""
-    B, V = logits.shape
-    dev = logits.device
+def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
+    """Repetition / presence / frequency penalties, logit_bias and min_tokens, in place. logits: (B, V).
+
+    Built on the host as flat (row, token) lists: one gather/scatter per kind for the whole batch."""
+    rep: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, penalty
+    add: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, additive change
+    ban: tuple[list[int], list[int]] = ([], [])  # row, token -> -inf
     for i, s in enumerate(seqs):
         p = s.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(s.token_ids)), device=dev, dtype=torch.long)
-            row = logits[i, seen]
-            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            seen = set(s.token_ids)
+            rep[0].extend([i] * len(seen))
+            rep[1].extend(seen)
+            rep[2].extend([p.repetition_penalty] * len(seen))
         if p.presence_penalty or p.frequency_penalty:
-            out = s.output_token_ids
-            if out:
-                counts = torch.zeros(V, device=dev).scatter_add_(
-                    0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))  # (V,)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            for tok, count in Counter(s.output_token_ids).items():
+                add[0].append(i)
+                add[1].append(tok)
+                add[2].append(-(p.frequency_penalty * count + p.presence_penalty))
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=dev)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=dev)
+            add[0].extend([i] * len(p.logit_bias))
+            add[1].extend(p.logit_bias)
+            add[2].extend(p.logit_bias.values())
         if s.num_output_tokens < p.min_tokens:
             stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids))
-            if stops:
-                logits[i, torch.tensor(stops, device=dev)] = float("-inf")
+            ban[0].extend([i] * len(stops))
+            ban[1].extend(stops)
+    dev = logits.device
+    if rep[0]:
+        idx = to_device(torch.tensor(rep[:2]), dev)  # (2, K)
+        pen = to_device(torch.tensor(rep[2], dtype=logits.dtype), dev)  # (K,)
+        vals = logits[idx[0], idx[1]]
+        logits[idx[0], idx[1]] = torch.where(vals > 0, vals / pen, vals * pen)
+    if add[0]:
+        idx = to_device(torch.tensor(add[:2]), dev)  # (2, K)
+        logits.index_put_((idx[0], idx[1]), to_device(torch.tensor(add[2], dtype=logits.dtype), dev),
+                          accumulate=True)
+    if ban[0]:
+        idx = to_device(torch.tensor(ban), dev)  # (2, K)
+        logits[idx[0], idx[1]] = float("-inf")
     return logits
 
 
@@ -135,7 +154,7 @@ class Sampler:
         filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         rows = [(float(p.temperature == 0), p.temperature or 1.0, p.top_k, p.top_p, p.min_p) for p in params]
         host = torch.tensor(rows if filtered else [r[:2] for r in rows], dtype=torch.float32)  # (B, 5 or 2)
-        cols = host.to(logits.device).unbind(1)
+        cols = to_device(host, logits.device).unbind(1)
         greedy, temps = cols[0] > 0, cols[1]  # (B,) each
         scaled = logits / temps.unsqueeze(1)  # (B, V)
         if filtered:
@@ -153,15 +172,35 @@ class Sampler:
             tokens = probs.argmax(dim=-1)
         else:
             tokens = draw(probs, [None if g else s.generator for s, g in zip(seqs, greedy)])
-        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(tokens.tolist(), [None] * B)
+        return SamplerOutput(*read_logprobs(raw_logprobs, tokens, want_lp))
 
-        logprobs: list[Logprob | None] = [None] * B
-        if raw_logprobs is not None:
-            for i, n in enumerate(want_lp):
-                if n is None:
-                    continue
-                logprobs[i] = make_logprob(raw_logprobs[i], token_list[i], n)
-        return SamplerOutput(token_list, logprobs)
+
+def read_logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: list[int | None]
+                  ) -> tuple[list[int], list[Logprob | None]]:
+    """Tokens (B,) and, for rows whose `want` is not None, the chosen token's logprob and the top-N
+    alternatives from raw (B, V) log-softmax, read back in one transfer."""
+    B = tokens.shape[0]
+    rows = [i for i, n in enumerate(want) if n is not None]
+    top = max(want[i] or 0 for i in rows)
+    r = to_device(torch.tensor(rows), raw.device)  # (R,)
+    sub = raw.index_select(0, r)  # (R, V)
+    parts = [tokens.double(), sub.gather(1, tokens.index_select(0, r).unsqueeze(1)).squeeze(1).double()]
+    if top > 0:
+        vals, ids = sub.topk(top, dim=-1)  # (R, top) each
+        parts += [vals.double().flatten(), ids.double().flatten()]
+    flat = torch.cat(parts).tolist()  # the one device-to-host read; token ids are exact in float64
+    token_list = [int(t) for t in flat[:B]]
+    R = len(rows)
+    chosen = flat[B:B + R]
+    vals_l, ids_l = flat[B + R:B + R + R * top], flat[B + R + R * top:]
+    logprobs: list[Logprob | None] = [None] * B
+    for j, i in enumerate(rows):
+        n = want[i] or 0
+        alts = {int(ids_l[j * top + m]): vals_l[j * top + m] for m in range(n)}
+        logprobs[i] = Logprob(token_list[i], chosen[j], alts)
+    return token_list, logprobs
 
 
 def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:  # type: ignore[type-arg]
@@ -170,7 +209,7 @@ def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:  # type: ignore
     The uniforms are drawn on the host and sent in one copy, with the greedy mask."""
     host = torch.tensor([[g.random() if g is not None else 0.0 for g in generators],
                          [float(g is None) for g in generators]], dtype=torch.float64)  # (2, B)
-    u, is_greedy = host.to(probs.device).unbind(0)  # (B,) each
+    u, is_greedy = to_device(host, probs.device).unbind(0)  # (B,) each
     cdf = probs.double().cumsum(dim=-1)  # (B, V)
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
     drawn.clamp_(max=probs.shape[1] - 1)

@@ -21,6 +21,7 @@ from lmserve.sampling.sampler import Sampler, TokenView, draw
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Sequence
 from lmserve.spec import Proposal
+from lmserve.utils import to_device
 
 
 class DraftModelProposer:
@@ -75,7 +76,7 @@ class DraftModelProposer:
             out = SchedulerOutput([(m, n) for _, m, n in batch])
             ids, pos, meta = self.runner.build_inputs(out)
             hidden = self.model(ids, pos, self.kv.layers, meta)  # (N, hidden)
-            ends = torch.tensor(meta.query_start_loc_host_ends(), device=hidden.device)
+            ends = to_device(torch.tensor(meta.query_start_loc_host_ends()), hidden.device)
             logits = self.model.compute_logits(hidden[ends])  # (B, V)
             p = self.sampler.target_probs(logits, [TokenView(m, m.num_tokens) for _, m, _ in batch])  # (B, V)
             toks = draw(p, [None if m.params.temperature == 0 else m.generator for _, m, _ in batch]).tolist()

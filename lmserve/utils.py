@@ -1,0 +1,15 @@
+"""Small helpers shared by the runner, the graphs and the sampler."""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA it goes through pinned memory without blocking, so
+    building a step's inputs never waits for the device (the caching host allocator keeps the
+    pinned buffer until the copy is done); the step's one sync is reading its tokens back."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
