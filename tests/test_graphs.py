@@ -15,11 +15,10 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from lmserve import LLM, SamplingParams  # noqa: E402
-from lmserve.attention.backend import AttentionMetadata  # noqa: E402
+from lmserve.attention.testing import float64_attention, pad_static_decode, random_step  # noqa: E402
 from lmserve.attention.torch_ref import TorchAttention  # noqa: E402
 from lmserve.attention.triton_attn import TritonAttention  # noqa: E402
 from lmserve.config import EngineConfig  # noqa: E402
-from tests.test_triton_kernels import float64_attention, make_step  # noqa: E402
 
 
 @pytest.mark.parametrize("group,bs,window", [(1, 16, None), (4, 32, None), (2, 16, 20)])
@@ -27,17 +26,11 @@ def test_static_decode_batch_with_padding(group, bs, window):  # type: ignore[no
     """Live decode rows match float64; padding rows (slot -1, context 0) write no KV and output zeros."""
     hkv, d, live, pad = 2, 32, [45, 3, 100], 2
     h = hkv * group
-    meta, cache, tables = make_step(live, [1] * len(live), bs, hkv, d, seed=11 + group)
+    meta, cache, tables = random_step(live, [1] * len(live), bs, hkv, d, seed=11 + group)
     b = len(live) + pad
     g = torch.Generator().manual_seed(5)
     q, k, v = torch.randn(b, h, d, generator=g), torch.randn(b, hkv, d, generator=g), torch.randn(b, hkv, d, generator=g)
-    width = meta.block_tables.shape[1]
-    static = AttentionMetadata(
-        slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1)]),
-        query_start_loc=torch.arange(b + 1), seq_lens=torch.cat([meta.seq_lens, torch.zeros(pad, dtype=torch.long)]),
-        block_tables=torch.cat([meta.block_tables, torch.randint(0, 5, (pad, width))]),  # stale rows: never read
-        positions=torch.cat([meta.positions, torch.zeros(pad, dtype=torch.long)]), block_size=bs,
-        query_lens_host=[1] * b, seq_lens_host=[0] * b, static_decode=True)
+    static = pad_static_decode(meta, pad)
     before = cache.clone()
     out = TritonAttention(target_programs=64).forward(q, k, v, cache, static, d ** -0.5, window)
     changed = (cache != before).any(dim=(0, 2, 3)).nonzero().flatten()

@@ -1,0 +1,126 @@
+"""Random paged attention steps and a float64 oracle: shared by the CPU tests (Triton under
+TRITON_INTERPRET=1) and scripts/gpu_check.py (the same cases compiled for the GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from lmserve.attention.backend import AttentionMetadata
+
+# context lengths, new-token lengths (1 = decode), GQA group, block size, window
+KERNEL_CASES: list[tuple[list[int], list[int], int, int, int | None]] = [
+    ([37, 5, 64, 17], [37, 5, 3, 1], 1, 16, None),
+    ([50, 33, 100], [1, 1, 1], 2, 16, None),
+    ([70, 20, 45], [12, 20, 1], 4, 32, None),
+    ([129, 40], [1, 9], 8, 16, None),
+    ([90, 61, 33], [1, 30, 7], 2, 16, 24),
+    ([200, 64], [1, 1], 4, 32, 50),
+]
+
+
+def random_step(ctx_lens: list[int], q_lens: list[int], bs: int, hkv: int, d: int, seed: int,
+                device: str | torch.device = "cpu"
+                ) -> tuple[AttentionMetadata, torch.Tensor, list[list[int]]]:
+    """A random paged cache (2, slots, Hkv, d) float32 holding each sequence's earlier context in
+    scattered blocks, the step's metadata (on `device`), and the block tables as lists."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-c // bs) for c in ctx_lens]
+    total = sum(pages) + 3
+    perm = torch.randperm(total, generator=g).tolist()
+    tables, k = [], 0
+    for p in pages:
+        tables.append(perm[k:k + p])
+        k += p
+    width = max(pages)
+    slots, qsl, pos = [], [0], []
+    for i, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        for p in range(c - n, c):
+            slots.append(tables[i][p // bs] * bs + p % bs)
+            pos.append(p)
+        qsl.append(qsl[-1] + n)
+
+    def t(x: list) -> torch.Tensor:  # type: ignore[type-arg]
+        return torch.tensor(x, dtype=torch.long, device=device)
+    meta = AttentionMetadata(slot_mapping=t(slots), query_start_loc=t(qsl), seq_lens=t(ctx_lens),
+                             block_tables=t([tb + [0] * (width - len(tb)) for tb in tables]), positions=t(pos),
+                             block_size=bs, query_lens_host=list(q_lens), seq_lens_host=list(ctx_lens))
+    cache = torch.randn(2, total * bs, hkv, d, generator=g).to(device)
+    return meta, cache, tables
+
+
+def float64_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, tables: list[list[int]],
+                      scale: float, window: int | None) -> torch.Tensor:
+    """Dense float64 attention on the CPU, sequence by sequence, straight from the cache contents:
+    q (N, H, d), cache (2, slots, Hkv, d) -> (N, H, d) float64."""
+    q, cache = q.cpu(), cache.cpu()
+    out = torch.empty_like(q, dtype=torch.float64)
+    h, hkv = q.shape[1], cache.shape[2]
+    bs = meta.block_size
+    starts = meta.query_start_loc.tolist()
+    for i, (c, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
+        slots = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(c)])
+        k = cache[0, slots].double().repeat_interleave(h // hkv, dim=1)  # (c, H, d)
+        v = cache[1, slots].double().repeat_interleave(h // hkv, dim=1)
+        for t in range(n):
+            qp = c - n + t
+            allowed = torch.arange(c) <= qp
+            if window is not None:
+                allowed &= torch.arange(c) > qp - window
+            sc = torch.einsum("hd,khd->hk", q[starts[i] + t].double(), k) * scale
+            sc[:, ~allowed] = float("-inf")
+            out[starts[i] + t] = torch.einsum("hk,khd->hd", sc.softmax(-1), v)
+    return out
+
+
+def pad_static_decode(meta: AttentionMetadata, pad: int) -> AttentionMetadata:
+    """A decode-only step as a CUDA-graph batch: the live rows, then `pad` padding rows (slot -1,
+    context 0, stale block-table rows), marked static_decode."""
+    dev = meta.slot_mapping.device
+    b = meta.num_seqs + pad
+    width = meta.block_tables.shape[1]
+    zeros = torch.zeros(pad, dtype=torch.long, device=dev)
+    return AttentionMetadata(
+        slot_mapping=torch.cat([meta.slot_mapping, zeros - 1]), query_start_loc=torch.arange(b + 1, device=dev),
+        seq_lens=torch.cat([meta.seq_lens, zeros]),
+        block_tables=torch.cat([meta.block_tables, torch.randint(0, 5, (pad, width), device=dev)]),
+        positions=torch.cat([meta.positions, zeros]), block_size=meta.block_size,
+        query_lens_host=[1] * b, seq_lens_host=[0] * b, static_decode=True)
+
+
+def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
+                  cases: list[int] | None = None) -> list[dict]:
+    """KERNEL_CASES (all, or those indexed by `cases`; decode-only ones also as a padded static
+    batch) through the Triton backend and the torch reference on `device` in `dtype`, against
+    float64. One row of errors per case."""
+    from lmserve.attention.torch_ref import TorchAttention
+    from lmserve.attention.triton_attn import TritonAttention
+    rows = []
+    for idx, (ctx, qlens, group, bs, window) in enumerate(KERNEL_CASES):
+        if cases is not None and idx not in cases:
+            continue
+        meta, cache, tables = random_step(ctx, qlens, bs, hkv, d, seed=100 + idx, device=device)
+        g = torch.Generator().manual_seed(200 + idx)
+        n, h = sum(qlens), hkv * group
+        q, k, v = (torch.randn(n, x, d, generator=g).to(device, dtype) for x in (h, hkv, hkv))
+        cache = cache.to(dtype)
+        scale = d ** -0.5
+        ref_cache, tri_cache = cache.clone(), cache.clone()
+        ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale, window)
+        tri = TritonAttention().forward(q, k, v, tri_cache, meta, scale, window)
+        exact = float64_attention(q, ref_cache, meta, tables, scale, window)
+        row = {"case": idx, "group": group, "block_size": bs, "window": window,
+               "store_equal": bool(torch.equal(tri_cache, ref_cache)),
+               "triton_err": (tri.double().cpu() - exact).abs().max().item(),
+               "torch_err": (ref.double().cpu() - exact).abs().max().item()}
+        if all(x == 1 for x in qlens):  # the same step as a padded CUDA-graph batch
+            st_cache = cache.clone()
+            pad = 3
+            z = torch.zeros(pad, *q.shape[1:], dtype=dtype, device=device)
+            zk = torch.zeros(pad, *k.shape[1:], dtype=dtype, device=device)
+            st = TritonAttention().forward(torch.cat([q, z]), torch.cat([k, zk]), torch.cat([v, zk]), st_cache,
+                                           pad_static_decode(meta, pad), scale, window)
+            row["static_err"] = (st[:n].double().cpu() - exact).abs().max().item()
+            row["static_pad_zero"] = bool((st[n:] == 0).all())
+            row["static_store_equal"] = bool(torch.equal(st_cache, ref_cache))
+        rows.append(row)
+    return rows
