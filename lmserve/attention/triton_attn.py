@@ -50,8 +50,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_
                     scale, window,
                     stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
                     G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BS: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Causal attention of BLOCK_M new tokens (x G heads) over the sequence's whole paged context."""
+                    BLOCK_M: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Causal attention of BLOCK_M new tokens (x G heads) over the sequence's whole paged context,
+    PAGES pages (PAGES * BS keys) per iteration."""
     w = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(work_seq_ptr + w)
@@ -82,17 +83,19 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_
         lo = tl.maximum(0, first_pos + q0 - window + 1)
     n_lo = lo // BS
     n_hi = (hi + BS - 1) // BS
-    koffs = tl.arange(0, BS)
-    for j in range(n_lo, n_hi):
-        blk = tl.load(bt_ptr + seq * stride_btb + j)
-        slots = blk * BS + koffs  # (BS,)
-        k_pos = j * BS + koffs
-        kv_ok = k_pos < ctx
+    kk = tl.arange(0, PAGES * BS)  # the keys of one iteration: PAGES pages
+    for j in range(n_lo, n_hi, PAGES):
+        page = j + kk // BS  # (T,)
+        page_ok = page < n_hi
+        blk = tl.load(bt_ptr + seq * stride_btb + page, mask=page_ok, other=0)
+        slots = blk * BS + kk % BS  # (T,)
+        k_pos = page * BS + kk % BS
+        kv_ok = page_ok & (k_pos < ctx)
         k = tl.load(kc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # (BS, BLOCK_D)
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # (T, BLOCK_D)
         v = tl.load(vc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale  # (R, BS)
+        s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale  # (R, T)
         ok = (k_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         if HAS_WINDOW:
             ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
@@ -115,8 +118,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_p
                    stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BS: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """One decode query (x G heads) over one split of its pages; writes a partial output and its LSE.
+                   BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """One decode query (x G heads) over one split of its pages, PAGES pages per iteration; writes a
+    partial output and its LSE.
 
     Each sequence's pages (those inside its window) are cut into num_splits equal runs, so the split
     count is a launch constant that needs no host-side lengths (what a CUDA graph requires). A
@@ -146,19 +150,21 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_p
     m_i = tl.full([G_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([G_P2], tl.float32)
     acc = tl.zeros([G_P2, BLOCK_D], tl.float32)
-    koffs = tl.arange(0, BS)
-    for j in range(p_start, p_end):
-        blk = tl.load(bt_ptr + seq * stride_btb + j)
-        slots = blk * BS + koffs
-        k_pos = j * BS + koffs
-        kv_ok = k_pos < ctx
+    kk = tl.arange(0, PAGES * BS)  # the keys of one iteration: PAGES pages
+    for j in range(p_start, p_end, PAGES):
+        page = j + kk // BS  # (T,)
+        page_ok = page < p_end
+        blk = tl.load(bt_ptr + seq * stride_btb + page, mask=page_ok, other=0)
+        slots = blk * BS + kk % BS  # (T,)
+        k_pos = page * BS + kk % BS
+        kv_ok = page_ok & (k_pos < ctx)
         if HAS_WINDOW:
             kv_ok = kv_ok & (k_pos > q_pos - window)
         k = tl.load(kc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (BS, BLOCK_D)
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (T, BLOCK_D)
         v = tl.load(vc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, BS)
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, T)
         s = tl.where(kv_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -204,8 +210,11 @@ class TritonAttention:
 
     supports_cuda_graphs = True  # a static decode batch needs no host-side lengths (see _plan)
 
-    def __init__(self, rows: int = 64, max_splits: int = 16, target_programs: int = 264) -> None:
+    def __init__(self, rows: int = 64, max_splits: int = 16, target_programs: int = 264,
+                 prefill_keys: int = 64, decode_keys: int = 64) -> None:
         self.rows = rows  # query rows (tokens x heads of a group) per prefill program; >= 16 for tl.dot
+        self.prefill_keys = prefill_keys  # keys per iteration of a prefill program (whole pages)
+        self.decode_keys = decode_keys  # keys x query heads per iteration of a decode program (registers)
         self.max_splits = max_splits
         self.target_programs = target_programs  # ~2 waves of an H100/H200's 132 SMs
 
@@ -251,15 +260,15 @@ class TritonAttention:
         out = torch.empty_like(q)
         plan = meta.memo(("triton_plan", hkv, g), lambda: self._plan(meta, hkv, g))
         bt = meta.block_tables
-        common = dict(G=g, G_P2=triton.next_power_of_2(g), D=d, BLOCK_D=triton.next_power_of_2(d),
-                      BS=meta.block_size, HAS_WINDOW=window is not None)
+        g_p2, bs = triton.next_power_of_2(g), meta.block_size
+        common = dict(G=g, G_P2=g_p2, D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs, HAS_WINDOW=window is not None)
         win = window or 0
         if plan["work_seq"] is not None:
             work_seq, work_q = plan["work_seq"], plan["work_q"]
             _prefill_kernel[(work_seq.numel(), hkv)](
                 q, k_cache, v_cache, out, bt, meta.query_start_loc, meta.seq_lens, work_seq, work_q,
                 scale, win, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), bt.stride(0),
-                BLOCK_M=plan["block_m"], **common)
+                BLOCK_M=plan["block_m"], PAGES=max(1, self.prefill_keys // bs), **common)
         if plan["dec"] is not None:
             dec = plan["dec"]
             nd, splits = dec.numel(), plan["splits"]
@@ -269,7 +278,8 @@ class TritonAttention:
                 q, k_cache, v_cache, part, lse, bt, meta.query_start_loc, meta.seq_lens, dec,
                 scale, win, splits,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), bt.stride(0),
-                part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), **common)
+                part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+                PAGES=max(1, self.decode_keys // g_p2 // bs), **common)
             _reduce_kernel[(nd, h)](
                 part, lse, out, meta.query_start_loc, dec, splits,
                 part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
