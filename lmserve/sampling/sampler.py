@@ -147,10 +147,12 @@ class Sampler:
         Greedy rows are one-hot at their (processed) argmax."""
         if any(_needs_processing(s) for s in seqs):
             logits = apply_penalties(logits.clone(), seqs)
-        probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
         params = [s.params for s in seqs]
-        if all(p.temperature == 0 for p in params):
-            return probs
+        any_greedy = any(p.temperature == 0 for p in params)
+        if any_greedy:
+            probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
+            if all(p.temperature == 0 for p in params):
+                return probs
         filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         rows = [(float(p.temperature == 0), p.temperature or 1.0, p.top_k, p.top_p, p.min_p) for p in params]
         host = torch.tensor(rows if filtered else [r[:2] for r in rows], dtype=torch.float32)  # (B, 5 or 2)
@@ -159,6 +161,8 @@ class Sampler:
         scaled = logits / temps.unsqueeze(1)  # (B, V)
         if filtered:
             scaled = filter_logits(scaled, cols[2].long(), cols[3], cols[4])
+        if not any_greedy:  # (B, V) passes over the vocabulary are the sampler's cost at large batches
+            return scaled.softmax(dim=-1)
         return torch.where(greedy.unsqueeze(1), probs, scaled.softmax(dim=-1))
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
@@ -213,6 +217,8 @@ def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:  # type: ignore
     cdf = probs.double().cumsum(dim=-1)  # (B, V)
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
     drawn.clamp_(max=probs.shape[1] - 1)
+    if all(g is not None for g in generators):
+        return drawn
     return torch.where(is_greedy > 0, probs.argmax(dim=-1), drawn)
 
 
