@@ -93,7 +93,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     wall = time.perf_counter() - t1
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     summary = {"num_prompts": len(prompts), "output_tokens": n_out, "wall_s": round(wall, 3),
-               "output_tokens_per_s": round(n_out / wall, 2), "load_s": round(load, 2)}
+               "output_tokens_per_s": round(n_out / wall, 2), "load_s": round(load, 2),
+               "cuda_graph_capture_s": llm.engine.graph_capture_time}
+    cap = llm.engine.graph_capture_time
+    capture = "" if cap is None else f", incl. CUDA graph capture {cap:.1f} s"
     if a.json:
         print(json.dumps({"outputs": [
             {"prompt": p, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
@@ -107,7 +110,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 print(f"--- {p!r}")
             print(o.outputs[0].text)
         print(f"[{n_out} tokens from {len(prompts)} prompt(s) in {wall:.2f} s: "
-              f"{n_out / wall:.1f} tok/s; model loaded in {load:.1f} s]", file=sys.stderr)
+              f"{n_out / wall:.1f} tok/s; model loaded in {load:.1f} s{capture}]", file=sys.stderr)
     return 0
 
 

@@ -81,6 +81,11 @@ def main() -> int:
                                                                       f"(max err {max(errs):.1e}, tol {tol:g})"))
             if ok != len(errs) + len(krows):
                 failed.append(f"kernels {name}")
+        pval, power = gumbel_check(a.device, draws=1000 if a.device == "cpu" else 20000)
+        payload["gumbel_chi2_p"], payload["gumbel_chi2_p_wrong_T"] = pval, power
+        rows.append(("Gumbel sampler: chi2 p vs softmax(l/T) / vs T=1", f"{pval:.3f} / {power:.1e}"))
+        if pval < 1e-3 or power > 1e-3:
+            failed.append("gumbel sampler")
         err = fused_check(a.device)
         payload["fused_max_err"] = err
         rows.append(("fused kernels bf16: max err vs torch", f"{err:.1e}"))
@@ -217,6 +222,27 @@ def fusion_timings(device: str) -> dict:
     finally:
         dispatch.fused_ops = real
     return out
+
+
+def gumbel_check(device: str, draws: int) -> tuple[float, float]:
+    """The Gumbel-max sampling kernel on the device: chi-square p-value of `draws` samples against
+    softmax(l / T) (should be large) and against softmax(l) (should be tiny: the test has power)."""
+    import torch
+
+    from lmserve.sampling.gumbel import gumbel_sample
+    g = torch.Generator().manual_seed(0)
+    V, T = 12, 0.7
+    logits = torch.randn(V, generator=g, dtype=torch.float64) * 2
+    seeds = torch.randint(0, 2**40, (draws,), generator=g)
+    toks = gumbel_sample(logits.float().expand(draws, V).contiguous().to(device),
+                         torch.full((draws,), T, device=device), seeds.to(device))
+    counts = torch.bincount(toks.cpu(), minlength=V).double()
+
+    def pvalue(probs: torch.Tensor) -> float:
+        exp = probs * draws
+        stat = ((counts - exp) ** 2 / exp).sum()
+        return float(torch.special.gammaincc(torch.tensor((V - 1) / 2, dtype=torch.float64), stat / 2))
+    return pvalue(torch.softmax(logits / T, -1)), pvalue(torch.softmax(logits, -1))
 
 
 def fused_check(device: str) -> float:

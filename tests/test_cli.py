@@ -23,6 +23,7 @@ def test_generate_json_and_text():
     assert len(data["outputs"]) == 2 and all(len(o["token_ids"]) == 6 for o in data["outputs"])
     assert data["outputs"][0]["text"].strip().startswith("Paris")
     assert data["summary"]["output_tokens"] == 12 and data["summary"]["output_tokens_per_s"] > 0
+    assert data["summary"]["cuda_graph_capture_s"] is None  # no CUDA here: nothing captured
     bad = run(["generate", "hi", "--top-p", "1.5"])
     assert bad.returncode == 2 and "top_p" in bad.stderr
 

@@ -7,7 +7,9 @@ temperature -> top-k -> top-p -> min-p -> sample.
 Sampling is by inverse CDF: one uniform u per row from that sequence's own random.Random, and the
 token is the first whose cumulative probability (float64) exceeds u. A seeded request therefore draws
 the same numbers whatever else is in the batch, and it costs one random number per row, not one per
-vocabulary entry. Logprobs are the model's raw log-softmax (before any
+vocabulary entry. On CUDA, batches without top-k / top-p / min-p rows are drawn instead by the
+Gumbel-max trick in one Triton pass over the logits (sampling/gumbel.py), with a Philox seed per row
+from the same per-sequence generator. Logprobs are the model's raw log-softmax (before any
 processing), as vLLM and OpenAI report them.
 """
 
@@ -20,6 +22,12 @@ import torch
 
 from lmserve.sequence import Logprob, Sequence
 from lmserve.utils import to_device
+
+
+def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """The Triton Gumbel-max kernel (imported on first use: Triton is optional on the CPU)."""
+    from lmserve.sampling.gumbel import gumbel_sample as kernel
+    return kernel(logits, temperatures, seeds)
 
 
 @dataclass
@@ -138,15 +146,33 @@ class TokenView:
 class Sampler:
     """Turns the last-position logits of each sampling sequence into its next token.
 
-    Everything decided per row (greedy or not, temperature, filters, the uniform for the draw) is
-    known on the host: it reaches the device as one small tensor per kind, and the step's one
-    device-to-host sync is reading back the chosen tokens."""
+    Everything decided per row (greedy or not, temperature, filters, the random numbers) is known on
+    the host: it reaches the device as one small tensor per kind, and the step's one device-to-host
+    sync is reading back the chosen tokens. On CUDA, a batch without top-k / top-p / min-p rows is
+    sampled by the one-pass Gumbel-max kernel (sampling/gumbel.py); otherwise by inverse CDF.
+    """
+
+    def __init__(self, gumbel: bool | None = None) -> None:
+        self.gumbel = gumbel  # None: on CUDA when Triton imports
+
+    def _use_gumbel(self, logits: torch.Tensor) -> bool:
+        if self.gumbel is not None:
+            return self.gumbel
+        if not logits.is_cuda:
+            return False
+        import importlib.util
+        return importlib.util.find_spec("triton") is not None
+
+    @staticmethod
+    def _penalized(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
+        if any(_needs_processing(s) for s in seqs):
+            return apply_penalties(logits.clone(), seqs)
+        return logits
 
     def target_probs(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
         """The distribution each row samples from, after all processing: (B, V) float32.
         Greedy rows are one-hot at their (processed) argmax."""
-        if any(_needs_processing(s) for s in seqs):
-            logits = apply_penalties(logits.clone(), seqs)
+        logits = self._penalized(logits, seqs)
         params = [s.params for s in seqs]
         any_greedy = any(p.temperature == 0 for p in params)
         if any_greedy:
@@ -170,11 +196,18 @@ class Sampler:
         B = logits.shape[0]
         want_lp = [(s.params.logprobs or 0) if s.params.needs_logprob else None for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None  # (B, V)
-        probs = self.target_probs(logits, seqs)  # (B, V)
-        greedy = [s.params.temperature == 0 for s in seqs]
+        params = [s.params for s in seqs]
+        greedy = [p.temperature == 0 for p in params]
         if all(greedy):
-            tokens = probs.argmax(dim=-1)
+            tokens = self._penalized(logits, seqs).argmax(dim=-1)
+        elif self._use_gumbel(logits) and not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            host = torch.tensor([[p.temperature for p in params],
+                                 [0.0 if g else float(s.generator.getrandbits(52)) for s, g in zip(seqs, greedy)]],
+                                dtype=torch.float64)  # (2, B): temperature, Philox seed
+            temps, seeds = to_device(host, logits.device).unbind(0)
+            tokens = gumbel_sample(self._penalized(logits, seqs), temps.float(), seeds.long())
         else:
+            probs = self.target_probs(logits, seqs)  # (B, V)
             tokens = draw(probs, [None if g else s.generator for s, g in zip(seqs, greedy)])
         if raw_logprobs is None:
             return SamplerOutput(tokens.tolist(), [None] * B)
