@@ -46,6 +46,25 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _load_kv_pages(kc_ptr, vc_ptr, bt_row_ptr, j, end_page, lo_key, ctx, kvh, stride_cs, stride_ch, dd, d_ok,
+                   BS: tl.constexpr, PAGES: tl.constexpr):
+    """Pages [j, j + PAGES) of one sequence (those below end_page), KV head kvh: K and V (T, BLOCK_D)
+    with T = PAGES * BS, their key positions (T,), and which keys are real (inside [lo_key, ctx)).
+    Each key's block id is gathered from the block table row, so a tile spans several pages."""
+    kk = tl.arange(0, PAGES * BS)
+    page = j + kk // BS  # (T,)
+    page_ok = page < end_page
+    blk = tl.load(bt_row_ptr + page, mask=page_ok, other=0)
+    slots = blk * BS + kk % BS  # (T,)
+    k_pos = page * BS + kk % BS
+    kv_ok = page_ok & (k_pos < ctx) & (k_pos >= lo_key)
+    mask = kv_ok[:, None] & d_ok[None, :]
+    k = tl.load(kc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :], mask=mask, other=0.0)
+    v = tl.load(vc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :], mask=mask, other=0.0)
+    return k, v, k_pos, kv_ok
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_seq_ptr, work_q_ptr,
                     scale, window,
                     stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
@@ -83,18 +102,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_
         lo = tl.maximum(0, first_pos + q0 - window + 1)
     n_lo = lo // BS
     n_hi = (hi + BS - 1) // BS
-    kk = tl.arange(0, PAGES * BS)  # the keys of one iteration: PAGES pages
-    for j in range(n_lo, n_hi, PAGES):
-        page = j + kk // BS  # (T,)
-        page_ok = page < n_hi
-        blk = tl.load(bt_ptr + seq * stride_btb + page, mask=page_ok, other=0)
-        slots = blk * BS + kk % BS  # (T,)
-        k_pos = page * BS + kk % BS
-        kv_ok = page_ok & (k_pos < ctx)
-        k = tl.load(kc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # (T, BLOCK_D)
-        v = tl.load(vc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    for j in range(n_lo, n_hi, PAGES):  # PAGES pages per iteration; keys below lo are outside every row's window
+        k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, bt_ptr + seq * stride_btb, j, n_hi, lo, ctx, kvh,
+                                            stride_cs, stride_ch, dd, d_ok, BS, PAGES)  # (T, BLOCK_D) x2, (T,) x2
         s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale  # (R, T)
         ok = (k_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         if HAS_WINDOW:
@@ -140,9 +150,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_p
     q = tl.load(q_ptr + tok * stride_qn + head[:, None] * stride_qh + dd[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (G_P2, BLOCK_D)
 
-    lo_page = 0
+    lo_key = 0  # the first key inside the window
     if HAS_WINDOW:
-        lo_page = tl.maximum(0, q_pos - window + 1) // BS
+        lo_key = tl.maximum(0, q_pos - window + 1)
+    lo_page = lo_key // BS
     n_pages = (ctx + BS - 1) // BS
     pages_per_split = (n_pages - lo_page + num_splits - 1) // num_splits
     p_start = lo_page + split * pages_per_split
@@ -150,20 +161,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_p
     m_i = tl.full([G_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([G_P2], tl.float32)
     acc = tl.zeros([G_P2, BLOCK_D], tl.float32)
-    kk = tl.arange(0, PAGES * BS)  # the keys of one iteration: PAGES pages
-    for j in range(p_start, p_end, PAGES):
-        page = j + kk // BS  # (T,)
-        page_ok = page < p_end
-        blk = tl.load(bt_ptr + seq * stride_btb + page, mask=page_ok, other=0)
-        slots = blk * BS + kk % BS  # (T,)
-        k_pos = page * BS + kk % BS
-        kv_ok = page_ok & (k_pos < ctx)
-        if HAS_WINDOW:
-            kv_ok = kv_ok & (k_pos > q_pos - window)
-        k = tl.load(kc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (T, BLOCK_D)
-        v = tl.load(vc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    for j in range(p_start, p_end, PAGES):  # PAGES pages per iteration
+        k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, bt_ptr + seq * stride_btb, j, p_end, lo_key, ctx, kvh,
+                                            stride_cs, stride_ch, dd, d_ok, BS, PAGES)
+        k, v = k.to(tl.float32), v.to(tl.float32)  # (T, BLOCK_D) each
         s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, T)
         s = tl.where(kv_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
