@@ -111,6 +111,11 @@ class SamplingParams:
         """Whether the chosen tokens' logprobs must be computed (asked for, or to rank best_of)."""
         return self.logprobs is not None or self.num_samples > self.n
 
+    @property
+    def has_filters(self) -> bool:
+        """Whether top-k, top-p or min-p cut the distribution (sampling then needs it sorted)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
 
 class Status(enum.Enum):
     WAITING = "waiting"

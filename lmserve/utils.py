@@ -1,8 +1,17 @@
-"""Small helpers shared by the runner, the graphs and the sampler."""
+"""Small helpers shared by the runner, the graphs, the attention backends and the sampler."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported (looked up once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -88,9 +88,8 @@ def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
     """Backend registry: 'torch' (reference, any device), 'triton' (paged kernels; CUDA, or the CPU
     under TRITON_INTERPRET=1), 'auto' (triton on CUDA when it imports, else torch)."""
     if name == "auto":
-        import importlib.util
-        on_cuda = str(device).startswith("cuda")
-        name = "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
+        from lmserve.utils import triton_available
+        name = "triton" if str(device).startswith("cuda") and triton_available() else "torch"
     if name == "torch":
         from lmserve.attention.torch_ref import TorchAttention
         return TorchAttention()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lmserve.attention.backend import AttentionMetadata
+from lmserve.attention.backend import AttentionMetadata, pack_block_tables
 
 # context lengths, new-token lengths (1 = decode), GQA group, block size, window
 KERNEL_CASES: list[tuple[list[int], list[int], int, int, int | None]] = [
@@ -31,7 +31,6 @@ def random_step(ctx_lens: list[int], q_lens: list[int], bs: int, hkv: int, d: in
     for p in pages:
         tables.append(perm[k:k + p])
         k += p
-    width = max(pages)
     slots, qsl, pos = [], [0], []
     for i, (c, n) in enumerate(zip(ctx_lens, q_lens)):
         for p in range(c - n, c):
@@ -42,7 +41,7 @@ def random_step(ctx_lens: list[int], q_lens: list[int], bs: int, hkv: int, d: in
     def t(x: list) -> torch.Tensor:  # type: ignore[type-arg]
         return torch.tensor(x, dtype=torch.long, device=device)
     meta = AttentionMetadata(slot_mapping=t(slots), query_start_loc=t(qsl), seq_lens=t(ctx_lens),
-                             block_tables=t([tb + [0] * (width - len(tb)) for tb in tables]), positions=t(pos),
+                             block_tables=pack_block_tables(tables).to(device), positions=t(pos),
                              block_size=bs, query_lens_host=list(q_lens), seq_lens_host=list(ctx_lens))
     cache = torch.randn(2, total * bs, hkv, d, generator=g).to(device)
     return meta, cache, tables

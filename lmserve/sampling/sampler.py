@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lmserve.sequence import Logprob, Sequence
-from lmserve.utils import to_device
+from lmserve.utils import to_device, triton_available
 
 
 def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
@@ -158,10 +158,7 @@ class Sampler:
     def _use_gumbel(self, logits: torch.Tensor) -> bool:
         if self.gumbel is not None:
             return self.gumbel
-        if not logits.is_cuda:
-            return False
-        import importlib.util
-        return importlib.util.find_spec("triton") is not None
+        return logits.is_cuda and triton_available()
 
     @staticmethod
     def _penalized(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
@@ -179,7 +176,7 @@ class Sampler:
             probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
             if all(p.temperature == 0 for p in params):
                 return probs
-        filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        filtered = any(p.has_filters for p in params)
         rows = [(float(p.temperature == 0), p.temperature or 1.0, p.top_k, p.top_p, p.min_p) for p in params]
         host = torch.tensor(rows if filtered else [r[:2] for r in rows], dtype=torch.float32)  # (B, 5 or 2)
         cols = to_device(host, logits.device).unbind(1)
@@ -200,7 +197,7 @@ class Sampler:
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
             tokens = self._penalized(logits, seqs).argmax(dim=-1)
-        elif self._use_gumbel(logits) and not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        elif self._use_gumbel(logits) and not any(p.has_filters for p in params):
             host = torch.tensor([[p.temperature for p in params],
                                  [0.0 if g else float(s.generator.getrandbits(52)) for s, g in zip(seqs, greedy)]],
                                 dtype=torch.float64)  # (2, B): temperature, Philox seed
