@@ -65,7 +65,7 @@ class AttentionMetadata:
 
 def pack_block_tables(tables: list[list[int]]) -> torch.Tensor:
     """Block tables as a (B, M) int64 host tensor, rows padded with 0 (M = the longest table).
-    Row by row through numpy: ~10x faster than torch.tensor on nested lists at batch 256."""
+    Row by row through numpy: far cheaper than torch.tensor on nested lists at large batches."""
     width = max(map(len, tables), default=0)
     out = np.zeros((len(tables), width), dtype=np.int64)
     for i, t in enumerate(tables):
