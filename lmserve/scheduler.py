@@ -13,6 +13,7 @@ The scheduler owns the waiting queue and the running list; the block manager own
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,8 +68,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
+        copies: dict[Sequence, list[tuple[int, int]]] = {}  # copy-on-write pairs, by the sequence they serve
         preempted: list[Sequence] = []
-        copies: list[tuple[int, int]] = []
 
         todo = {s: self._tokens_to_compute(s) for s in self.running}
         decoding = [s for s, n in todo.items() if n == 1]
@@ -81,19 +82,42 @@ class Scheduler:
             n = min(todo[seq], budget)
             while (cow := self.bm.reserve(seq.block_table, seq.num_computed_tokens,
                                           seq.num_computed_tokens + n)) is None:
-                victim = self.running[-1]
-                budget += scheduled.pop(victim, 0)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
+                for victim in reversed(self._family(self.running[-1], self.running)):  # tail first
+                    budget += scheduled.pop(victim, 0)
+                    copies.pop(victim, None)  # its copy targets were just freed
+                    self._preempt(victim)
+                    preempted.append(victim)
+                if seq.status is not Status.RUNNING:
                     break
             if seq.status is Status.RUNNING:
                 scheduled[seq] = n
-                copies.extend(cow)
+                copies[seq] = cow
                 budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+        while self.waiting and budget > 0 and not preempted:
+            gang = self._family(self.waiting[0], self.waiting)
+            if len(self.running) + len(gang) > self.max_num_seqs:
+                break
+            admitted = self._admit(gang, budget)
+            if admitted is None:
+                break
+            for seq, n in admitted:
+                if n:
+                    scheduled[seq] = n
+                    budget -= n
+
+        self.stats.computed_tokens += sum(scheduled.values())
+        used = self.bm.num_blocks - self.bm.num_free_blocks
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
+        return SchedulerOutput(list(scheduled.items()), preempted, [c for cs in copies.values() for c in cs])
+
+    def _admit(self, gang: list[Sequence], budget: int) -> list[tuple[Sequence, int]] | None:
+        """Admit a waiting sequence, or the waiting beams of one request together (a half-admitted
+        beam family would hold blocks while it waits for the rest): prefix-cache lookup, blocks for
+        each member's first chunk. Members past the token budget are admitted with 0 tokens and
+        prefill from the next step. None (changing nothing) when the pool is short."""
+        taken: list[tuple[Sequence, int, int]] = []  # (seq, cached tokens, new tokens)
+        for seq in gang:
             use_cache = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
             prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes) if use_cache else []
             if seq.forks_pending and prefix and len(prefix) * self.bm.block_size >= seq.num_prompt_tokens - 1:
@@ -101,22 +125,33 @@ class Scheduler:
             cached = len(prefix) * self.bm.block_size
             n = min(self._tokens_to_compute(seq, cached), budget)
             if not self.bm.allocate(seq.block_table, cached + n, prefix):
-                break
-            self.waiting.popleft()
+                for s, _, _ in taken:
+                    self.bm.free(s.block_table)
+                return None
+            taken.append((seq, cached, n))
+            budget -= n
+        now = time.time()
+        for seq, cached, n in taken:
+            self.waiting.remove(seq)
             seq.num_computed_tokens = seq.num_cached_tokens = cached
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.time()
+                seq.first_scheduled_time = now
             self.running.append(seq)
             self.stats.prefix_hit_tokens += cached
             self.stats.prompt_tokens_queried += seq.num_tokens
-            scheduled[seq] = n
-            budget -= n
+        return [(seq, n) for seq, _, n in taken]
 
-        self.stats.computed_tokens += sum(scheduled.values())
-        used = self.bm.num_blocks - self.bm.num_free_blocks
-        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
-        return SchedulerOutput(list(scheduled.items()), preempted, copies)
+    @staticmethod
+    def _family(seq: Sequence, queue: Iterable[Sequence]) -> list[Sequence]:
+        """What is scheduled as one unit with seq, in queue order: a beam advances only when all its
+        request's beams have their next-token log-probs, so the beams in `queue` are admitted and
+        preempted together (one left behind would wait forever on the others' blocks). Any other
+        sequence, n / best_of children included, stands alone: children are independent after the
+        fork (as vLLM v1 makes them separate requests), so each only needs to fit by itself."""
+        if not seq.params.use_beam_search:
+            return [seq]
+        return [s for s in queue if s.request_id == seq.request_id]
 
     @staticmethod
     def _tokens_to_compute(seq: Sequence, computed: int | None = None) -> int:
@@ -136,6 +171,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.block_table)
         seq.num_computed_tokens = 0
+        seq.pending_logprobs = None  # a beam recomputes its next-token log-probs on readmission
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -144,15 +180,20 @@ class Scheduler:
     # ---------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, list[int]],
                            rejected: dict[Sequence, int] | None = None) -> dict[Sequence, list[int]]:
-        """Advance progress, append sampled tokens, finish sequences that hit a token-level stop.
+        """Advance progress, append sampled tokens, register filled blocks, finish sequences that hit a
+        token-level stop (EOS, stop_token_ids, max_tokens).
 
         A speculating sequence ran its last token plus its drafts; `rejected[seq]` of those drafts
         were wrong: they leave the token list, their KV slots are rolled back (blocks past the
         computed tokens return to the pool), and the accepted drafts plus the corrected token are
-        appended like any sampled tokens. Returns the tokens each sequence actually received.
+        appended like any sampled tokens, up to the first that stops the sequence (the rest are
+        dropped, as if they had been sampled one step at a time). Blocks are hashed only after the
+        tokens they hold are back in the token list. Returns the tokens each sequence received.
         """
         rejected = rejected or {}
         bs = self.bm.block_size
+        now = time.time()
+        received: dict[Sequence, list[int]] = {}
         for seq, n in out.scheduled:
             if seq.num_draft:
                 del seq.token_ids[len(seq.token_ids) - seq.num_draft:]
@@ -161,28 +202,36 @@ class Scheduler:
             seq.num_computed_tokens += n - rejected.get(seq, 0)
             if rejected.get(seq):
                 self.bm.shrink(seq.block_table, seq.num_computed_tokens)
-            if seq.num_computed_tokens // bs > before // bs:  # a block filled up this step
-                self.bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens,
-                                          seq.block_hashes, first=before // bs)
-        now = time.time()
-        received: dict[Sequence, list[int]] = {}
-        for seq, toks in sampled.items():
-            got = received[seq] = []
-            for tok in toks:
-                seq.append_token(tok)
-                got.append(tok)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                p = seq.params
-                if not p.ignore_eos and tok in seq.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
-                    self.finish(seq, "stop")
-                elif tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
-                    self.finish(seq, "stop", stop_reason=tok)
-                elif seq.num_output_tokens >= p.max_tokens:
-                    self.finish(seq, "length")
-                if seq.is_finished:
-                    break
+            stop = None
+            if seq in sampled:
+                got, stop = self._append(seq, sampled[seq], now)
+                received[seq] = got
+            filled = min(seq.num_computed_tokens, seq.num_tokens)  # tokens whose KV is in the blocks
+            if filled // bs > before // bs:  # a block filled up this step
+                self.bm.cache_full_blocks(seq.block_table, seq.token_ids, filled, seq.block_hashes,
+                                          first=before // bs)
+            if stop is not None:
+                self.finish(seq, *stop)
         return received
+
+    @staticmethod
+    def _append(seq: Sequence, tokens: list[int], now: float) -> tuple[list[int], tuple | None]:
+        """Append tokens up to and including the first that ends the sequence; returns the appended
+        tokens and (finish reason, stop reason) if one did."""
+        p = seq.params
+        got: list[int] = []
+        for tok in tokens:
+            seq.append_token(tok)
+            got.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if not p.ignore_eos and tok in seq.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
+                return got, ("stop", None)
+            if tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+                return got, ("stop", tok)
+            if seq.num_output_tokens >= p.max_tokens:
+                return got, ("length", None)
+        return got, None
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence (stop, length, abort, error) and free its blocks at once."""

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
+from lmserve.kv.cache import KVCache
+from lmserve.models.loader import hf_config
 
 
 def hf_beam(model, prompt: list[int], width: int, n: int, max_new: int, eos=None, lp: float = 1.0):  # type: ignore[no-untyped-def]
@@ -61,3 +63,31 @@ def test_beam_shares_blocks(tiny_models):  # type: ignore[no-untyped-def]
     # 4 beams of 64 + 16 tokens held separately would need 4 * 5 = 20 blocks at the peak
     assert shared.stats().peak_used_blocks <= 4 + 4 * 2
     assert shared.stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_beam_under_kv_pressure(tiny_models, width):  # type: ignore[no-untyped-def]
+    """Defect 1: one beam request (prompt 8, block size 4, pools of 8-16 blocks) whose max_tokens
+    filled the pool for one sequence was accepted, then stalled the scheduler ("scheduler stalled").
+    Now a family that can never fit is refused up front, naming the field, and a family that fits
+    finishes beside a request that fills the pool, preempted and readmitted as a whole."""
+    path, hf = tiny_models["llama"]
+    per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
+    prompt, other = list(range(10, 18)), list(range(20, 48))
+    preempted = 0
+    for pool in (8, 12, 16):
+        llm = LLM(str(path), block_size=4, kv_cache_memory=per_block * pool, enable_prefix_caching=False)
+        never = SamplingParams(use_beam_search=True, n=1, best_of=width, max_tokens=pool * 4 - 8, ignore_eos=True)
+        with pytest.raises(ValueError, match="best_of"):
+            llm.generate([prompt], never, use_tqdm=False)
+        fits = pool // width * 4 - 8  # the family's sequences fill the pool together
+        if fits < 1:
+            continue
+        beam = SamplingParams(use_beam_search=True, n=1, best_of=width, max_tokens=fits, ignore_eos=True)
+        plain = SamplingParams(max_tokens=pool * 4 - 28, temperature=0, ignore_eos=True)  # fills the pool
+        outs = llm.generate([other, prompt], [plain, beam], use_tqdm=False)
+        assert [o.token_ids for o in outs[1].outputs] == hf_beam(hf, prompt, width, 1, fits)
+        st = llm.stats()
+        assert st.used_blocks == 0 and not llm.engine.requests
+        preempted += st.num_preemptions
+    assert preempted > 0

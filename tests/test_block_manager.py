@@ -30,25 +30,39 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free", "commit", "fo
 def test_random_ops_no_leak(ops, num_blocks, block_size):  # type: ignore[no-untyped-def]
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
     holders: dict[int, tuple[list[int], list[int]]] = {}  # id -> (block table, token ids)
+    content: dict[int, list[int | None]] = {}  # block -> the token whose KV each slot holds (the "cache")
     prefixes = [[1, 2, 3, 4, 5, 6, 7, 8] * 3, [9, 9, 9, 9] * 5, [4, 3, 2, 1] * 6]
+
+    def write(table: list[int], tokens: list[int], start: int, copies: list[tuple[int, int]]) -> None:
+        for src, dst in copies:  # the runner copies before the forward writes
+            content[dst] = list(content.get(src, [None] * block_size))
+        for pos in range(start, len(tokens)):
+            content.setdefault(table[pos // block_size], [None] * block_size)[pos % block_size] = tokens[pos]
+
     for op, who, n, family in ops:
         if op == "alloc" and who not in holders:
             tokens = prefixes[family][: n % 20 + 1] + list(range(100 + who, 100 + who + n))
             table: list[int] = []
             prefix = bm.find_cached_prefix(tokens)
             assert len(prefix) * block_size < len(tokens)
+            for i, b in enumerate(prefix):  # a hit block holds exactly these tokens' KV
+                assert content[b] == tokens[i * block_size:(i + 1) * block_size]
             if bm.allocate(table, len(tokens), prefix):
                 assert table[: len(prefix)] == prefix
                 holders[who] = (table, tokens)
+                write(table, tokens, len(prefix) * block_size, [])
             else:
                 assert table == []
         elif op == "grow" and who in holders:
             table, tokens = holders[who]
             before = list(table)
             tokens.extend(range(n % 7))
-            if bm.reserve(table, len(tokens) - n % 7, len(tokens)) is None:
+            copies = bm.reserve(table, len(tokens) - n % 7, len(tokens))
+            if copies is None:
                 assert table == before
                 tokens[:] = tokens[: len(tokens) - n % 7]
+            else:
+                write(table, tokens, len(tokens) - n % 7, copies)
         elif op == "commit" and who in holders:
             table, tokens = holders[who]
             bm.cache_full_blocks(table, tokens, len(tokens))
@@ -72,6 +86,7 @@ def test_random_ops_no_leak(ops, num_blocks, block_size):  # type: ignore[no-unt
                 for i in range(start // block_size, len(table)):
                     assert bm.ref_count[table[i]] == 1  # every block written is private
                 tokens.extend([7] * (n % 5 + 1))
+                write(table, tokens, start, copies)
         elif op == "free" and who in holders:
             table, _ = holders.pop(who)
             bm.free(table)

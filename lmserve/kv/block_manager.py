@@ -5,14 +5,17 @@ reused first), and the map from a full block's chained token hash to the block h
 touches tensors; the Sequence owns its own block table (a list of block ids) and the manager
 edits it only through the methods below.
 
-Prefix caching: a full block's hash is hash((hash of the block before, its token ids)), so equal
-hashes mean equal whole prefixes. A block whose last holder leaves keeps its hash and goes to the
+Prefix caching: a full block's hash is sha256(hash of the block before + its token ids), so equal
+hashes mean equal whole prefixes (a cryptographic hash, as vLLM uses: with Python's `hash()` a
+crafted prompt could collide with another tenant's block and read its KV). A block whose last holder leaves keeps its hash and goes to the
 back of the free queue; a new request with the same prefix takes it back (a hit) until it is reused
 for other tokens (then its hash is dropped).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -28,8 +31,9 @@ class BlockStats:
     used: int
 
 
-def chain_hash(parent: int | None, tokens: Seq[int]) -> int:
-    return hash((parent, tuple(tokens)))
+def chain_hash(parent: bytes | None, tokens: Seq[int]) -> bytes:
+    """sha256 over the parent block's hash and this block's token ids (int64 each)."""
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:
@@ -43,8 +47,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
 
     # ---------------------------------------------------------------- queries
     @property
@@ -58,7 +62,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_hashes(self, token_ids: Seq[int], num_full: int, known: list[int] | None = None) -> list[int]:
+    def block_hashes(self, token_ids: Seq[int], num_full: int, known: list[bytes] | None = None) -> list[bytes]:
         """Chained hashes of the first `num_full` full blocks of token_ids.
 
         `known` is the caller's memo of hashes already computed for these tokens (a Sequence keeps
@@ -70,7 +74,7 @@ class BlockManager:
             out.append(chain_hash(out[-1] if out else None, token_ids[i * bs:(i + 1) * bs]))
         return out[:num_full]
 
-    def find_cached_prefix(self, token_ids: Seq[int], known: list[int] | None = None) -> list[int]:
+    def find_cached_prefix(self, token_ids: Seq[int], known: list[bytes] | None = None) -> list[int]:
         """Blocks holding the longest cached prefix of token_ids, leaving >= 1 token to compute."""
         if not self.enable_prefix_caching:
             return []
@@ -149,7 +153,7 @@ class BlockManager:
         block_table.clear()
 
     def cache_full_blocks(self, block_table: list[int], token_ids: Seq[int], num_computed: int,
-                          known: list[int] | None = None, first: int = 0) -> None:
+                          known: list[bytes] | None = None, first: int = 0) -> None:
         """Register the hashes of the full, computed blocks of a sequence so others can share them;
         blocks before `first` were seen on an earlier step."""
         if not self.enable_prefix_caching:

@@ -1,0 +1,358 @@
+"""The scheduler on its own: a Scheduler + BlockManager + Sequences, no model.
+
+A small driver plays the engine and the runner: it proposes drafts, runs a step by writing each
+scheduled token into a simulated KV cache (block -> the token whose KV each slot holds), samples
+tokens, and holds the tokens of lock-step families (beams, which advance together) until every
+member has sampled. Every check reads that simulated cache, so a block that holds the wrong tokens
+(a bad hash, a stale copy) is seen as such.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmserve.kv.block_manager import BlockManager, chain_hash
+from lmserve.scheduler import Scheduler, SchedulerOutput
+from lmserve.sequence import SamplingParams, Sequence, Status
+
+
+def new_seq(rid: str, prompt: list[int], max_tokens: int = 8, index: int = 0, width: int = 1) -> Sequence:
+    """A sequence; width > 1 makes it one of `width` beams (which the scheduler keeps together)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                            use_beam_search=width > 1, best_of=width if width > 1 else None)
+    return Sequence(rid, list(prompt), params, index=index)
+
+
+class Driver:
+    """Engine + runner stand-in around a real Scheduler and BlockManager."""
+
+    def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16,
+                 prefix_caching: bool = True, seed: int = 0) -> None:
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget)
+        self.bs = block_size
+        self.content: dict[int, list[int | None]] = {}
+        self.families: dict[str, list[Sequence]] = {}
+        self.lockstep: set[str] = set()
+        self.parent_hash: dict[bytes, bytes | None] = {}
+        self.rng = random.Random(seed)
+
+    # ------------------------------------------------------------ requests (what validation admits)
+    def fits(self, prompt_len: int, max_tokens: int, width: int = 1) -> bool:
+        """Engine.validate: each sequence fits the pool; beams (width > 1) all at once."""
+        return width <= self.sched.max_num_seqs and \
+            width * self.bm.blocks_needed(prompt_len + max_tokens) <= self.bm.num_blocks
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 8, width: int = 1) -> None:
+        """A plain request (width 1) or `width` beams that advance in lock-step."""
+        fam = [new_seq(rid, prompt, max_tokens, i, width) for i in range(width)]
+        self.families[rid] = fam
+        if width > 1:
+            self.lockstep.add(rid)
+        for s in fam:
+            self.sched.add(s)
+
+    def fork(self, parent: Sequence) -> Sequence:
+        """What Engine._clone does: a running copy holding the parent's blocks by reference."""
+        fam = self.families[parent.request_id]
+        child = new_seq(parent.request_id, parent.prompt_token_ids, parent.params.max_tokens, len(fam))
+        child.token_ids = list(parent.token_ids)
+        child.block_table = self.bm.fork(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        fam.append(child)
+        self.sched.add_running(child, after=parent)
+        return child
+
+    def abort(self, rid: str) -> None:
+        for s in self.families.pop(rid, []):
+            self.sched.finish(s, "abort")
+        self.lockstep.discard(rid)
+
+    def live(self) -> list[Sequence]:
+        return [s for fam in self.families.values() for s in fam if not s.is_finished]
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.sched.running or self.sched.waiting)
+
+    # ------------------------------------------------------------ one step
+    def step(self, max_draft: int = 0) -> SchedulerOutput:
+        drafted = []
+        for s in list(self.sched.running):  # the proposer: drafts for decoding, free-running sequences
+            room = s.params.max_tokens - s.num_output_tokens - 1
+            k = min(self.rng.randint(0, max_draft), room)
+            if s.request_id not in self.lockstep and s.num_tokens - s.num_computed_tokens == 1 and k > 0:
+                s.token_ids.extend(self.rng.randrange(4) for _ in range(k))
+                s.num_draft = k
+                drafted.append(s)
+        out = self.sched.schedule()
+        got = dict(out.scheduled)
+        for s in drafted:  # what Engine._trim_drafts does
+            keep = max(0, got.get(s, 0) - 1) if s.status is Status.RUNNING else 0
+            if keep < s.num_draft:
+                del s.token_ids[len(s.token_ids) - (s.num_draft - keep):]
+                s.num_draft = keep
+        self.check_step(out)
+        for src, dst in out.block_copies:  # the runner: copies, then the forward writes K/V
+            self.content[dst] = list(self.content.get(src, [None] * self.bs))
+        sampled: dict[Sequence, list[int]] = {}
+        rejected: dict[Sequence, int] = {}
+        for s, n in out.scheduled:
+            c = s.num_computed_tokens
+            for pos in range(c, c + n):
+                self.content.setdefault(s.block_table[pos // self.bs], [None] * self.bs)[pos % self.bs] = \
+                    s.token_ids[pos]
+            if c + n != s.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            bonus = self.rng.randrange(4)
+            if s.request_id in self.lockstep:
+                s.pending_logprobs = bonus  # a beam waits for its siblings (Engine._beam_step)
+            elif s.num_draft:
+                acc = self.rng.randint(0, s.num_draft)
+                sampled[s] = s.token_ids[s.num_tokens - s.num_draft:][:acc] + [bonus]
+                rejected[s] = s.num_draft - acc
+            else:
+                sampled[s] = [bonus]
+        self.sched.update_from_output(out, sampled, rejected)
+        for rid in list(self.lockstep):
+            fam = [s for s in self.families.get(rid, []) if not s.is_finished]
+            if fam and all(s.status is Status.RUNNING and s.pending_logprobs is not None for s in fam):
+                for s in fam:
+                    s.append_token(s.pending_logprobs)
+                    s.pending_logprobs = None
+                    if s.num_output_tokens >= s.params.max_tokens:
+                        self.sched.finish(s, "length")
+        for rid in [r for r, fam in self.families.items() if all(s.is_finished for s in fam)]:
+            del self.families[rid]
+            self.lockstep.discard(rid)
+        self.check_state()
+        return out
+
+    def run_until_done(self, max_steps: int = 2000, **kw: int) -> int:
+        steps = 0
+        while self.pending:
+            out = self.step(**kw)
+            assert not out.is_empty, "the scheduler stalled with work pending"
+            steps += 1
+            assert steps < max_steps
+        return steps
+
+    # ------------------------------------------------------------ invariants
+    def check_step(self, out: SchedulerOutput) -> None:
+        # a copy's target is a scheduled sequence's private block that already holds computed tokens
+        # (the partial block it shared), never a block handed out fresh
+        partial = {s.block_table[i] for s, _ in out.scheduled
+                   for i in range(-(-s.num_computed_tokens // self.bs))}
+        for src, dst in out.block_copies:
+            assert dst in partial, f"copy-on-write pair {src}->{dst} targets no sequence's shared block"
+            assert self.bm.ref_count[dst] == 1 and self.bm.ref_count[src] >= 1
+        n = sum(n for _, n in out.scheduled)
+        assert n <= self.sched.max_num_batched_tokens
+        assert len(self.sched.running) <= self.sched.max_num_seqs
+
+    def check_state(self) -> None:
+        bm, bs = self.bm, self.bs
+        counts = [0] * bm.num_blocks
+        for s in self.live():
+            for b in s.block_table:
+                counts[b] += 1
+            if s.status is Status.WAITING:
+                assert not s.block_table and s.pending_logprobs is None
+        assert counts == bm.ref_count, "reference counts must equal the number of holders"
+        assert all((bm.ref_count[b] == 0) == (b in bm.free_queue) for b in range(bm.num_blocks))
+        for s in self.live():
+            if s.status is not Status.RUNNING:
+                continue
+            for pos in range(s.num_computed_tokens):  # the cache holds each computed token's KV
+                assert self.content[s.block_table[pos // bs]][pos % bs] == s.token_ids[pos], (s, pos)
+            parent = None
+            for b in s.block_table[:s.num_computed_tokens // bs]:
+                h = bm.block_hash[b]
+                if h is None:
+                    break
+                assert h == chain_hash(parent, self.content[b]), "a block registered under another block's hash"
+                self.parent_hash[h] = parent
+                parent = h
+        for h, b in bm.hash_to_block.items():  # cached blocks, held or free, still hold what they hash
+            assert bm.block_hash[b] == h
+            if h in self.parent_hash:
+                assert h == chain_hash(self.parent_hash[h], self.content[b])
+
+
+# ---------------------------------------------------------------- order and budget
+def test_decode_first_then_prefill_chunks_then_admission():
+    d = Driver(num_blocks=64, budget=10)
+    d.add("a", list(range(3)))
+    d.step()  # a's prompt (3 tokens) in one chunk
+    d.add("b", list(range(100, 120)))  # 20 tokens: chunks of what the budget leaves
+    out = d.step()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("b", 9)]
+    d.add("c", [7, 7, 7])
+    out = d.step()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("b", 9)]  # no budget left for c
+    out = d.step()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("b", 2), ("c", 3)]
+    assert [s.request_id for s, _ in d.step().scheduled] == ["a", "b", "c"]  # all decoding now
+
+
+def test_chunk_sizes_follow_the_budget():
+    d = Driver(num_blocks=64, budget=32)
+    d.add("long", list(range(100)), max_tokens=2)
+    chunks = [d.step().scheduled[0][1] for _ in range(5)]
+    assert chunks == [32, 32, 32, 4, 1]  # the last prompt chunk samples; then one decode token
+
+
+def test_preempts_the_tail_and_admits_nothing_that_step():
+    d = Driver(num_blocks=4, block_size=4, budget=64)
+    d.add("a", list(range(7)), max_tokens=8)  # 2 blocks, grows to 4
+    d.add("b", list(range(50, 57)), max_tokens=8)
+    d.step()
+    assert d.bm.num_free_blocks == 0
+    d.add("c", [1, 2, 3])
+    out = d.step()  # a's 8th token fits its second block; b's too
+    out = d.step()  # a needs a third block: the tail (b) is preempted, c is not admitted
+    assert [s.request_id for s in out.preempted] == ["b"]
+    assert [s.request_id for s, _ in out.scheduled] == ["a"]
+    assert [s.request_id for s in d.sched.waiting] == ["b", "c"]  # the victim goes to the front
+    assert d.families["b"][0].num_computed_tokens == 0 and not d.families["b"][0].block_table
+    d.run_until_done()
+    assert d.bm.num_free_blocks == d.bm.num_blocks
+
+
+# ---------------------------------------------------------------- families (defects 1 and 7)
+def test_beams_are_preempted_and_readmitted_as_a_whole():
+    d = Driver(num_blocks=12, block_size=4, budget=64)
+    d.add("solo", list(range(30, 44)), max_tokens=8)
+    d.add("beam", list(range(8)), max_tokens=4, width=3)
+    for _ in range(20):
+        order = [s for s in d.sched.running if s.request_id == "beam"]
+        out = d.step()
+        if out.preempted:
+            break
+    assert sorted(s.index for s in out.preempted) == [0, 1, 2]
+    assert all(s.request_id == "beam" for s in out.preempted)
+    assert list(d.sched.waiting) == order  # in running order, at the front
+    d.run_until_done()
+    assert d.bm.num_free_blocks == d.bm.num_blocks
+
+
+def test_forked_children_stand_alone():
+    """n / best_of children are independent after the fork: the tail child alone is preempted, so
+    a family larger than the pool still finishes (each child fits by itself)."""
+    d = Driver(num_blocks=8, block_size=4, budget=64)
+    d.add("fam", list(range(8)), max_tokens=16)  # 6 blocks at the end; 3 children need 14 at least
+    d.step()
+    p = d.families["fam"][0]
+    d.fork(p)
+    d.fork(p)
+    alone = 0  # steps where a child was preempted while a sibling ran on
+    while d.pending:
+        out = d.step()
+        assert not out.is_empty
+        alone += bool(out.preempted) and any(s.request_id == "fam" for s, _ in out.scheduled)
+    assert alone > 0
+    assert d.bm.num_free_blocks == d.bm.num_blocks
+
+
+def test_lockstep_family_under_pressure_never_stalls():
+    """Beams that have sampled wait (0 tokens to run) for their siblings: with a family that fits the
+    pool (what validation now demands), preemption of whole families always lets it finish. The
+    engine-level case of defect 1 (a family that could never fit) is in test_beam.py."""
+    stalled_configs = 0
+    for width in (2, 3, 4):
+        for num_blocks in (8, 12, 16):
+            d = Driver(num_blocks=num_blocks, block_size=4, budget=64)
+            max_tokens = num_blocks // width * 4 - 8  # the family fills the pool
+            if max_tokens < 1:
+                continue
+            assert d.fits(8, max_tokens, width)
+            d.add("other", [1, 2, 3], max_tokens=4)
+            d.add("beam", list(range(10, 18)), max_tokens=max_tokens, width=width)
+            d.run_until_done()
+            stalled_configs += d.sched.stats.num_preemptions > 0
+            assert d.bm.num_free_blocks == num_blocks
+    assert stalled_configs > 0  # the pressure was real: families were preempted and came back
+
+
+def test_copy_on_write_pairs_of_a_victim_are_dropped():
+    """Defect 7: a sequence that got a private copy this step and is then preempted must not leave
+    its (src, dst) pair behind: dst has just been freed and may now be someone else's fresh block."""
+    d = Driver(num_blocks=6, block_size=4, budget=64)
+    y = new_seq("y", list(range(100, 120)))  # still prefilling: scheduled after the decodes
+    assert d.bm.allocate(y.block_table, 8)
+    p = new_seq("p", list(range(6)))
+    assert d.bm.allocate(p.block_table, 6)
+    p.append_token(9)
+    for s, computed in ((y, 8), (p, 6)):
+        s.num_computed_tokens, s.status = computed, Status.RUNNING
+        d.sched.running.append(s)
+        d.families[s.request_id] = [s]
+    d.fork(p)  # p and its child share p's 2 blocks, the second half full; 2 blocks free
+    out = d.sched.schedule()
+    # p writes into the shared block (a copy takes 1 free block); y's next chunk needs 3 blocks:
+    # the tail family (p and its child) is preempted, and p's copy must go with it
+    assert {s.request_id for s in out.preempted} == {"p"}
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("y", 12)]
+    assert out.block_copies == []
+    d.check_step(out)
+
+
+# ---------------------------------------------------------------- speculation and prefix hashes (defect 4)
+def test_speculative_steps_register_blocks_over_their_real_tokens():
+    """Defect 4: after verification the computed count moved past the token list (the accepted
+    drafts were not appended back yet), so a block that filled was hashed over a short slice."""
+    d = Driver(num_blocks=64, block_size=4, budget=64)
+    d.add("a", [5, 6, 7], max_tokens=24)
+    d.step()  # 3 prompt tokens computed, 1 sampled
+    seq = d.families["a"][0]
+    seq.token_ids.extend([8, 9, 9, 9])  # drafts that fill the second block
+    seq.num_draft = 4
+    out = d.sched.schedule()
+    d.sched.update_from_output(out, {seq: [8, 9, 9, 9, 1]}, {seq: 0})  # all accepted, plus a bonus
+    assert seq.num_computed_tokens == 8 and seq.token_ids[4:] == [8, 9, 9, 9, 1]
+    h0 = chain_hash(None, seq.token_ids[:4])
+    assert d.bm.block_hash[seq.block_table[0]] == h0
+    assert d.bm.block_hash[seq.block_table[1]] == chain_hash(h0, [8, 9, 9, 9])
+    # a later request with the same 8 tokens hits both blocks
+    assert d.bm.find_cached_prefix(seq.token_ids[:8] + [3]) == seq.block_table[:2]
+
+
+# ---------------------------------------------------------------- random workloads
+events = st.lists(st.tuples(st.sampled_from(["add", "add", "beam", "abort", "fork", "step", "step", "step"]),
+                            st.integers(0, 2**16)), min_size=1, max_size=60)
+
+
+@settings(max_examples=120, deadline=None)
+@given(events=events, num_blocks=st.integers(6, 20), block_size=st.sampled_from([2, 4]),
+       budget=st.sampled_from([4, 8, 32]), max_draft=st.integers(0, 3), prefix=st.booleans())
+def test_random_workload_invariants(events, num_blocks, block_size, budget, max_draft, prefix):  # type: ignore[no-untyped-def]
+    """Random arrivals, beams, aborts, forks and speculative accept counts under a tight pool:
+    reference counts equal holders, every computed token's KV is where its sequence reads it, every
+    cached block's hash is the hash of its tokens, nothing stalls, and all blocks are free at the end."""
+    d = Driver(num_blocks, block_size, max_num_seqs=6, budget=budget, prefix_caching=prefix)
+    prefixes = [[1, 2, 3, 0] * 4, [3, 2, 1, 0] * 3, [2, 2]]
+    for i, (ev, r) in enumerate(events):
+        rng = random.Random(r)
+        if ev in ("add", "beam"):
+            prompt = prefixes[r % 3][: rng.randint(1, 12)] + [rng.randrange(4) for _ in range(rng.randint(0, 5))]
+            width = rng.randint(2, 3) if ev == "beam" else 1
+            max_tokens = rng.randint(1, 10)
+            if d.fits(len(prompt), max_tokens, width):
+                d.add(f"r{i}", prompt, max_tokens, width)
+        elif ev == "abort" and d.families:
+            d.abort(rng.choice(sorted(d.families)))
+        elif ev == "fork":
+            cands = [s for s in d.sched.running if s.request_id not in d.lockstep]
+            if cands:
+                s = rng.choice(cands)
+                d.fork(s)  # children stand alone: each fits as its parent does
+        elif d.pending:
+            out = d.step(max_draft=max_draft)
+            assert not out.is_empty, "the scheduler stalled with work pending"
+    d.run_until_done(max_draft=max_draft)
+    assert not d.families
+    assert d.bm.num_free_blocks == num_blocks
