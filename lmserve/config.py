@@ -8,30 +8,33 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 DEFAULT_MODEL = "smollm2-135m"
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 1e12, "tb": 1e12}
+_UNITS = {"b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """'1GiB' / '512MiB' / '2e9' / 123 -> a byte count. Plain numbers below 1024 are read as GiB."""
+    """A byte count, parsed exactly: a number is bytes (123, 2e9); a string needs its unit
+    ('2GiB', '512MiB', '1e9B', '500MB'; KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB of 10). No
+    unit is ever guessed: '512B' is 512 bytes, and '2' is refused."""
+    if isinstance(value, bool):
+        raise ValueError(f"kv_cache_memory: expected a byte count, got {value!r}")
     if isinstance(value, (int, float)):
         n = float(value)
     else:
-        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]+)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"kv_cache_memory: cannot parse {value!r} (use e.g. '2GiB', '512MiB', 1e9)")
+            raise ValueError(f"kv_cache_memory: cannot parse {value!r}: give a number of bytes or a size "
+                             f"with its unit, e.g. '2GiB', '512MiB', '1000000B'")
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if n <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
-    if n < 1024:  # a bare small number means GiB, as users write "kv_cache_memory=2"
-        n *= 2**30
+    if not n > 0 or n != int(n):
+        raise ValueError(f"kv_cache_memory must be a positive whole number of bytes, got {value!r}")
     return int(n)
 
 
@@ -153,7 +156,6 @@ class EngineConfig:
     ngram_max: int = 3
     spec_max_batch: int = 8  # no speculation when more sequences than this are running
     spec_min_acceptance: float = 0.25  # pause a request's speculation below this running acceptance rate
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -114,8 +114,17 @@ class Engine:
         self.model_config, self.model, self.tokenizer = load_model(config)
         cfg = self.model_config
         self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
+        draft = None  # a draft model's weights are loaded before the memory profile, so it counts them
+        if config.speculative_method == "draft":
+            dcfg, dmodel, _ = load_model(config.replace(model=config.draft_model or config.model),
+                                         config.draft_num_layers)
+            draft = (dcfg, dmodel)
         self.kv_budget = config.kv_cache_memory if config.kv_cache_memory is not None else self._profile_kv_budget()
-        num_blocks = KVCache.blocks_for_budget(cfg, config.block_size, config.torch_dtype, self.kv_budget)
+        # one budget for every KV cache: a draft model's cache takes its share by bytes per token
+        draft_budget = 0 if draft is None else \
+            self.kv_budget * draft[0].kv_elems_per_token // (draft[0].kv_elems_per_token + cfg.kv_elems_per_token)
+        num_blocks = KVCache.blocks_for_budget(cfg, config.block_size, config.torch_dtype,
+                                               self.kv_budget - draft_budget)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={self.kv_budget} bytes holds no KV block of "
                              f"{KVCache.bytes_per_block(cfg, config.block_size, config.torch_dtype)} bytes")
@@ -130,7 +139,7 @@ class Engine:
             except RuntimeError as e:  # a model or kernel that cannot be captured: serve eagerly, say so
                 log.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
                 self.runner.graphs = None
-        self.proposer = build_proposer(config, cfg, self.kv_budget) if config.speculative_method else None
+        self.proposer = build_proposer(config, cfg, draft_budget, draft) if config.speculative_method else None
         self.requests: dict[str, list[Sequence]] = {}
         self.beams: dict[str, BeamState] = {}  # beam-search requests: their search state
         self.final_only: set[str] = set()  # requests whose caller wants only the finished output
@@ -202,7 +211,10 @@ class Engine:
         return ids
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Checks that need the model: lengths, vocabulary, KV capacity."""
+        """The request's options, then the checks that need the model: lengths, vocabulary, KV capacity."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        params.validate()
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt: {n} tokens, but the model's context is {self.max_model_len}")
@@ -213,9 +225,20 @@ class Engine:
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        need = self.block_manager.blocks_needed(n + params.max_tokens)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer, so stop strings cannot be matched; "
+                             "use stop_token_ids")
+        # beams are scheduled and preempted as a whole, so all of them must fit at once, each at its
+        # longest (shared blocks are not counted on: a readmitted beam recomputes its own copy)
+        family = params.beam_width if params.use_beam_search else 1
+        field = "max_tokens" if family == 1 else ("best_of" if params.best_of else "n")
+        if family > self.config.max_num_seqs:
+            raise ValueError(f"{field}: {family} sequences for one request, but max_num_seqs is "
+                             f"{self.config.max_num_seqs}")
+        need = family * self.block_manager.blocks_needed(n + params.max_tokens)
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"max_tokens: the request needs {need} KV blocks but the cache has "
+            raise ValueError(f"{field}: the request needs {need} KV blocks"
+                             f"{f' ({family} sequences)' if family > 1 else ''} but the cache has "
                              f"{self.block_manager.num_blocks}; raise kv_cache_memory or lower max_tokens")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -228,8 +251,6 @@ class Engine:
         outputs to build: what a batch caller such as LLM.generate wants); streaming callers leave it off.
         """
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params: must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ids = self.tokenize_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
@@ -341,8 +362,8 @@ class Engine:
         """Advance a beam-search request once every running beam has its next-token log-probs."""
         st = self.beams[rid]
         seqs = [s for s in self.requests[rid] if not s.is_finished]
-        if any(s.pending_logprobs is None for s in seqs):
-            return  # a beam was preempted or not scheduled: wait for it
+        if any(s.pending_logprobs is None or s.status is not Status.RUNNING for s in seqs):
+            return  # a beam was preempted (with its family) or not scheduled yet: wait for it
         lp = torch.stack([s.pending_logprobs for s in seqs])  # (B, V)
         for s in seqs:
             s.pending_logprobs = None
@@ -404,11 +425,16 @@ class Engine:
         res = self.runner.execute(out)
         for seq, new in self.scheduler.update_from_output(out, res.sampled, res.rejected).items():
             try:
-                self._process_text(seq, new)
+                kept = self._process_text(seq, new)
             except Exception as e:  # one request's failure must not reach the others
                 log.exception("output processing failed for %s", seq.request_id)
                 seq.error = f"{type(e).__name__}: {e}"
                 self.scheduler.finish(seq, "error")
+                continue
+            for lp in res.logprobs.get(seq, [])[:kept]:  # only the tokens that stayed
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp.logprob
         for seq, _ in out.scheduled:
             if seq.forks_pending and seq.num_computed_tokens == seq.num_prompt_tokens - 1 and not seq.is_finished:
                 self._fork(seq)
@@ -427,30 +453,39 @@ class Engine:
                 self._forget(rid)
         return outputs
 
-    def _process_text(self, seq: Sequence, new_tokens: list[int]) -> None:
+    def _process_text(self, seq: Sequence, new_tokens: list[int]) -> int:
         """Detokenize the new tokens one by one and apply stop strings (the stop string itself is not
-        emitted). Tokens after a stop string (possible when several arrive at once) are dropped."""
+        emitted). Tokens after a stop string (possible when several arrive at once) are dropped.
+        Returns how many of new_tokens the sequence keeps.
+
+        Several tokens arrive at once from speculation; they are checked in order, exactly as if each
+        had come in its own step: a stop string completed by an earlier token wins over an EOS or
+        stop token that comes after it (which ended the sequence in the scheduler already), while a
+        token-level stop on the last token wins over a stop string on that same token, as it does
+        one token at a time.
+        """
         if seq.detok is None:
-            return
+            return len(new_tokens)
         p = seq.params
+        last = len(new_tokens) - 1
         for i, tok in enumerate(new_tokens):
             before = len(seq.text)
             seq.text += seq.detok.step([tok])
-            if not p.stop or seq.finish_reason not in (None, "length"):
+            if not p.stop or (i == last and seq.finish_reason not in (None, "length")):
                 continue
             for stop in p.stop:
                 idx = seq.text.find(stop, max(0, before - len(stop) + 1))
                 if idx == -1:
                     continue
                 seq.text = seq.text[:idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
-                extra = len(new_tokens) - i - 1
-                if extra:
-                    del seq.token_ids[len(seq.token_ids) - extra:]
-                if seq.is_finished:  # hit the length limit on the same token: the stop wins
+                if i < last:
+                    del seq.token_ids[len(seq.token_ids) - (last - i):]
+                if seq.is_finished:  # ended on a later token (EOS, length): the stop string wins
                     seq.finish_reason, seq.stop_reason = "stop", stop
                 else:
                     self.scheduler.finish(seq, "stop", stop_reason=stop)
-                return
+                return i + 1
+        return len(new_tokens)
 
     def _make_output(self, rid: str, seqs: list[Sequence]) -> RequestOutput:
         if rid in self.beams:

@@ -20,9 +20,12 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
-        known = {f for f in EngineConfig.__dataclass_fields__}
-        extra = {k: engine_options.pop(k) for k in list(engine_options) if k not in known}
-        self.engine = Engine(EngineConfig(model=model, extra=extra, **engine_options))
+        known = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine option(s) {', '.join(map(repr, unknown))}; "
+                            f"see EngineConfig for the options")
+        self.engine = Engine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
     @property

@@ -32,6 +32,9 @@ class RunnerOutput:
 
     sampled: dict[Sequence, list[int]]
     rejected: dict[Sequence, int] = field(default_factory=dict)
+    # the sampled tokens' logprobs, aligned with `sampled`, for sequences that need them (logprobs
+    # asked for, or best_of ranking); the engine records those of the tokens it keeps
+    logprobs: dict[Sequence, list[Logprob]] = field(default_factory=dict)
     beam: list[Sequence] = field(default_factory=list)  # beam sequences whose next-token logprobs are ready
 
 
@@ -127,16 +130,11 @@ class ModelRunner:
             res = self.sampler(logits, sampling)
             for seq, tok, lp in zip(sampling, res.token_ids, res.logprobs):
                 result.sampled[seq] = [tok]
-                self._record_logprob(seq, lp)
+                if lp is not None:
+                    result.logprobs[seq] = [lp]
         for seq, start, n in speculating:
             self._verify(seq, hidden[start:start + n], result)
         return result
-
-    def _record_logprob(self, seq: Sequence, lp: Logprob | None) -> None:
-        if lp is not None:
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(lp)
-            seq.cumulative_logprob += lp.logprob
 
     def _verify(self, seq: Sequence, hidden: torch.Tensor, result: RunnerOutput) -> None:
         """Score the last committed token and the drafts in one pass, then rejection-sample."""
@@ -153,8 +151,8 @@ class ModelRunner:
         seq.spec_acceptance = 0.7 * seq.spec_acceptance + 0.3 * (accepted / k)
         if seq.params.needs_logprob:
             raw = logits.log_softmax(dim=-1)  # (k+1, V)
-            for i, tok in enumerate(tokens):
-                self._record_logprob(seq, make_logprob(raw[i], tok, seq.params.logprobs or 0))
+            result.logprobs[seq] = [make_logprob(raw[i], tok, seq.params.logprobs or 0)
+                                    for i, tok in enumerate(tokens)]
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, n: int) -> None:
         """Record logprobs of prompt tokens predicted from this chunk's positions. hidden: (n, hidden)."""

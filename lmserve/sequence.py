@@ -7,6 +7,7 @@ The block manager owns reference counts; the scheduler owns the queues the seque
 from __future__ import annotations
 
 import enum
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,11 @@ class SamplingParams:
     MAX_LOGPROBS = 20
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Normalise and check every field; ValueError naming the first bad one. Run on construction
+        and again by the engine, since a dataclass can be changed after it was built."""
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
@@ -63,7 +69,12 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "length_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "must be a finite number")
+        if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
@@ -146,7 +157,7 @@ class Sequence:
 
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list, init=False)
-    block_hashes: list[int] = field(default_factory=list, init=False)  # memo of full-block hashes
+    block_hashes: list[bytes] = field(default_factory=list, init=False)  # memo of full-block hashes (sha256)
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at the last admission
     status: Status = field(default=Status.WAITING, init=False)

@@ -156,10 +156,18 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix = 0
         self.read = len(self.ids)
+        # A prompt given as token ids may end inside a UTF-8 character (its text ends in U+FFFD): its
+        # last tokens count as not yet emitted, so that `read` (and later `prefix`) sits on a
+        # character boundary and the character, once an output token completes it, is output text.
+        while self.read > 0 and len(self.ids) - self.read < 3 and \
+                self.tok.decode(self.ids[:self.read], self.skip).endswith("\ufffd"):
+            self.read -= 1
 
     def step(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        prev = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        # Emitted text still ending in U+FFFD (a prompt ending in bytes that are no character at all)
+        # must not stop every later delta: compare without it.
+        prev = self.tok.decode(self.ids[self.prefix:self.read], self.skip).rstrip("\ufffd")
         full = self.tok.decode(self.ids[self.prefix:], self.skip)
         if full.endswith("\ufffd") or not full.startswith(prev):
             return ""  # an unfinished UTF-8 character, or a merge that rewrote the earlier text: wait

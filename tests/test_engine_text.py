@@ -18,6 +18,14 @@ def serves_good_request(llm: LLM) -> None:
     assert st.num_running == 0 and st.num_waiting == 0 and st.used_blocks == 0
 
 
+def changed(**kw):  # type: ignore[no-untyped-def]
+    """Valid SamplingParams changed afterwards (a dataclass allows it): only the engine can catch it."""
+    p = SP(max_tokens=4)
+    for k, v in kw.items():
+        setattr(p, k, v)
+    return p
+
+
 @pytest.mark.parametrize("field,make", [
     ("prompt", lambda llm: llm.generate([""], GOOD)),
     ("prompt", lambda llm: llm.generate([[]], GOOD)),
@@ -25,19 +33,32 @@ def serves_good_request(llm: LLM) -> None:
     ("prompt_token_ids", lambda llm: llm.generate([[1, -5]], GOOD)),
     ("prompt", lambda llm: llm.generate([[5] * 8192], GOOD)),
     ("max_tokens", lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=8192))),
-    ("max_tokens", lambda llm: llm.generate(["hi"], SP(max_tokens=0))),
-    ("temperature", lambda llm: llm.generate(["hi"], SP(temperature=-0.5))),
-    ("top_p", lambda llm: llm.generate(["hi"], SP(top_p=0.0))),
-    ("top_p", lambda llm: llm.generate(["hi"], SP(top_p=1.5))),
-    ("top_k", lambda llm: llm.generate(["hi"], SP(top_k=-3))),
+    ("max_tokens", lambda llm: llm.generate(["hi"], changed(max_tokens=0))),
+    ("temperature", lambda llm: llm.generate(["hi"], changed(temperature=-0.5))),
+    ("temperature", lambda llm: llm.generate(["hi"], changed(temperature=float("nan")))),
+    ("top_p", lambda llm: llm.generate(["hi"], changed(top_p=0.0))),
+    ("top_p", lambda llm: llm.generate(["hi"], changed(top_p=1.5))),
+    ("top_k", lambda llm: llm.generate(["hi"], changed(top_k=-3))),
     ("logit_bias", lambda llm: llm.generate(["hi"], SP(logit_bias={99999: 1.0}))),
     ("stop_token_ids", lambda llm: llm.generate(["hi"], SP(stop_token_ids=[-1]))),
-    ("logprobs", lambda llm: llm.generate(["hi"], SP(logprobs=50))),
+    ("logprobs", lambda llm: llm.generate(["hi"], changed(logprobs=50))),
+    ("params", lambda llm: llm.engine.add_request("x", "hi", {"max_tokens": 4})),  # type: ignore[arg-type]
 ])
 def test_bad_input_raises_and_engine_survives(smol, field, make):  # type: ignore[no-untyped-def]
+    """Every row reaches the engine (the first bad field is named) and leaves it serving."""
     with pytest.raises(ValueError, match=field):
         make(smol)
+    assert not smol.engine.has_unfinished_requests()
     serves_good_request(smol)
+
+
+@pytest.mark.parametrize("field,kw", [("max_tokens", dict(max_tokens=0)), ("temperature", dict(temperature=-0.5)),
+                                      ("temperature", dict(temperature=float("inf"))),
+                                      ("top_p", dict(top_p=0.0)), ("top_k", dict(top_k=-3)),
+                                      ("logprobs", dict(logprobs=50)), ("min_p", dict(min_p=float("nan")))])
+def test_sampling_params_name_the_bad_field(field, kw):  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=field):
+        SP(**kw)
 
 
 def test_bad_request_in_a_batch_runs_nothing(smol):  # type: ignore[no-untyped-def]
@@ -129,3 +150,89 @@ def test_cpu_default_kv_budget(smol):  # type: ignore[no-untyped-def]
     assert smol.engine.kv_budget == 2**30  # 1 GiB on the CPU unless given
     st = smol.stats()
     assert st.kv_capacity_tokens == st.num_blocks * st.block_size == (2**30 // (46080 * 16)) * 16
+
+
+def byte_tokens(tok, data: bytes) -> list[int]:  # type: ignore[no-untyped-def]
+    """One byte-level BPE token per byte (GPT-2's byte -> printable character map)."""
+    ids = {tok.raw.token_to_id(ch): b for ch, b in _BYTE_OF.items()}
+    table = {b: i for i, b in ids.items() if i is not None}
+    return [table[b] for b in data]
+
+
+def _byte_map() -> dict[str, int]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_OF = _byte_map()
+
+
+def test_detokenizer_prompt_cut_inside_a_character(smol):  # type: ignore[no-untyped-def]
+    """Defect 5: a prompt given as token ids that ends inside a UTF-8 character (its text ends in
+    U+FFFD) made every later delta empty. Cut emoji and CJK at every byte boundary: the output text
+    is what follows the prompt's last whole character, the completed character included, in deltas
+    that never hold a replacement character."""
+    tok = smol.tokenizer
+    text = "ok 日本🙂語 ½"
+    data = text.encode()
+    ids = byte_tokens(tok, data)
+    assert tok.decode(ids) == text
+    lead = tok.encode("Say:", add_special_tokens=False)
+    for k in range(1, len(ids)):
+        prompt = lead + ids[:k]
+        expected = text[len(data[:k].decode("utf-8", "ignore")):]
+        detok = IncrementalDetokenizer(tok, prompt)
+        pieces = [detok.step([i]) for i in ids[k:]]
+        assert "".join(pieces) == expected, k
+        assert not any("\ufffd" in p for p in pieces), k
+
+
+def test_generation_after_a_prompt_cut_inside_a_character(smol):  # type: ignore[no-untyped-def]
+    """The engine path of defect 5: text, and stop strings that match it."""
+    tok = smol.tokenizer
+    cut = tok.encode("Translate to English: 日本", add_special_tokens=False) + byte_tokens(tok, "語".encode())[:2]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    out = smol.generate([cut], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12
+    stable = tok.decode(cut).rstrip("\ufffd")
+    assert out.text and out.text == tok.decode(cut + out.token_ids)[len(stable):].rstrip("\ufffd")
+    stop = out.text.strip()[:3]
+    stopped = smol.generate([cut], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]),
+                            use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop and stop not in stopped.text
+
+
+def test_llm_rejects_unknown_options():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM("smollm2-135m", max_num_seq=8)  # a typo of max_num_seqs: refused before any loading
+
+
+@pytest.mark.parametrize("value,expected", [("512B", 512), ("2GiB", 2 * 2**30), ("1.5KiB", 1536), ("1e9B", 10**9),
+                                            ("500MB", 500 * 10**6), (4096, 4096), (2e9, 2 * 10**9)])
+def test_kv_cache_memory_units_are_exact(value, expected):  # type: ignore[no-untyped-def]
+    from lmserve.config import parse_bytes
+    assert parse_bytes(value) == expected
+
+
+@pytest.mark.parametrize("value", ["2", "512", "1 parsec", "0B", "0.5B", -1, True])
+def test_kv_cache_memory_without_a_unit_is_refused(value):  # type: ignore[no-untyped-def]
+    from lmserve.config import EngineConfig
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        EngineConfig(kv_cache_memory=value)
+
+
+def test_stop_strings_need_a_tokenizer(tiny_models):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), kv_cache_memory="16MiB")
+    assert llm.tokenizer is None
+    with pytest.raises(ValueError, match="stop"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 4

@@ -122,7 +122,8 @@ def cmd_latency(a: argparse.Namespace) -> int:
     peak = a.peak_bandwidth_tbs * 1e12 if a.peak_bandwidth_tbs else None
     res: dict[str, Any] = {"bench": "latency", "baselines": {}}
     r = res["lmserve"] = run_latency(llm, a.batch_size, a.input_len, a.output_len, a.repeats, peak, a.seed)
-    lines = [f"lmserve batch {a.batch_size}, {a.input_len} in / {a.output_len} out: TTFT p50 "
+    r["load_time_s"] = llm.engine.load_time  # cold start: model load + KV cache (+ graph capture)
+    lines = [f"lmserve engine load {r['load_time_s']:.1f} s; batch {a.batch_size}, {a.input_len} in / {a.output_len} out: TTFT p50 "
              f"{r['ttft_s']['p50'] * 1e3:.1f} ms, TPOT p50 {r['tpot_s']['p50'] * 1e3:.2f} ms "
              f"(p90 {r['tpot_s']['p90'] * 1e3:.2f}, p99 {r['tpot_s']['p99'] * 1e3:.2f}), "
              f"{r['tokens_per_s']:,.1f} tok/s end to end, {r['decode_tokens_per_s']:,.1f} tok/s decode; "

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import torch
+
 from lmserve.config import EngineConfig, ModelConfig
 
 
-def build_proposer(config: EngineConfig, target: ModelConfig, kv_budget: int):  # type: ignore[no-untyped-def]
+def build_proposer(config: EngineConfig, target: ModelConfig, kv_budget: int,
+                   draft: tuple[ModelConfig, torch.nn.Module] | None = None):  # type: ignore[no-untyped-def]
+    """The n-gram proposer, or the draft-model proposer over the draft (config, model) the engine
+    loaded, with a KV cache of kv_budget bytes (the draft's share of the engine's one budget)."""
     if config.speculative_method == "ngram":
         from lmserve.spec.ngram import NgramProposer
         return NgramProposer(config.ngram_min, config.ngram_max)
     if config.speculative_method == "draft":
-        from lmserve.engine import load_model
         from lmserve.spec.draft import DraftModelProposer
-        dcfg = config.replace(model=config.draft_model or config.model)
-        cfg, model, _ = load_model(dcfg, config.draft_num_layers)
+        if draft is None:
+            raise ValueError("speculative_method='draft' needs the draft model loaded by the engine")
+        cfg, model = draft
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"draft_model: vocabulary {cfg.vocab_size} differs from the target's {target.vocab_size}")
-        # the draft's cache holds about as many tokens as the target's
-        budget = max(1, kv_budget * cfg.kv_elems_per_token // target.kv_elems_per_token)
-        return DraftModelProposer(model, cfg, budget, config)
+        return DraftModelProposer(model, cfg, kv_budget, config)
     raise ValueError(f"unknown speculative_method {config.speculative_method!r}")
