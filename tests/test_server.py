@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from collections import deque
 
 import httpx
 import pytest
@@ -209,6 +210,37 @@ BAD = [
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}, None, 400,
      "top_logprobs"),
+    # non-finite numbers (Python's json reads the bare tokens NaN / Infinity)
+    ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "temperature": Infinity}', 400, "temperature"),
+    ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e999}', 400, "temperature"),
+    ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "top_p": -Infinity}', 400, "top_p"),
+    ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "min_p": NaN}', 400, "min_p"),
+    ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "repetition_penalty": Infinity}', 400,
+     "repetition_penalty"),
+    ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "presence_penalty": NaN}', 400,
+     "presence_penalty"),
+    ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "length_penalty": NaN}', 400, "length_penalty"),
+    ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": Infinity}}', 400,
+     "logit_bias"),
+    ("/v1/chat/completions", None,
+     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": NaN}', 400, "temperature"),
+    # stream_options only with stream: true
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}}, None, 400,
+     "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": False,
+                              "stream_options": {"include_usage": True}}, None, 400, "stream_options"),
+    # chat top_logprobs only with logprobs: true
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 2},
+     None, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": False,
+                              "top_logprobs": 0}, None, 400, "top_logprobs"),
+    # content is required but for assistant messages
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 2}, None, 400, "messages.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}], "max_tokens": 2}, None, 400,
+     "messages.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}],
+                              "max_tokens": 2}, None, 400, "messages.content"),
 ]
 
 
@@ -221,6 +253,16 @@ def test_bad_input(server, client, path, body, raw, status, param):  # type: ign
     if param is not None:
         assert err["param"] == param or (err["param"] or "").startswith(param), err
     good_request_works(client)
+
+
+def test_assistant_message_may_omit_content(server):  # type: ignore[no-untyped-def]
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "What is the weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "user", "content": "Never mind."}]
+    r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
 
 
 def test_wrong_content_type(server, client):  # type: ignore[no-untyped-def]
@@ -249,7 +291,7 @@ def test_queue_full_gives_429(server, client, monkeypatch):  # type: ignore[no-u
                                                     json={"prompt": f"Story {i}:", "max_tokens": 40,
                                                           "ignore_eos": True}))
             first = send(0)
-            await until(lambda: len(server["engine"].scheduler.running) == 1)
+            await until(lambda: server["ae"].stats.num_running == 1)  # as the engine thread published it
             second = send(1)  # max_num_seqs=1: this one waits
             await until(lambda: server["ae"].num_waiting == 1)
             extra = await c.post(server["url"] + "/v1/completions", headers=h, json={"prompt": "hi", "max_tokens": 2})
@@ -329,6 +371,47 @@ def test_64_concurrent_streams_match_alone(server, client):  # type: ignore[no-u
                                           temperature=0).choices[0].text
         assert texts[i] == alone, i
     assert_idle(server)
+
+
+class _ThreadLog(deque):
+    """A deque that records the threads that ask its length."""
+
+    threads: set[str]
+
+    def __len__(self) -> int:
+        self.threads.add(threading.current_thread().name)
+        return super().__len__()
+
+
+def test_engine_state_is_read_on_the_engine_thread_only(server, monkeypatch):  # type: ignore[no-untyped-def]
+    """/metrics and the queue limit read the engine thread's published snapshot: Engine.stats walks the KV
+    free queue that the engine thread mutates ("dictionary changed size during iteration")."""
+    eng = server["engine"]
+    threads: set[str] = set()
+    stats = eng.stats
+
+    def recorded_stats():  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name)
+        return stats()
+
+    monkeypatch.setattr(eng, "stats", recorded_stats)
+    waiting = _ThreadLog(eng.scheduler.waiting)
+    waiting.threads = threads
+    monkeypatch.setattr(eng.scheduler, "waiting", waiting)
+
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as c:
+            streams = asyncio.gather(*(stream_one(c, server["url"], p, 12) for p in PROMPTS[:8]))
+            while not streams.done():
+                r = await c.get(server["url"] + "/metrics")
+                assert r.status_code == 200 and "lmserve_kv_blocks_used" in r.text
+                await asyncio.sleep(0.01)
+            return await streams
+
+    assert all(asyncio.run(go()))
+    assert_idle(server)
+    monkeypatch.undo()
+    assert threads == {"lmserve-engine"}
 
 
 def test_32_disconnects_free_everything(server, client):  # type: ignore[no-untyped-def]

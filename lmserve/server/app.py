@@ -115,6 +115,8 @@ class OpenAIServer:
             bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
         except ValueError:
             raise ApiError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
         if body.use_beam_search and body.stream:
             raise ApiError(400, "use_beam_search: beam search results cannot be streamed", param="use_beam_search")
         if body.stream and body.best_of and body.best_of > body.n:
@@ -381,6 +383,8 @@ class OpenAIServer:
         self.check_model(body.model)
         if self.tok is None or not self.tok.has_chat_template:
             raise ApiError(400, "messages: this model has no chat template", param="messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: only allowed when logprobs is true", param="top_logprobs")
         try:
             msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]

@@ -4,6 +4,11 @@ through queues, so the event loop never runs a forward pass.
 Requests enter and leave only between steps: `submit` and `abort` put work on thread-safe lists that
 the loop drains before each step; each request's outputs are pushed to its own asyncio.Queue with
 `loop.call_soon_threadsafe`.
+
+Readers on other threads (/metrics, the queue limit) never touch the Engine: the loop publishes a
+snapshot of `Engine.stats()` at start, when idle, after a step that follows new arrivals, and
+otherwise every STATS_INTERVAL_S (the snapshot walks the KV free queue: not on every step), and they
+read that.
 """
 
 from __future__ import annotations
@@ -11,14 +16,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from lmserve.engine import Engine
+from lmserve.engine import Engine, EngineStats
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import SamplingParams
 
 log = logging.getLogger("lmserve.server")
+
+STATS_INTERVAL_S = 0.05
 
 
 class EngineDeadError(RuntimeError):
@@ -53,6 +61,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self.error: BaseException | None = None
+        self._stats = engine.stats()  # no thread yet: safe to read here
+        self._stats_at = time.monotonic()
+        self._unpublished = 0  # requests handed to the engine since the last snapshot
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -69,9 +80,15 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     @property
+    def stats(self) -> EngineStats:
+        """The engine's stats as the engine thread last published them."""
+        return self._stats
+
+    @property
     def num_waiting(self) -> int:
+        """Requests not yet scheduled: queued here, or waiting in the engine as of the last snapshot."""
         with self._lock:
-            return len(self._pending) + len(self.engine.scheduler.waiting)
+            return len(self._pending) + self._unpublished + self._stats.num_waiting
 
     def has_room(self, n: int = 1) -> bool:
         """Whether n more requests may wait without passing max_queue."""
@@ -115,6 +132,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain()
                 if not self.engine.has_unfinished_requests():
+                    self._publish()
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -130,6 +148,8 @@ class AsyncEngine:
                         stream.put(out)
                         if out.finished:
                             del self._streams[out.request_id]
+                if self._unpublished or time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
+                    self._publish()
         except BaseException as e:  # the loop itself died: /health turns 503
             log.exception("engine loop died")
             self.error = e
@@ -140,6 +160,7 @@ class AsyncEngine:
         with self._lock:
             pending, self._pending = self._pending, []
             aborts, self._aborts = self._aborts, []
+            self._unpublished += len(pending)
         for rid, ids, params, stream in pending:
             try:
                 self.engine.add_request(rid, ids, params)
@@ -149,6 +170,12 @@ class AsyncEngine:
         for rid in aborts:
             self.engine.abort_request(rid)
             self._streams.pop(rid, None)
+
+    def _publish(self) -> None:
+        """Snapshot the engine's stats for readers on other threads (engine thread only)."""
+        st = self.engine.stats()
+        with self._lock:
+            self._stats, self._stats_at, self._unpublished = st, time.monotonic(), 0
 
     def _fail_all(self, error: BaseException, pending_too: bool = False) -> None:
         for rid in list(self.engine.requests):

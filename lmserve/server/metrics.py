@@ -1,5 +1,6 @@
 """Prometheus metrics: request outcomes and latencies (observed as requests finish), and engine state
-(read from the engine's stats at scrape time)."""
+(the snapshot of the engine's stats that the engine thread last published: a scrape never touches the
+Engine, which that thread mutates)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class _EngineCollector:
         self.ae = async_engine
 
     def collect(self):  # type: ignore[no-untyped-def]
-        st = self.ae.engine.stats()
+        st = self.ae.stats
         g = GaugeMetricFamily
         yield g("lmserve_num_requests_running", "Sequences running in the engine", value=st.num_running)
         yield g("lmserve_num_requests_waiting", "Requests waiting to be scheduled", value=self.ae.num_waiting)

@@ -1,11 +1,12 @@
 """OpenAI request bodies (pydantic). Unknown fields are ignored, as OpenAI does; the extension fields
-that vLLM accepts and benchmark clients send are accepted and honoured."""
+that vLLM accepts and benchmark clients send are accepted and honoured. Numbers must be finite (JSON
+bodies parsed by Python may hold NaN / Infinity)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -13,7 +14,7 @@ MAX_STOP = 16
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -74,8 +75,18 @@ class ContentPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v: str | list[ContentPart] | None, info: ValidationInfo
+                          ) -> str | list[ContentPart] | None:
+        """Only an assistant message (one that made tool calls) may come without content."""
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"is required for a {role} message")
+        return v
 
     def text(self) -> str:
         if self.content is None:
