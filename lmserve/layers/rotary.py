@@ -18,6 +18,11 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         return inv
     if kind == "linear":
         return inv / float(scaling["factor"])
+    if kind == "freq_factors":  # llama.cpp's rope_freqs tensor: one divisor per frequency
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float64)  # (d/2,)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope_scaling freq_factors: expected {inv.numel()} (head_dim / 2), got {factors.numel()}")
+        return inv / factors
     if kind == "llama3":
         factor = float(scaling["factor"])
         lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -27,7 +32,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         scaled = torch.where(wavelen > old / lo, inv / factor, inv)
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,8 +78,21 @@ def hf_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(cfg)
 
 
+def _safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files that hold the model, as transformers picks them: those named by
+    `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`. Other files
+    beside them are not read: Mistral repos ship `consolidated.safetensors`, the same weights under
+    Mistral's own names."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(path.glob("*.safetensors"))
+
+
 def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(path.glob("*.safetensors"))
+    files = _safetensors_files(path)
     if files:
         from safetensors import safe_open
         for f in files:
@@ -184,9 +198,31 @@ class GGUFFile:
             qkv_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
             sliding_window=g("attention.sliding_window"),
+            rope_scaling=self._rope_scaling(arch),
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
+
+    def _rope_scaling(self, arch: str) -> dict[str, Any] | None:
+        """The `{arch}.rope.scaling.*` keys and the `rope_freqs` tensor as ModelConfig.rope_scaling.
+
+        Read as llama.cpp reads them: a missing type means linear, the factor may sit under its old
+        name `rope.scale_linear`, type 'none' turns the factor off, and `rope_freqs` (what the converter
+        writes for Llama-3.x's llama3 scaling) divides each frequency, on top of any linear factor.
+        Other types (yarn, longrope) are passed on by name, so that building the rotary raises, as for
+        an HF config whose scaling it does not implement.
+        """
+        g = lambda k: self.field(f"{arch}.{k}")  # noqa: E731
+        kind = g("rope.scaling.type") or "linear"
+        if kind not in ("none", "linear"):
+            return {"rope_type": kind, "factor": float(g("rope.scaling.factor") or 1.0)}
+        factor = 1.0 if kind == "none" else float(g("rope.scaling.factor") or g("rope.scale_linear") or 1.0)
+        freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:
+            from gguf import quants
+            divisors = np.asarray(quants.dequantize(freqs.data, freqs.tensor_type), dtype=np.float64)  # (d/2,)
+            return {"rope_type": "freq_factors", "freq_factors": tuple((divisors.reshape(-1) * factor).tolist())}
+        return {"rope_type": "linear", "factor": factor} if factor != 1.0 else None
 
     _NAMES = {
         "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -230,7 +266,7 @@ class GGUFFile:
             if part not in self._NAMES:
                 raise ValueError(f"GGUF tensor {name!r} is not understood")
             return f"model.layers.{layer}.{self._NAMES[part]}.{kind}"
-        return None  # e.g. rope_freqs: not a parameter
+        return None  # e.g. rope_freqs: not a parameter (config() reads it as RoPE scaling)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
