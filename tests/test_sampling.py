@@ -1,4 +1,5 @@
-"""Sampler: statistical checks against softmax(logits / T), filter sets, penalties, seeds, stops."""
+"""Sampler: statistical checks against softmax(logits / T), filter sets, penalties, seeds, stops; and
+the pooled chi-square helpers, one-sample (imported by tests/test_spec.py) and two-sample."""
 
 from __future__ import annotations
 
@@ -25,14 +26,77 @@ def make_seqs(params: SamplingParams, n: int, seed0: int = 0, prompt=(1, 2, 3), 
     return seqs
 
 
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; p-value from the regularized upper incomplete gamma."""
-    n = counts.sum()
-    expected = probs * n
-    keep = expected > 0
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    df = int(keep.sum()) - 1
+def pool_small_bins(expected: torch.Tensor, counts: torch.Tensor, least: float = 5.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the bins whose expected count is below `least` into one bin (with as many of the next
+    smallest as it takes to reach `least`): the chi-square approximation needs expected counts of
+    about 5, and a hundred near-empty bins only add degrees of freedom. expected: (K,) used to order
+    the bins; counts: (S, K). Returns (K',) and (S, K')."""
+    small = int((expected < least).sum())
+    if small == 0:
+        return expected, counts
+    order = expected.argsort()  # (K,) ascending
+    exp_sorted, cnt_sorted = expected[order], counts[:, order]
+    cum = exp_sorted.cumsum(0)  # (K,)
+    m = small
+    while m < len(cum) and cum[m - 1] < least:
+        m += 1
+    return (torch.cat([cum[m - 1:m], exp_sorted[m:]]),  # (K - m + 1,)
+            torch.cat([cnt_sorted[:, :m].sum(1, keepdim=True), cnt_sorted[:, m:]], dim=1))  # (S, K - m + 1)
+
+
+def _chi2_sf(stat: torch.Tensor, df: int) -> float:
+    """Upper tail of the chi-square distribution: the regularized upper incomplete gamma."""
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit of counts (K,) to probs (K,), small bins pooled.
+    A count in a bin of probability 0 is impossible: p = 0; a single possible bin: p = 1."""
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    keep = probs > 0
+    expected, obs = pool_small_bins(probs[keep].double() * counts.sum(), counts[keep].double().unsqueeze(0))
+    if len(expected) == 1:  # one possible outcome (or one pooled bin): nothing to test
+        return 1.0
+    return _chi2_sf(((obs[0] - expected) ** 2 / expected).sum(), len(expected) - 1)
+
+
+def two_sample_pvalue(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Chi-square test that two count vectors (K,) come from one distribution, small bins pooled."""
+    obs = torch.stack([a, b]).double()[:, (a + b) > 0]  # (2, K)
+    share = obs.sum(1) / obs.sum()  # (2,): each sample's part of all draws
+    _, obs = pool_small_bins(obs.sum(0) * share.min(), obs)  # ordered by the smaller expected count
+    expected = obs.sum(0) * share.unsqueeze(1)  # (2, K')
+    return _chi2_sf(((obs - expected) ** 2 / expected).sum(), obs.shape[1] - 1)
+
+
+def allowed_set(logits: torch.Tensor, params: SamplingParams) -> tuple[list[int], torch.Tensor]:
+    """From the definitions, in float64: the tokens a row may emit under temperature, top-k, then
+    top-p and min-p of the top-k distribution (the most likely token always stays), and the
+    renormalised distribution over them (V,). Asserts that no token sits within 1e-4 of a cut, where
+    the sampler's float32 could decide otherwise."""
+    p = torch.softmax(logits.double() / params.temperature, dim=-1)  # (V,)
+    order = p.argsort(descending=True)  # (V,)
+    q = p[order].clone()  # (V,) sorted
+    cuts = []  # (distance of each token from a cut,) per filter
+    if params.top_k > 0:
+        cuts.append(q[params.top_k - 1:params.top_k] - q[params.top_k:params.top_k + 1])
+        q[params.top_k:] = 0
+    q /= q.sum()
+    live = q > 0
+    before = q.cumsum(0) - q  # (V,) mass strictly before each token
+    if params.top_p < 1:
+        cuts.append((before - params.top_p)[live])
+    if params.min_p > 0:
+        cuts.append((q - params.min_p * q[0])[live])
+    assert all(c.abs().min() > 1e-4 for c in cuts)
+    keep = live & (before < params.top_p) & (q >= params.min_p * q[0])
+    keep[0] = True
+    allowed = order[keep]
+    dist = torch.zeros_like(p)
+    dist[allowed] = p[allowed] / p[allowed].sum()
+    return sorted(allowed.tolist()), dist
 
 
 def test_temperature_sampling_matches_softmax():
@@ -52,39 +116,64 @@ def test_temperature_sampling_matches_softmax():
     assert chi2_pvalue(counts, torch.softmax(logits, dim=-1)) < 1e-6
 
 
-@pytest.mark.parametrize("kind", ["top_k", "top_p", "min_p"])
+FILTER_CASES = {  # per row of one batch: (temperature, top_k, top_p, min_p)
+    "top_k": [(1.0, 1, 1.0, 0.0), (1.0, 2, 1.0, 0.0), (0.7, 3, 1.0, 0.0), (1.5, 5, 1.0, 0.0)],
+    "top_p": [(1.0, -1, 0.1, 0.0), (1.0, -1, 0.3, 0.0), (0.7, -1, 0.5, 0.0), (1.5, -1, 0.35, 0.0)],
+    "min_p": [(1.0, -1, 1.0, 0.9), (1.0, -1, 1.0, 0.5), (0.7, -1, 1.0, 0.3), (1.5, -1, 1.0, 0.6)],
+    "combined": [(1.0, 6, 0.5, 0.0), (1.0, 4, 1.0, 0.4), (0.8, -1, 0.6, 0.3), (1.2, 5, 0.7, 0.2)],
+}
+
+
+@pytest.mark.parametrize("kind", list(FILTER_CASES))
 def test_filters_never_emit_outside_allowed_set(kind):  # type: ignore[no-untyped-def]
+    """Each row's samples fall exactly in its allowed set (computed from the definitions in float64):
+    nothing outside it, every token of it with probability >= 1% seen, and the renormalised
+    distribution within it. The sets are small (1 to ~6 of 40 tokens) and the logits flat, so a
+    filter that lets one more token through emits it within a few dozen draws."""
+    cases = FILTER_CASES[kind]
+    R, V, copies = len(cases), 40, 250
     torch.manual_seed(1)
-    V = 50
-    logits = torch.randn(V) * 3
-    p = torch.softmax(logits.double(), dim=-1)
-    order = p.argsort(descending=True)
-    if kind == "top_k":
-        params = SamplingParams(temperature=1.0, top_k=5, max_tokens=1)
-        allowed = set(order[:5].tolist())
-    elif kind == "top_p":
-        params = SamplingParams(temperature=1.0, top_p=0.6, max_tokens=1)
-        before = p[order].cumsum(0) - p[order]
-        allowed = set(order[before < 0.6].tolist())
-    else:
-        params = SamplingParams(temperature=1.0, min_p=0.2, max_tokens=1)
-        allowed = set(torch.nonzero(p >= 0.2 * p.max()).flatten().tolist())
-    seqs = make_seqs(params, 400)
-    seen: set[int] = set()
-    for _ in range(10):
-        seen |= set(Sampler()(logits.expand(len(seqs), V).clone(), seqs).token_ids)
-    assert seen <= allowed
-    assert len(seen) == len(allowed) or len(allowed) > 8  # the whole allowed set shows up
-    # within the allowed set, the renormalised distribution holds
-    counts = torch.zeros(V, dtype=torch.float64)
-    seqs = make_seqs(params, 1000, seed0=99)
-    for _ in range(10):
-        counts += torch.bincount(torch.tensor(Sampler()(logits.expand(1000, V).clone(), seqs).token_ids),
-                                 minlength=V).double()
-    mask = torch.zeros(V, dtype=torch.bool)
-    mask[list(allowed)] = True
-    q = torch.where(mask, p, 0.0)
-    assert chi2_pvalue(counts, q / q.sum()) > 1e-3
+    logits = torch.randn(R, V)  # (R, V): one row per case
+    params = [SamplingParams(temperature=t, top_k=k, top_p=tp, min_p=mp, max_tokens=1) for t, k, tp, mp in cases]
+    allowed = [allowed_set(logits[r], params[r]) for r in range(R)]
+    assert max(len(a) for a, _ in allowed) <= 8 and min(len(a) for a, _ in allowed) <= 2
+    seqs = [s for r in range(R) for s in make_seqs(params[r], copies, seed0=1000 * r)]  # row r: copies of case r
+    counts = torch.zeros(R, V, dtype=torch.float64)
+    for _ in range(4):  # 1,000 draws per case
+        out = torch.tensor(Sampler()(logits.repeat_interleave(copies, 0), seqs).token_ids).view(R, copies)
+        for r in range(R):
+            counts[r] += torch.bincount(out[r], minlength=V).double()
+    for r, (tokens, dist) in enumerate(allowed):
+        seen = torch.nonzero(counts[r]).flatten().tolist()
+        assert set(seen) <= set(tokens), (cases[r], seen, tokens)
+        assert set(seen) >= {t for t in tokens if dist[t] >= 0.01}, (cases[r], seen, tokens)
+        assert chi2_pvalue(counts[r], dist) > 1e-3, cases[r]
+
+
+def test_chi_square_pools_sparse_bins_and_has_power():
+    """The spec distribution test's situation: 1,500 draws over 128 tokens, most of the mass on a few
+    (a logit_bias), a long tail of nearly empty bins. Pooled, the same distribution passes and
+    temperature 1 against 1.3 is rejected, one-sample and two-sample, and so is 1 against 1.15,
+    which the test over all 128 bins would let through."""
+    torch.manual_seed(2)
+    V, N = 128, 1500
+    logits = torch.randn(V, dtype=torch.float64) * 0.5
+    logits[5:9] += 5.0
+    g = torch.Generator().manual_seed(3)
+
+    def sample(t: float) -> torch.Tensor:
+        draws = torch.multinomial(torch.softmax(logits / t, -1), N, replacement=True, generator=g)
+        return torch.bincount(draws, minlength=V).double()  # (V,)
+
+    a, b, hot = sample(1.0), sample(1.0), sample(1.3)
+    assert chi2_pvalue(a, torch.softmax(logits, -1)) > 1e-3
+    assert chi2_pvalue(hot, torch.softmax(logits, -1)) < 1e-6
+    assert two_sample_pvalue(a, b) > 1e-3
+    assert two_sample_pvalue(a, hot) < 1e-6
+    assert two_sample_pvalue(a, sample(1.15)) < 1e-6  # over all 128 bins: p = 6e-3, not rejected
+    # pooling: every pooled bin expects at least 5 draws, and the counts keep their total
+    expected, obs = pool_small_bins(torch.softmax(logits, -1) * N, a.unsqueeze(0))
+    assert expected.min() >= 5 and len(expected) < 20 and obs.sum() == N
 
 
 def test_penalties_match_reference():
@@ -100,6 +189,24 @@ def test_penalties_match_reference():
     ref[3] -= 0.25 * 2 + 0.5
     ref[6] -= 0.25 * 1 + 0.5
     ref[4] += 10.0
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_logit_bias_comes_before_penalties():
+    """As in vLLM v1: logit_bias first, then repetition, then frequency and presence, so a seen
+    token with a bias gets penalty(logit + bias); the sign the repetition penalty sees is the biased one."""
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.0, 0.0, 0.25]])
+    params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25,
+                            logit_bias={1: 3.0, 2: -3.0, 5: 1.0}, max_tokens=5)
+    s = Sequence("r", [0, 1], params)
+    s.token_ids += [1, 2]  # outputs: 1 and 2 once each; 0 only in the prompt
+    out = apply_penalties(logits.clone(), [s])[0].double()
+
+    def rep(x: float) -> float:
+        return x / 1.5 if x > 0 else x * 1.5
+
+    ref = torch.tensor([rep(0.5), rep(-1.0 + 3.0) - (0.25 + 0.5), rep(2.0 - 3.0) - (0.25 + 0.5), 0.0, 0.0,
+                        0.25 + 1.0], dtype=torch.float64)
     assert torch.allclose(out, ref, atol=1e-6)
 
 
@@ -124,14 +231,52 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
         assert list(lp.top) == ref[i].topk(3).indices.tolist()
 
 
-def test_seeded_request_is_batch_invariant(tiny_models):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("path", ["cpu", "gumbel"])
+def test_seeded_request_is_batch_invariant(path):  # type: ignore[no-untyped-def]
+    """A seeded row's tokens depend only on its own params, logits and generator, not on its batch.
+
+    "gumbel" is the path CUDA takes (Gumbel-max kernel, here under the Triton interpreter, for rows
+    without filters; inverse CDF for rows with them); "cpu" is inverse CDF throughout. The seeded row,
+    without filters (20 seeds) and then with top-p (5 seeds), is sampled alone and beside top-k /
+    top-p / min-p, greedy and unfiltered rows, for 2 steps each (the interpreter runs ~20 rows/s)."""
+    sampler = _gumbel_sampler() if path == "gumbel" else Sampler()
+    torch.manual_seed(7)
+    V = 16
+    neighbours = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3),
+                  SamplingParams(temperature=0.8, top_p=0.7, max_tokens=3),
+                  SamplingParams(temperature=0, max_tokens=3),
+                  SamplingParams(temperature=1.2, max_tokens=3),
+                  SamplingParams(temperature=1.0, min_p=0.3, max_tokens=3)]
+    mine = [(SamplingParams(temperature=0.9, max_tokens=3), range(20)),
+            (SamplingParams(temperature=0.9, top_p=0.9, max_tokens=3), range(5))]
+    at = 2  # the seeded row's place in the batch
+    differ = 0
+    for params, seeds in mine:
+        for seed in seeds:
+            alone = make_seqs(params, 1, seed0=seed)
+            batch = make_seqs(neighbours[0], 1, seed0=1000 + seed)  # the neighbours' own generators
+            batch += [make_seqs(q, 1, seed0=2000 + 10 * seed + j)[0] for j, q in enumerate(neighbours[1:])]
+            batch.insert(at, make_seqs(params, 1, seed0=seed)[0])
+            for _ in range(2):
+                logits = torch.randn(len(batch), V) * 2  # (B, V)
+                a = sampler(logits[at:at + 1].clone(), alone).token_ids[0]
+                assert sampler(logits.clone(), batch).token_ids[at] == a, (params, seed)
+                differ += a != logits[at].argmax().item()
+    assert differ > 10  # the seeded rows really sample (not an argmax that any path agrees on)
+
+
+def test_seeded_request_is_batch_invariant_end_to_end(tiny_models):  # type: ignore[no-untyped-def]
+    """Through the engine, CPU path: a seeded request without filters generates the same tokens alone
+    and beside requests with top-k / top-p, and unseeded requests get different noise."""
     path, _ = tiny_models["llama"]
     llm = LLM(str(path))
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=20, ignore_eos=True)
     alone = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
     others = [[i, i + 1, i + 2] * (i % 4 + 1) for i in range(10, 17)]
+    filters = [dict(top_k=5), dict(top_p=0.8), dict(min_p=0.2), dict()]
     batch = llm.generate([[5, 6, 7, 8]] + others,
-                         [params] + [SamplingParams(temperature=1.0, max_tokens=20 + i) for i in range(7)],
+                         [params] + [SamplingParams(temperature=1.0, max_tokens=20 + i, **filters[i % 4])
+                                     for i in range(7)],
                          use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
     unseeded = llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),

@@ -6,8 +6,9 @@ and a greedy row (T = 0) is a plain argmax. The uniforms come from Philox keyed 
 that the host draws from the sequence's own random.Random, so a seeded request is independent of
 its batch, as on the inverse-CDF path. One read of the (B, V) logits replaces the softmax, the
 float64 cumulative sum and the search of that path: at batch 256 and a 152k vocabulary that is about
-0.2 GB of traffic instead of about 2 GB per step. Used on CUDA when no row needs top-k / top-p /
-min-p (those need the sorted distribution); tested under TRITON_INTERPRET=1.
+0.2 GB of traffic instead of about 2 GB per step. Used on CUDA for the rows without top-k / top-p /
+min-p (those need the sorted distribution: the sampler draws them by inverse CDF, whatever the rest
+of the batch); tested under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

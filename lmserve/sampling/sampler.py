@@ -1,16 +1,17 @@
 """Batched sampling with per-request parameters.
 
-Order of logit processing (as vLLM does): penalties (repetition on prompt+output, presence and
-frequency on output), logit_bias, min_tokens masking of stop tokens, then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> sample.
+Order of logit processing (as vLLM v1 does): logit_bias, min_tokens masking of stop tokens, then the
+penalties (repetition on prompt+output, then frequency and presence on output) on the biased logits,
+then greedy argmax or temperature -> top-k -> top-p -> min-p -> sample.
 
 Sampling is by inverse CDF: one uniform u per row from that sequence's own random.Random, and the
-token is the first whose cumulative probability (float64) exceeds u. A seeded request therefore draws
-the same numbers whatever else is in the batch, and it costs one random number per row, not one per
-vocabulary entry. On CUDA, batches without top-k / top-p / min-p rows are drawn instead by the
-Gumbel-max trick in one Triton pass over the logits (sampling/gumbel.py), with a Philox seed per row
-from the same per-sequence generator. Logprobs are the model's raw log-softmax (before any
-processing), as vLLM and OpenAI report them.
+token is the first whose cumulative probability (float64) exceeds u. It costs one random number per
+row, not one per vocabulary entry. On CUDA, rows without top-k / top-p / min-p are drawn instead by
+the Gumbel-max trick in one Triton pass over the logits (sampling/gumbel.py), with a Philox seed per
+row from the same per-sequence generator. The method is chosen per row from that row's params (and
+the device) alone, so a seeded request draws the same tokens whatever else is in the batch (CUDA
+and the CPU give different, equally distributed, tokens for one seed). Logprobs are the model's raw
+log-softmax (before any processing), as vLLM and OpenAI report them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmserve.sequence import Logprob, Sequence
+from lmserve.sequence import Logprob, SamplingParams, Sequence
 from lmserve.utils import to_device, triton_available
 
 
@@ -39,14 +40,24 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
-    """Repetition / presence / frequency penalties, logit_bias and min_tokens, in place. logits: (B, V).
+    """logit_bias, min_tokens, then repetition / frequency / presence penalties, in place. logits: (B, V).
 
-    Built on the host as flat (row, token) lists: one gather/scatter per kind for the whole batch."""
-    rep: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, penalty
-    add: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, additive change
+    The order is vLLM v1's: the penalties see the biased logits. Built on the host as flat
+    (row, token) lists: one gather/scatter per kind for the whole batch."""
+    bias: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, logit_bias
     ban: tuple[list[int], list[int]] = ([], [])  # row, token -> -inf
+    rep: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, penalty
+    add: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, -(frequency + presence)
     for i, s in enumerate(seqs):
         p = s.params
+        if p.logit_bias:
+            bias[0].extend([i] * len(p.logit_bias))
+            bias[1].extend(p.logit_bias)
+            bias[2].extend(p.logit_bias.values())
+        if s.num_output_tokens < p.min_tokens:
+            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids))
+            ban[0].extend([i] * len(stops))
+            ban[1].extend(stops)
         if p.repetition_penalty != 1.0:
             seen = set(s.token_ids)
             rep[0].extend([i] * len(seen))
@@ -57,27 +68,23 @@ def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: 
                 add[0].append(i)
                 add[1].append(tok)
                 add[2].append(-(p.frequency_penalty * count + p.presence_penalty))
-        if p.logit_bias:
-            add[0].extend([i] * len(p.logit_bias))
-            add[1].extend(p.logit_bias)
-            add[2].extend(p.logit_bias.values())
-        if s.num_output_tokens < p.min_tokens:
-            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids))
-            ban[0].extend([i] * len(stops))
-            ban[1].extend(stops)
     dev = logits.device
+    if bias[0]:
+        idx = to_device(torch.tensor(bias[:2]), dev)  # (2, K)
+        logits.index_put_((idx[0], idx[1]), to_device(torch.tensor(bias[2], dtype=logits.dtype), dev),
+                          accumulate=True)
+    if ban[0]:
+        idx = to_device(torch.tensor(ban), dev)  # (2, K)
+        logits[idx[0], idx[1]] = float("-inf")
     if rep[0]:
         idx = to_device(torch.tensor(rep[:2]), dev)  # (2, K)
         pen = to_device(torch.tensor(rep[2], dtype=logits.dtype), dev)  # (K,)
-        vals = logits[idx[0], idx[1]]
+        vals = logits[idx[0], idx[1]]  # (K,)
         logits[idx[0], idx[1]] = torch.where(vals > 0, vals / pen, vals * pen)
     if add[0]:
         idx = to_device(torch.tensor(add[:2]), dev)  # (2, K)
         logits.index_put_((idx[0], idx[1]), to_device(torch.tensor(add[2], dtype=logits.dtype), dev),
                           accumulate=True)
-    if ban[0]:
-        idx = to_device(torch.tensor(ban), dev)  # (2, K)
-        logits[idx[0], idx[1]] = float("-inf")
     return logits
 
 
@@ -148,8 +155,9 @@ class Sampler:
 
     Everything decided per row (greedy or not, temperature, filters, the random numbers) is known on
     the host: it reaches the device as one small tensor per kind, and the step's one device-to-host
-    sync is reading back the chosen tokens. On CUDA, a batch without top-k / top-p / min-p rows is
-    sampled by the one-pass Gumbel-max kernel (sampling/gumbel.py); otherwise by inverse CDF.
+    sync is reading back the chosen tokens. The method is chosen per row, from that row's params
+    alone: on CUDA a row without top-k / top-p / min-p is sampled by the one-pass Gumbel-max kernel
+    (sampling/gumbel.py) and a row with them by inverse CDF; elsewhere every row by inverse CDF.
     """
 
     def __init__(self, gumbel: bool | None = None) -> None:
@@ -169,8 +177,11 @@ class Sampler:
     def target_probs(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
         """The distribution each row samples from, after all processing: (B, V) float32.
         Greedy rows are one-hot at their (processed) argmax."""
-        logits = self._penalized(logits, seqs)
-        params = [s.params for s in seqs]
+        return self._probs(self._penalized(logits, seqs), [s.params for s in seqs])
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """target_probs of logits (B, V) that already carry their penalties -> (B, V)."""
         any_greedy = any(p.temperature == 0 for p in params)
         if any_greedy:
             probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
@@ -188,24 +199,51 @@ class Sampler:
             return scaled.softmax(dim=-1)
         return torch.where(greedy.unsqueeze(1), probs, scaled.softmax(dim=-1))
 
+    def _inverse_cdf(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Penalized logits (B, V) -> tokens (B,): one uniform per sampled row from its generator."""
+        params = [s.params for s in seqs]
+        return draw(self._probs(logits, params), [None if p.temperature == 0 else s.generator
+                                                  for s, p in zip(seqs, params)])
+
+    @staticmethod
+    def _gumbel(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Penalized logits (B, V) -> tokens (B,) by the Gumbel-max kernel: one Philox seed per
+        sampled row from its generator; greedy rows (T = 0) take the plain argmax."""
+        temps = [s.params.temperature for s in seqs]
+        host = torch.tensor([temps, [float(s.generator.getrandbits(52)) if t else 0.0 for s, t in zip(seqs, temps)]],
+                            dtype=torch.float64)  # (2, B): temperature, Philox seed
+        t, seeds = to_device(host, logits.device).unbind(0)  # (B,) each
+        return gumbel_sample(logits, t.float(), seeds.long())
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: (B, V) float32, one row per sequence in `seqs`."""
+        """logits: (B, V) float32, one row per sequence in `seqs`.
+
+        A row's token depends only on its own params, logits and generator, never on the rest of the
+        batch: the rows are split by method, one kernel call for the Gumbel rows and one inverse-CDF
+        draw for the rest, and the tokens put back in batch order."""
         B = logits.shape[0]
         want_lp = [(s.params.logprobs or 0) if s.params.needs_logprob else None for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None  # (B, V)
         params = [s.params for s in seqs]
-        greedy = [p.temperature == 0 for p in params]
-        if all(greedy):
+        if all(p.temperature == 0 for p in params):
             tokens = self._penalized(logits, seqs).argmax(dim=-1)
-        elif self._use_gumbel(logits) and not any(p.has_filters for p in params):
-            host = torch.tensor([[p.temperature for p in params],
-                                 [0.0 if g else float(s.generator.getrandbits(52)) for s, g in zip(seqs, greedy)]],
-                                dtype=torch.float64)  # (2, B): temperature, Philox seed
-            temps, seeds = to_device(host, logits.device).unbind(0)
-            tokens = gumbel_sample(self._penalized(logits, seqs), temps.float(), seeds.long())
         else:
-            probs = self.target_probs(logits, seqs)  # (B, V)
-            tokens = draw(probs, [None if g else s.generator for s, g in zip(seqs, greedy)])
+            logits = self._penalized(logits, seqs)
+            use_gumbel = self._use_gumbel(logits)
+            kernel = [use_gumbel and p.temperature != 0 and not p.has_filters for p in params]  # Gumbel-max rows
+            cdf = [p.temperature != 0 and not k for p, k in zip(params, kernel)]  # inverse-CDF rows
+            if not any(kernel):
+                tokens = self._inverse_cdf(logits, seqs)  # greedy rows too (argmax in draw)
+            elif not any(cdf):
+                tokens = self._gumbel(logits, seqs)  # greedy rows too (T = 0: a plain argmax)
+            else:  # both methods: greedy rows ride in the kernel call
+                rows = [i for i in range(B) if not cdf[i]] + [i for i in range(B) if cdf[i]]
+                G = B - sum(cdf)
+                order = to_device(torch.tensor(rows), logits.device)  # (B,): Gumbel rows, then inverse-CDF rows
+                picked = torch.cat([self._gumbel(logits.index_select(0, order[:G]), [seqs[i] for i in rows[:G]]),
+                                    self._inverse_cdf(logits.index_select(0, order[G:]), [seqs[i] for i in rows[G:]])
+                                    ])  # (B,) in `rows` order
+                tokens = torch.empty_like(picked).index_copy_(0, order, picked)  # (B,) in batch order
         if raw_logprobs is None:
             return SamplerOutput(tokens.tolist(), [None] * B)
         return SamplerOutput(*read_logprobs(raw_logprobs, tokens, want_lp))

@@ -1,5 +1,7 @@
 """Prompt-lookup / n-gram proposer: continue with what followed the last earlier occurrence of the
-sequence's final n tokens (largest n first). No model, no state."""
+sequence's final n tokens (largest n first). A continuation that runs into the end of the sequence
+goes on copying from the tokens it has just drafted (an overlapping, LZ77-style copy), so a text
+repeating with period p drafts the full k tokens, not at most p. No model, no state."""
 
 from __future__ import annotations
 
@@ -8,14 +10,20 @@ from lmserve.spec import Proposal
 
 
 def ngram_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier match of the last n tokens."""
+    """k tokens continuing the most recent earlier match of the last n tokens ([] without a match).
+
+    draft[j] = ext[start + n + j], where ext = tokens + the drafts so far: start + n < L, so the
+    copy always has a source, reading the drafts themselves once it passes the end of `tokens`."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         tail = tokens[L - n:]
         first = tail[0]
         for start in range(L - n - 1, -1, -1):
             if tokens[start] == first and tokens[start:start + n] == tail:
-                return tokens[start + n:start + n + k]
+                draft = tokens[start + n:start + n + k]
+                for j in range(len(draft), k):  # past the end: copy the draft's own earlier tokens
+                    draft.append(draft[start + n + j - L])
+                return draft
     return []
 
 
