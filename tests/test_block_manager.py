@@ -119,3 +119,22 @@ def test_prefix_hit_and_lru_eviction():
     assert bm.reserve(c, 8, 9) is None
     bm.free(c)
     assert bm.num_free_blocks == 4
+
+
+def test_block_hash_is_sha256_of_parent_and_tokens():
+    """Prefix hashes are sha256 (vLLM's choice after CVE-2025-25183: with Python's hash() a crafted
+    prompt could collide with another tenant's block), chained through the parent block's hash."""
+    import hashlib
+    from array import array
+
+    from lmserve.kv.block_manager import chain_hash
+    h0 = chain_hash(None, [5, 6, 7, 8])
+    assert h0 == hashlib.sha256(array("q", [5, 6, 7, 8]).tobytes()).digest()
+    assert chain_hash(h0, [1, 2]) == hashlib.sha256(h0 + array("q", [1, 2]).tobytes()).digest()
+    assert chain_hash(None, [5, 6, 7, 18]) != h0 and chain_hash(h0, [5, 6, 7, 8]) != h0
+    bm = BlockManager(8, 4)
+    table: list[int] = []
+    toks = [5, 6, 7, 8, 1, 2, 3, 4, 9]
+    assert bm.allocate(table, 9)
+    bm.cache_full_blocks(table, toks, 9)
+    assert bm.block_hash[table[0]] == h0 and bm.block_hash[table[1]] == chain_hash(h0, [1, 2, 3, 4])

@@ -210,6 +210,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}, None, 400,
      "top_logprobs"),
+    # a beam family that could never fit the KV pool at once (each beam alone would): refused up front
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 1, "best_of": 16, "max_tokens": 2000}, None,
+     400, "best_of"),
     # non-finite numbers (Python's json reads the bare tokens NaN / Infinity)
     ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", None, b'{"prompt": "hi", "max_tokens": 2, "temperature": Infinity}', 400, "temperature"),
