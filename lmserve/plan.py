@@ -202,6 +202,12 @@ def render(r: dict[str, Any]) -> str:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="KV-memory and roofline planner")
+    add_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The planner's options: a model (a name or an explicit shape), a device, dtypes, batch and length."""
     p.add_argument("--model", default="smollm2-135m",
                    help="a known shape (e.g. qwen3-0.6b, llama-3.1-8b, deepseek-v3), config.json, GGUF or HF folder")
     for name in ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab"):
@@ -217,7 +223,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -229,5 +234,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from lmserve.cli import main
-    sys.exit(main(["plan", *sys.argv[1:]]))
+    parser = argparse.ArgumentParser(prog="python -m lmserve.plan", description="KV-memory and roofline planner")
+    add_arguments(parser)
+    try:
+        sys.exit(cmd_plan(parser.parse_args()))
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"error: {e}\n")

@@ -1,14 +1,21 @@
-"""The command line as a user runs it: generate (text and JSON), chat (streaming, interactive)."""
+"""The command line as a user runs it: generate (text and JSON), chat (streaming, interactive); and the
+engine flags, one per EngineConfig field, parsed back into the same EngineConfig."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from lmserve.cli import build_parser
+from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.config import EngineConfig
 
 
 def run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -16,6 +23,7 @@ def run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProces
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_json_and_text():
     r = run(["generate", "The capital of France is", "The sky is", "--max-tokens", "6", "--json"])
     assert r.returncode == 0, r.stderr
@@ -28,8 +36,62 @@ def test_generate_json_and_text():
     assert bad.returncode == 2 and "top_p" in bad.stderr
 
 
+@pytest.mark.slow
 def test_chat_streams_and_keeps_history():
     r = run(["chat", "--max-tokens", "12", "--temperature", "0"], stdin="What is 2+2?\n/reset\nSay hi.\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "4" in r.stdout
     assert r.stdout.count("> ") >= 3  # a prompt per turn
+
+
+def engine_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p
+
+
+def config_from(argv: list[str]) -> EngineConfig:
+    a = engine_parser().parse_args(argv)
+    return EngineConfig(model=a.model, **engine_kwargs(a))
+
+
+def test_every_engine_config_field_has_a_flag():
+    flags = set(re.findall(r"--[a-z-]+", engine_parser().format_help()))
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in flags, f.name
+    assert {"--no-enable-prefix-caching", "--spec-min-acceptance"} <= flags
+
+
+def test_engine_flags_round_trip_to_engine_config():
+    assert config_from([]) == EngineConfig()
+    assert config_from(["--spec-min-acceptance", "0.5", "--no-enable-prefix-caching",
+                        "--cuda-graph-sizes", "1", "2", "4"]) == EngineConfig(
+        spec_min_acceptance=0.5, enable_prefix_caching=False, cuda_graph_sizes=[1, 2, 4])
+    assert config_from(["--model", "shape:qwen3-0.6b", "--kv-cache-memory", "512MiB", "--enforce-eager",
+                        "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5", "--attention-backend", "torch",
+                        "--speculative-method", "ngram", "--num-speculative-tokens", "2"]) == EngineConfig(
+        model="shape:qwen3-0.6b", kv_cache_memory=512 * 2**20, enforce_eager=True, max_num_seqs=8,
+        gpu_memory_utilization=0.5, attention_backend="torch", speculative_method="ngram", num_speculative_tokens=2)
+    with pytest.raises(SystemExit):
+        engine_parser().parse_args(["--attention-backend", "cuda"])
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["chat"], ["serve"], ["bench", "throughput"],
+                                  ["bench", "latency"], ["bench", "spec"], ["bench", "parallel"]])
+def test_every_model_command_takes_the_engine_flags(argv):  # type: ignore[no-untyped-def]
+    """(`bench serve` only talks HTTP to a server: it has no engine flags.)"""
+    a = build_parser().parse_args([*argv, "--spec-min-acceptance", "0.5", "--block-size", "32"])
+    assert a.spec_min_acceptance == 0.5 and a.block_size == 32 and a.model == EngineConfig().model
+
+
+def test_chat_defaults_differ_from_generate():
+    gen, chat = build_parser().parse_args(["generate", "hi"]), build_parser().parse_args(["chat"])
+    assert (gen.max_tokens, gen.temperature) == (64, 0.0) and (chat.max_tokens, chat.temperature) == (256, 0.7)
+
+
+def test_readme_flag_table_names_every_engine_flag():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("Engine flags (every command that loads a model)")[1].split("\n\n## ")[0]
+    documented = set(re.findall(r"--[a-z-]+", table))
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in documented, f.name

@@ -1,4 +1,5 @@
-"""`lmserve bench throughput | latency | serve`."""
+"""`lmserve bench throughput | latency | serve | spec | parallel`: throughput and latency here, the other
+three in their own modules (bench/serve.py, bench/spec.py, bench/parallel.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from lmserve.cli import add_engine_args
     add_engine_args(p)
     p.add_argument("--model-shape", default=None,
                    help="random-weight model of a named real shape (e.g. qwen3-0.6b), instead of --model")
@@ -23,7 +25,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: Any) -> None:
-    b = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    b = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, spec, parallel")
     bs = b.add_subparsers(dest="bench_cmd", required=True)
 
     t = bs.add_parser("throughput", help="offline throughput on the guide's workload")
@@ -57,7 +59,6 @@ def add_parser(sub: Any) -> None:
 
 def _llm(a: argparse.Namespace):  # type: ignore[no-untyped-def]
     from lmserve import LLM
-    from lmserve.cli import engine_kwargs
     if a.model_shape:
         a.model = f"shape:{a.model_shape}"
     return LLM(a.model, **engine_kwargs(a))

@@ -9,9 +9,10 @@ import sys
 import time
 from typing import Any
 
+from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+
 
 def add_parser(bs: Any) -> None:
-    from lmserve.cli import add_engine_args
     p = bs.add_parser("parallel", help="n-way parallel sampling: shared blocks vs separate requests")
     add_engine_args(p)
     p.add_argument("--n", type=int, default=8)
@@ -26,7 +27,6 @@ def cmd_parallel(a: argparse.Namespace) -> int:
 
     from lmserve import LLM, SamplingParams
     from lmserve.bench.common import run_metadata, write_json
-    from lmserve.cli import engine_kwargs
     kw = engine_kwargs(a) | {"enable_prefix_caching": False}
     rows = []
     for mode in ("shared", "separate"):

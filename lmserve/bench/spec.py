@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+
 TEXTS = [
     "The library opens at nine in the morning and closes at six in the evening. Visitors may borrow up to "
     "five books at a time for three weeks. Books can be renewed once online. Late returns cost ten cents "
@@ -36,7 +38,6 @@ def task_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 
 def add_parser(bs: Any) -> None:
     s = bs.add_parser("spec", help="speculative decoding: acceptance and tokens/s vs none")
-    from lmserve.cli import add_engine_args
     add_engine_args(s)
     s.add_argument("--methods", default="none,ngram,draft", help="comma list of none, ngram, draft")
     s.add_argument("--batch-sizes", default="1,8")
@@ -50,7 +51,6 @@ def cmd_spec(a: argparse.Namespace) -> int:
 
     from lmserve import LLM, SamplingParams
     from lmserve.bench.common import run_metadata, write_json
-    from lmserve.cli import engine_kwargs
     rows: list[dict[str, Any]] = []
     base = engine_kwargs(a)
     for method in a.methods.split(","):

@@ -9,9 +9,10 @@ import signal
 import sys
 from typing import Any
 
+from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+
 
 def add_parser(sub: Any) -> None:
-    from lmserve.cli import add_engine_args
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000)
@@ -29,7 +30,6 @@ def add_parser(sub: Any) -> None:
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
-    from lmserve.cli import engine_kwargs
     from lmserve.config import EngineConfig
     from lmserve.engine import Engine
     from lmserve.server.app import build_app

@@ -1,0 +1,59 @@
+"""Engine flags: one per EngineConfig field, named as vLLM names them (block_size -> --block-size).
+
+Built from the dataclass, so a new field is a new flag with no edit here; the parser comes from the
+field's annotation, and _OVERRIDES adds what a type cannot say (help text, choices). This module imports
+none of the commands: every command that loads a model takes its engine flags from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from lmserve.config import EngineConfig
+
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "model": {"help": "HF folder, .gguf file, or a known name (default %(default)s)"},
+    "tokenizer": {"help": "tokenizer folder, if not beside the model"},
+    "max_num_seqs": {"help": "default 64 on CPU, 256 on CUDA"},
+    "max_num_batched_tokens": {"help": "default 512 on CPU, 8192 on CUDA"},
+    "kv_cache_memory": {"help": "KV cache budget, e.g. 2GiB, 512MiB (default: 1GiB on CPU; on CUDA what "
+                                "--gpu-memory-utilization leaves after a profiled step)"},
+    "dtype": {"help": "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16"},
+    "enforce_eager": {"help": "CUDA: no CUDA graphs for decode steps"},
+    "cuda_graph_sizes": {"help": "decode batch sizes to capture (default 1 2 4 8 16 ... max-num-seqs)"},
+    "attention_backend": {"choices": ["auto", "torch", "triton"]},
+    "speculative_method": {"choices": ["ngram", "draft"]},
+    "draft_model": {"help": "draft model (default: the target itself, truncated)"},
+    "draft_num_layers": {"help": "keep only the draft's first N layers"},
+    "spec_max_batch": {"help": "no speculation above this many running seqs"},
+    "spec_min_acceptance": {"help": "pause a request's speculation below this running acceptance rate"},
+}
+
+
+def _parse_options(hint: Any) -> dict[str, Any]:
+    """How argparse reads a value of this annotation: bool -> --x/--no-x, list[int] -> one or more
+    ints, one plain type -> that type, a union of several (int | float | str) -> the string as given."""
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)] if isinstance(hint, types.UnionType) else [hint]
+    if kinds == [bool]:
+        return {"action": argparse.BooleanOptionalAction}
+    if len(kinds) == 1 and typing.get_origin(kinds[0]) is list:
+        return {"nargs": "+", "type": typing.get_args(kinds[0])[0]}
+    return {"type": kinds[0] if len(kinds) == 1 else str}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The "engine" argument group: a flag for every EngineConfig field, with the field's default."""
+    g = p.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        g.add_argument("--" + f.name.replace("_", "-"), default=f.default, **_parse_options(hints[f.name]),
+                       **_OVERRIDES.get(f.name, {}))
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's options from parsed engine flags, all but the model (callers pass it first)."""
+    return {f.name: getattr(a, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
