@@ -13,8 +13,9 @@ layer, so padding cannot touch the live rows. The LM head and the sampler run ea
 rows afterwards.
 
 Prefill, mixed steps, speculative verification (several tokens per sequence) and batches larger
-than the largest size run eagerly. With capture=False the same padded static-buffer path runs
-without a graph: that is how the CPU tests check it (the attention kernels under TRITON_INTERPRET=1).
+than the largest size run eagerly. A size whose capture fails is dropped (logged), not fatal. With
+capture=False the same padded static-buffer path runs without a graph: that is how the CPU tests
+check it (the attention kernels under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import torch
 
 from lmserve.attention import AttentionMetadata, pack_block_tables
-from lmserve.kv.cache import KVCache
+from lmserve.kv.cache import KVCache, slot
 from lmserve.scheduler import SchedulerOutput
 from lmserve.utils import to_device
 
@@ -68,28 +69,50 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> float:
-        """Capture every size (CUDA only); returns the seconds it took."""
-        if not self.capture:
-            return 0.0
+        """Warm up and capture every size, largest first, all in one memory pool; returns the seconds
+        it took. A size that fails (a Triton compile or out-of-resources error, a launcher build's
+        CalledProcessError, a capture error: any Exception) is logged and dropped: its batches pad
+        up to the next captured size, or run eagerly above the largest. RuntimeError (which the
+        engine answers by serving eagerly) only if no size is left. With capture=False each size
+        runs its warm-up forward only: the CPU check of this path."""
         t0 = time.perf_counter()
         self.columns.zero_()
         self.slot_mapping.fill_(-1)  # the warm-up and capture runs write no KV and read none
         pool = None
+        failed: list[int] = []
         for size in reversed(self.sizes):
-            for _ in range(2):  # compile the Triton kernels and settle allocations outside the capture
-                self._forward(size, self._meta(size))
+            try:
+                pool = self._capture(size, pool)
+            except Exception as e:  # noqa: BLE001 - one size must not take the others (or the engine) down
+                log.warning("decode graph for batch size %d failed (%s: %s); dropped, its batches pad up "
+                            "to the next size or run eagerly", size, type(e).__name__, str(e)[:300])
+                failed.append(size)
+        self.sizes = [s for s in self.sizes if s not in failed]
+        if not self.sizes:
+            raise RuntimeError(f"no decode graph could be captured (batch sizes {_ranges(failed[::-1])})")
+        self.max_batch = self.sizes[-1]
+        if self.capture:
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            meta = self._meta(size)  # its per-step memo (rotary rows, kernel plan) is computed inside the graph
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(size, meta)
-            pool = graph.pool()
-            self.graphs[size] = (graph, out, meta)
-        torch.cuda.synchronize()
         self.capture_time = time.perf_counter() - t0
-        log.info("captured %d CUDA graphs for decode (batch sizes %s) in %.1f s", len(self.sizes),
-                 _ranges(self.sizes), self.capture_time)
+        if self.capture:
+            log.info("captured %d CUDA graphs for decode (batch sizes %s) in %.1f s%s", len(self.sizes),
+                     _ranges(self.sizes), self.capture_time, f"; failed: {_ranges(failed[::-1])}" if failed else "")
         return self.capture_time
+
+    def _capture(self, size: int, pool):  # type: ignore[no-untyped-def]
+        """Warm up one size (compiles its kernels, settles allocations) and capture it into `pool`;
+        returns the pool for the next size."""
+        for _ in range(2 if self.capture else 1):
+            self._forward(size, self._meta(size))
+        if not self.capture:
+            return pool
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        meta = self._meta(size)  # its per-step memo (rotary rows, kernel plan) is computed inside the graph
+        with torch.cuda.graph(graph, pool=pool):
+            out = self._forward(size, meta)  # (size, hidden)
+        self.graphs[size] = (graph, out, meta)
+        return graph.pool()
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured size that holds num_seqs, or None."""
@@ -115,7 +138,7 @@ class DecodeGraphs:
             c = seq.num_computed_tokens
             cols[0].append(seq.token_ids[c])
             cols[1].append(c)
-            cols[2].append(seq.block_table[c // bs] * bs + c % bs)
+            cols[2].append(slot(seq.block_table, c, bs))
             cols[3].append(c + 1)
         for col, fill in zip(cols, (0, 0, -1, 0)):
             col.extend([fill] * pad)

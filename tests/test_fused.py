@@ -57,7 +57,9 @@ def test_rotary_in_place(d):  # type: ignore[no-untyped-def]
 
 
 def test_model_with_fused_kernels_matches(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
-    """The whole engine with every fused kernel switched on (as on CUDA) gives the same tokens."""
+    """The whole engine with every fused kernel switched on (as on CUDA) gives the same tokens, and
+    every RMSNorm goes through the fused kernel: Qwen3's per-head q/k norms too ((N, heads, d), a
+    strided view of the qkv output, as rows), which used to fall back to ~7 torch ops each."""
     from lmserve import LLM, SamplingParams
     from lmserve.layers import dispatch, fused
     path, _ = tiny_models["qwen3"]  # q/k norm + GQA: every fused path is exercised
@@ -65,9 +67,41 @@ def test_model_with_fused_kernels_matches(tiny_models, monkeypatch):  # type: ig
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ref_llm = LLM(str(path))
     ref = ref_llm.generate(prompts, params, use_tqdm=False)
-    ref_logits = ref_llm.engine.score(prompts[0])
-    monkeypatch.setattr(dispatch, "fused_ops", lambda x: fused)
+    ref_logits = ref_llm.score(prompts[0])
     llm = LLM(str(path))
-    out = llm.generate(prompts, params, use_tqdm=False)
+    widths: list[int] = []
+    real = fused.add_rmsnorm
+
+    def counting(x, residual, weight, eps):  # type: ignore[no-untyped-def]
+        widths.append(x.shape[1])
+        return real(x, residual, weight, eps)
+
+    monkeypatch.setattr(fused, "add_rmsnorm", counting)
+    with dispatch.use_fused(True):
+        out = llm.generate(prompts, params, use_tqdm=False)
+        widths.clear()
+        logits = llm.score(prompts[0])  # one prefill: each norm runs once
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
-    assert (llm.engine.score(prompts[0]) - ref_logits).abs().max() < 1e-4
+    assert (logits - ref_logits).abs().max() < 1e-4
+    cfg = llm.engine.model_config
+    # per layer: input + post-attention norm (hidden) and q + k norm (head_dim); then the final norm
+    assert sorted(widths) == sorted([cfg.head_dim] * 2 * cfg.num_layers + [cfg.hidden_size] * (2 * cfg.num_layers + 1))
+
+
+def test_qk_norm_fused_rows_match_torch():
+    """RMSNorm over (N, heads, d) views, as Qwen3 calls it: the fused kernel on the rows it reshapes
+    to gives the torch path's result, in the input's shape, with and without a residual."""
+    from lmserve.layers import dispatch
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (4 + 2 * 2) * 32, generator=g)  # (N, (H + 2 Hkv) d)
+    q = qkv[:, :4 * 32].view(5, 4, 32)  # (N, H, d): strided, not contiguous
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data = torch.rand(32, generator=g) + 0.5
+    ref = norm(q)
+    r = torch.randn(5, 4, 32, generator=g)  # (N, H, d)
+    ref_out, ref_res = norm(q, r)
+    with dispatch.use_fused(True):
+        out = norm(q)
+        out_r, res = norm(q, r)
+    assert out.shape == (5, 4, 32) and torch.allclose(out, ref, atol=1e-5)
+    assert torch.allclose(out_r, ref_out, atol=1e-5) and torch.allclose(res, ref_res, atol=1e-6)

@@ -74,15 +74,56 @@ def test_score_decode_from_matches_prefill(tiny_models):  # type: ignore[no-unty
     """Teacher-forced decode steps give the logits of one prefill, on both paths."""
     path, _ = tiny_models["qwen3"]
     toks = [(7 * i + 3) % 120 + 4 for i in range(40)]
-    ref = LLM(str(path), attention_backend="torch").engine
+    ref = LLM(str(path), attention_backend="torch")
     full = ref.score(toks)
     assert full.shape == (40, 128)
     assert (ref.score(toks, decode_from=9) - full).abs().max() < 1e-4
     assert (ref.score(toks, decode_from=9, last_only=True) - full[-1:]).abs().max() < 1e-4
-    tri = LLM(str(path), attention_backend="triton").engine
-    tri.runner.enable_graphs([1, 2], tri.max_model_len, capture=False)
+    tri = LLM(str(path), attention_backend="triton")
+    eng = tri.engine
+    eng.runner.enable_graphs([1, 2], eng.max_model_len, capture=False)
     assert (tri.score(toks, decode_from=9) - full).abs().max() < 1e-4
-    assert tri.runner.graphs.replays == 31
-    assert tri.block_manager.stats().free == tri.block_manager.num_blocks  # score frees its blocks
+    assert eng.runner.graphs.replays == 31
+    assert eng.block_manager.stats().free == eng.block_manager.num_blocks  # score frees its blocks
     with pytest.raises(ValueError, match="decode_from"):
         ref.score(toks, decode_from=0)
+
+
+def test_graph_capture_failure_drops_that_size_only(tiny_models, monkeypatch, caplog):  # type: ignore[no-untyped-def]
+    """A size whose warm-up / capture raises something that is not a RuntimeError (here the
+    CalledProcessError of a failed Triton launcher build, injected into size 2) is logged and
+    dropped; the other sizes serve (a batch of 2 pads up to 4) and the greedy tokens equal the torch
+    reference's. Only when every size fails does capture raise (RuntimeError: the engine serves
+    eagerly)."""
+    import logging
+    import subprocess
+
+    from lmserve.graphs import DecodeGraphs
+    path, _ = tiny_models["mistral"]
+    prompts = [[5, 17, 33, 9, 100, 3] * 6, [11, 12], list(range(40, 77))]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (12, 5, 8)]
+    ref = LLM(str(path), attention_backend="torch").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), attention_backend="triton")
+    real = DecodeGraphs._forward
+
+    def launcher_build_fails_at_2(self, size, meta):  # type: ignore[no-untyped-def]
+        if size == 2:
+            raise subprocess.CalledProcessError(1, ["gcc", "__triton_launcher.c"])
+        return real(self, size, meta)
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", launcher_build_fails_at_2)
+    with caplog.at_level(logging.WARNING, logger="lmserve"):
+        llm.engine.runner.enable_graphs([1, 2, 4], llm.engine.max_model_len, capture=False)
+    graphs = llm.engine.runner.graphs
+    assert graphs.sizes == [1, 4] and graphs.bucket(2) == 4
+    assert "batch size 2 failed (CalledProcessError" in caplog.text
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert graphs.replays >= 11 and graphs.padded_rows > 0
+
+    def always_fails(self, size, meta):  # type: ignore[no-untyped-def]
+        raise subprocess.CalledProcessError(1, ["gcc"])
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", always_fails)
+    with pytest.raises(RuntimeError, match="no decode graph could be captured"):
+        llm.engine.runner.enable_graphs([1, 2], llm.engine.max_model_len, capture=False)

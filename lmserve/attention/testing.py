@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from lmserve.attention.backend import AttentionMetadata, pack_block_tables
+from lmserve.kv.cache import slots as slots_of
 
 # context lengths, new-token lengths (1 = decode), GQA group, block size, window
 KERNEL_CASES: list[tuple[list[int], list[int], int, int, int | None]] = [
@@ -33,9 +34,8 @@ def random_step(ctx_lens: list[int], q_lens: list[int], bs: int, hkv: int, d: in
         k += p
     slots, qsl, pos = [], [0], []
     for i, (c, n) in enumerate(zip(ctx_lens, q_lens)):
-        for p in range(c - n, c):
-            slots.append(tables[i][p // bs] * bs + p % bs)
-            pos.append(p)
+        slots.extend(slots_of(tables[i], c - n, n, bs))
+        pos.extend(range(c - n, c))
         qsl.append(qsl[-1] + n)
 
     def t(x: list) -> torch.Tensor:  # type: ignore[type-arg]
@@ -57,7 +57,7 @@ def float64_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
     bs = meta.block_size
     starts = meta.query_start_loc.tolist()
     for i, (c, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
-        slots = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(c)])
+        slots = torch.tensor(slots_of(tables[i], 0, c, bs))
         k = cache[0, slots].double().repeat_interleave(h // hkv, dim=1)  # (c, H, d)
         v = cache[1, slots].double().repeat_interleave(h // hkv, dim=1)
         for t in range(n):
@@ -87,10 +87,11 @@ def pad_static_decode(meta: AttentionMetadata, pad: int) -> AttentionMetadata:
 
 
 def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
-                  cases: list[int] | None = None) -> list[dict]:
+                  cases: list[int] | None = None, fp32_dot: str = "ieee") -> list[dict]:
     """KERNEL_CASES (all, or those indexed by `cases`; decode-only ones also as a padded static
     batch) through the Triton backend and the torch reference on `device` in `dtype`, against
-    float64. One row of errors per case."""
+    float64. One row of errors per case. float32 prefill dots run in `fp32_dot` precision: "ieee",
+    since on a GPU Triton's default (tf32, 10 mantissa bits) alone costs ~3e-3 of error."""
     from lmserve.attention.torch_ref import TorchAttention
     from lmserve.attention.triton_attn import TritonAttention
     rows = []
@@ -105,7 +106,7 @@ def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
         scale = d ** -0.5
         ref_cache, tri_cache = cache.clone(), cache.clone()
         ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale, window)
-        tri = TritonAttention().forward(q, k, v, tri_cache, meta, scale, window)
+        tri = TritonAttention(fp32_dot=fp32_dot).forward(q, k, v, tri_cache, meta, scale, window)
         exact = float64_attention(q, ref_cache, meta, tables, scale, window)
         row = {"case": idx, "group": group, "block_size": bs, "window": window,
                "store_equal": bool(torch.equal(tri_cache, ref_cache)),
@@ -116,8 +117,8 @@ def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
             pad = 3
             z = torch.zeros(pad, *q.shape[1:], dtype=dtype, device=device)
             zk = torch.zeros(pad, *k.shape[1:], dtype=dtype, device=device)
-            st = TritonAttention().forward(torch.cat([q, z]), torch.cat([k, zk]), torch.cat([v, zk]), st_cache,
-                                           pad_static_decode(meta, pad), scale, window)
+            st = TritonAttention(fp32_dot=fp32_dot).forward(torch.cat([q, z]), torch.cat([k, zk]), torch.cat([v, zk]),
+                                                            st_cache, pad_static_decode(meta, pad), scale, window)
             row["static_err"] = (st[:n].double().cpu() - exact).abs().max().item()
             row["static_pad_zero"] = bool((st[n:] == 0).all())
             row["static_store_equal"] = bool(torch.equal(st_cache, ref_cache))

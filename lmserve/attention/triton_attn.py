@@ -8,6 +8,15 @@ offset; block_tables (B, M); query_start_loc (B+1,); seq_lens (B,) = context len
 
 GQA: a program owns one KV head and all G = H / Hkv query heads that read it, so each K/V tile is
 loaded once per query group: the query tile is BLOCK_M tokens x G heads, flattened into rows.
+
+One compiled variant per kernel and model: Triton's JIT keys every launch on each integer argument
+(== 1, divisible by 16) and each pointer (16-byte aligned) unless told not to, and compiles again for
+every new key (0.5-2 s, in the middle of a measurement). The arguments that change from step to
+step (the split count, block-table width, scratch strides, and index lists whose offset inside the
+runner's packed step tensor moves with the batch) are listed in each kernel's do_not_specialize;
+they are only read as scalars or multiplied into gathered addresses, so nothing is lost. Split
+counts share one reduce variant (BLOCK_S covers max_splits). tests/test_triton_kernels.py counts
+the keys the JIT would compute over random engine steps.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from lmserve.attention.backend import AttentionMetadata
 from lmserve.utils import to_device
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_ptr"])
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, row_stride, cache_stride,
                      HD: tl.constexpr, BLOCK: tl.constexpr):
     """One program per new token: copy its (Hkv*d) K and V rows to the cache slot. Slot -1 marks a
@@ -64,14 +73,16 @@ def _load_kv_pages(kc_ptr, vc_ptr, bt_row_ptr, j, end_page, lo_key, ctx, kvh, st
     return k, v, k_pos, kv_ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["qsl_ptr", "sl_ptr", "work_seq_ptr", "work_q_ptr", "stride_btb"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_seq_ptr, work_q_ptr,
                     scale, window,
                     stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
                     G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """Causal attention of BLOCK_M new tokens (x G heads) over the sequence's whole paged context,
-    PAGES pages (PAGES * BS keys) per iteration."""
+    PAGES pages (PAGES * BS keys) per iteration. DOT_PRECISION: tl.dot's input_precision, which
+    matters for float32 inputs only ("tf32" rounds them to 10 mantissa bits, "ieee" does not)."""
     w = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(work_seq_ptr + w)
@@ -105,7 +116,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_
     for j in range(n_lo, n_hi, PAGES):  # PAGES pages per iteration; keys below lo are outside every row's window
         k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, bt_ptr + seq * stride_btb, j, n_hi, lo, ctx, kvh,
                                             stride_cs, stride_ch, dd, d_ok, BS, PAGES)  # (T, BLOCK_D) x2, (T,) x2
-        s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale  # (R, T)
+        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION).to(tl.float32) * scale  # (R, T)
         ok = (k_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         if HAS_WINDOW:
             ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
@@ -115,14 +126,15 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + (q_start + tok)[:, None] * stride_qn + head[:, None] * stride_qh + dd[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["qsl_ptr", "sl_ptr", "seq_idx_ptr", "num_splits", "stride_btb",
+                             "stride_ob", "stride_oh", "stride_lb", "stride_lh"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_ptr, seq_idx_ptr,
                    scale, window, num_splits,
                    stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
@@ -181,12 +193,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_p
     tl.store(lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=h_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["qsl_ptr", "seq_idx_ptr", "num_splits", "stride_ob", "stride_oh", "stride_lb",
+                             "stride_lh"])
 def _reduce_kernel(op_ptr, lse_ptr, o_ptr, qsl_ptr, seq_idx_ptr, num_splits,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_qn, stride_qh,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Combine the splits of one (decode query, head): softmax-weighted by each split's LSE. A row
-    with no keys at all (a padding row) gets zeros."""
+    with no keys at all (a padding row) gets zeros. BLOCK_S >= num_splits."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(seq_idx_ptr + b)
@@ -212,12 +225,16 @@ class TritonAttention:
     supports_cuda_graphs = True  # a static decode batch needs no host-side lengths (see _plan)
 
     def __init__(self, rows: int = 64, max_splits: int = 16, target_programs: int = 264,
-                 prefill_keys: int = 64, decode_keys: int = 64) -> None:
+                 prefill_keys: int = 64, decode_keys: int = 64, fp32_dot: str = "tf32") -> None:
         self.rows = rows  # query rows (tokens x heads of a group) per prefill program; >= 16 for tl.dot
         self.prefill_keys = prefill_keys  # keys per iteration of a prefill program (whole pages)
         self.decode_keys = decode_keys  # keys x query heads per iteration of a decode program (registers)
         self.max_splits = max_splits
         self.target_programs = target_programs  # ~2 waves of an H100/H200's 132 SMs
+        # prefill tl.dot on float32 inputs: "tf32" (tensor cores, ~1e-3 relative) or "ieee" (exact
+        # products; what the kernel checks use). bf16 inputs (the CUDA default) ignore it: exact products,
+        # float32 accumulation.
+        self.fp32_dot = fp32_dot
 
     def _splits(self, num_decodes: int, num_kv_heads: int, max_pages: int | None = None) -> int:
         """Split-KV factor: enough programs for ~2 waves, never more splits than pages."""
@@ -269,7 +286,8 @@ class TritonAttention:
             _prefill_kernel[(work_seq.numel(), hkv)](
                 q, k_cache, v_cache, out, bt, meta.query_start_loc, meta.seq_lens, work_seq, work_q,
                 scale, win, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), bt.stride(0),
-                BLOCK_M=plan["block_m"], PAGES=max(1, self.prefill_keys // bs), **common)
+                BLOCK_M=plan["block_m"], PAGES=max(1, self.prefill_keys // bs),
+                DOT_PRECISION=self.fp32_dot if q.dtype == torch.float32 else "tf32", **common)  # tf32: the default
         if plan["dec"] is not None:
             dec = plan["dec"]
             nd, splits = dec.numel(), plan["splits"]
@@ -285,5 +303,5 @@ class TritonAttention:
                 part, lse, out, meta.query_start_loc, dec, splits,
                 part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
                 out.stride(0), out.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
-                BLOCK_S=triton.next_power_of_2(splits))
+                BLOCK_S=triton.next_power_of_2(self.max_splits))
         return out

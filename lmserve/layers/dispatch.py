@@ -1,18 +1,46 @@
-"""Where fused kernels are used: on CUDA, when Triton imports. Elsewhere the plain torch ops run."""
+"""Where fused kernels are used: on CUDA, when Triton imports. Elsewhere the plain torch ops run.
+
+`use_fused(False)` turns them off everywhere (the torch reference in scripts/gpu_check.py and the
+torch side of its fusion profile); `use_fused(True)` turns them on for any device (the CPU tests,
+under TRITON_INTERPRET=1).
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
 
+_forced: bool | None = None  # None: by device (CUDA only); True / False: everywhere / nowhere
+
 
 def fused_ops(x: torch.Tensor) -> ModuleType | None:
     """The fused-kernel module (lmserve.layers.fused) for tensors on CUDA, else None."""
-    if not x.is_cuda:
+    if _forced is False or (_forced is None and not x.is_cuda):
         return None
+    return _fused_module()
+
+
+@functools.cache
+def _fused_module() -> ModuleType | None:
+    """Imported once: this sits on every layer's path, several times per step."""
     try:
         from lmserve.layers import fused
     except ImportError:
         return None
     return fused
+
+
+@contextmanager
+def use_fused(on: bool | None) -> Iterator[None]:
+    """Within the block, fused kernels everywhere (True), nowhere (False) or by device (None)."""
+    global _forced
+    before, _forced = _forced, on
+    try:
+        yield
+    finally:
+        _forced = before
+

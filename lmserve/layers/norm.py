@@ -19,11 +19,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual).
+        x: (..., dim), e.g. (N, hidden) or the per-head q/k of Qwen3, (N, heads, head_dim)."""
         fused = dispatch.fused_ops(x)
-        if fused is not None and x.dim() == 2:
-            out, new_res = fused.add_rmsnorm(x, residual, self.weight, self.eps)
-            return out if residual is None else (out, new_res)
+        if fused is not None:  # the kernel takes rows: (..., dim) -> (rows, dim) and back
+            d = x.shape[-1]
+            out, new_res = fused.add_rmsnorm(x.reshape(-1, d), None if residual is None else residual.reshape(-1, d),
+                                             self.weight, self.eps)  # (rows, dim) each
+            return out.view(x.shape) if residual is None else (out.view(x.shape), new_res.view(x.shape))
         if residual is not None:
             x = x + residual
             residual = x
