@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import torch
+
 from lmserve.config import DEFAULT_MODEL, EngineConfig
 from lmserve.engine import Engine, EngineStats
 from lmserve.outputs import RequestOutput
-from lmserve.sequence import SamplingParams
+from lmserve.sequence import SamplingParams, Sequence
 
 
 class LLM:
@@ -47,12 +49,10 @@ class LLM:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        token_ids = [self.engine.tokenize_prompt(p) for p in prompts]
-        for t, sp in zip(token_ids, plist):
-            self.engine.validate(t, sp)
+        requests = [self.engine.process_request(p, sp) for p, sp in zip(prompts, plist)]  # all, before any runs
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, p, t, sp in zip(ids, prompts, token_ids, plist):
-            self.engine.add_request(rid, p, sp, prompt_token_ids=t, final_only=True)
+        for rid, req in zip(ids, requests):
+            self.engine.add_request(rid, req, final_only=True)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -85,6 +85,14 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+    def score(self, prompt: str | list[int], last_only: bool = False, decode_from: int | None = None
+              ) -> torch.Tensor:
+        """Logits (T, V) float32 at every position of the prompt (or (1, V) for the last), teacher-
+        forced through the paged cache: one prefill, or with decode_from=P a prefill of P tokens and
+        one decode step per later token. For checks against a reference and the no-cache baseline."""
+        seq = Sequence("__score__", self.engine.tokenize_prompt(prompt), SamplingParams(max_tokens=1))
+        return self.engine.runner.score(seq, self.engine.block_manager, last_only, decode_from)
 
     def stats(self) -> EngineStats:
         """Cache and scheduler counters: blocks total/free/cached, prefix hits, preemptions."""

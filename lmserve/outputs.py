@@ -1,10 +1,18 @@
-"""What the engine hands back: RequestOutput with one CompletionOutput per sample, and metrics."""
+"""Output processing: what the engine hands back (RequestOutput with one CompletionOutput per sample,
+and metrics) and the OutputProcessor that builds it from sampled tokens (detokenization, stop
+strings, logprobs)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lmserve.sequence import Logprob
+from lmserve.sampling.beam import BeamState
+from lmserve.sequence import Logprob, Sequence
+from lmserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("lmserve")
 
 
 @dataclass
@@ -72,3 +80,121 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[Logprob | None] | None = None
+
+
+class OutputProcessor:
+    """Turns sampled tokens into what callers see. Owns each sequence's `output` state: incremental
+    detokenization, stop strings, the logprobs of the tokens that stay, and the RequestOutputs built
+    from them (full text plus the delta since the last one, for streaming)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, finish: Callable[..., None]) -> None:
+        self.tokenizer = tokenizer
+        self.finish = finish  # Scheduler.finish: ends a sequence and frees its blocks
+
+    def start(self, seq: Sequence) -> None:
+        if self.tokenizer is not None:
+            seq.output.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                      seq.params.skip_special_tokens)
+
+    def process(self, seq: Sequence, new_tokens: list[int], logprobs: list[Logprob]) -> None:
+        """Text and stop strings for the tokens a step delivered, then the kept tokens' logprobs. A
+        failure here ends this sequence alone (finish_reason 'error'), never the engine."""
+        try:
+            kept = self._text(seq, new_tokens)
+        except Exception as e:  # one request's failure must not reach the others
+            log.exception("output processing failed for %s", seq.request_id)
+            seq.output.error = f"{type(e).__name__}: {e}"
+            self.finish(seq, "error")
+            return
+        out = seq.output
+        for lp in logprobs[:kept]:  # only the tokens that stayed
+            if seq.params.logprobs is not None:
+                out.logprobs.append(lp)
+            out.cumulative_logprob += lp.logprob
+
+    def _text(self, seq: Sequence, new_tokens: list[int]) -> int:
+        """Detokenize the new tokens one by one and apply stop strings (the stop string itself is not
+        emitted). Tokens after a stop string (possible when several arrive at once) are dropped.
+        Returns how many of new_tokens the sequence keeps.
+
+        Several tokens arrive at once from speculation; they are checked in order, exactly as if each
+        had come in its own step: a stop string completed by an earlier token wins over an EOS or
+        stop token that comes after it (which ended the sequence in the scheduler already), while a
+        token-level stop on the last token wins over a stop string on that same token, as it does
+        one token at a time.
+        """
+        out = seq.output
+        if out.detok is None:
+            return len(new_tokens)
+        p = seq.params
+        last = len(new_tokens) - 1
+        for i, tok in enumerate(new_tokens):
+            before = len(out.text)
+            out.text += out.detok.step([tok])
+            if not p.stop or (i == last and seq.finish_reason not in (None, "length")):
+                continue
+            for stop in p.stop:
+                idx = out.text.find(stop, max(0, before - len(stop) + 1))
+                if idx == -1:
+                    continue
+                out.text = out.text[:idx + len(stop)] if p.include_stop_str_in_output else out.text[:idx]
+                if i < last:
+                    del seq.token_ids[len(seq.token_ids) - (last - i):]
+                # if a later token (EOS, length) had ended it already, the stop string wins
+                self.finish(seq, "stop", stop_reason=stop, override=True)
+                return i + 1
+        return len(new_tokens)
+
+    def make(self, rid: str, seqs: list[Sequence], beam: BeamState | None = None) -> RequestOutput:
+        """The request's output now: every sample (best_of: the n most likely, once finished)."""
+        if beam is not None:
+            return self._beam_output(rid, seqs, beam)
+        outs = []
+        s0 = seqs[0]
+        finished = all(s.is_finished for s in seqs)
+        ranked = finished and s0.params.num_samples > s0.params.n  # best_of: the n most likely, re-indexed
+        shown = (sorted(seqs, key=lambda s: -s.output.cumulative_logprob)[:s0.params.n] if ranked
+                 else sorted(seqs, key=lambda s: s.index))
+        for rank, s in enumerate(shown):
+            o = s.output
+            hold = 0 if s.is_finished or not s.params.stop else max(map(len, s.params.stop)) - 1
+            visible = max(o.num_emitted_chars, len(o.text) - hold)
+            delta = o.text[o.num_emitted_chars:visible]
+            o.num_emitted_chars = visible
+            out_ids = s.output_token_ids
+            delta_ids = out_ids[o.num_emitted_tokens:]
+            o.num_emitted_tokens = len(out_ids)
+            outs.append(CompletionOutput(
+                index=rank if ranked else s.index, text=o.text, token_ids=out_ids,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                cumulative_logprob=o.cumulative_logprob if s.params.needs_logprob else None,
+                logprobs=list(o.logprobs) if s.params.logprobs is not None else None,
+                delta_text=delta, delta_token_ids=delta_ids, error=o.error))
+        metrics = request_metrics(seqs, finished, sum(s.num_output_tokens for s in seqs))
+        return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, finished,
+                             metrics, list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None)
+
+    def _beam_output(self, rid: str, seqs: list[Sequence], beam: BeamState) -> RequestOutput:
+        """A beam search shows nothing until it ends; then its n best hypotheses."""
+        s0 = seqs[0]
+        finished = all(s.is_finished for s in seqs)
+        outs = []
+        if finished:
+            for i, h in enumerate(beam.best(s0.params.n)):
+                text = self.tokenizer.decode(h.tokens, s0.params.skip_special_tokens) if self.tokenizer else ""
+                outs.append(CompletionOutput(index=i, text=text, token_ids=h.tokens, cumulative_logprob=h.score,
+                                             finish_reason="stop" if h.ended_by_eos else "length",
+                                             delta_text=text, delta_token_ids=h.tokens))
+        metrics = request_metrics(seqs, finished, sum(len(o.token_ids) for o in outs))
+        return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, finished, metrics)
+
+
+def request_metrics(seqs: list[Sequence], finished: bool, num_output_tokens: int) -> RequestMetrics:
+    """A request's metrics from its sequences (the first holds the prompt-side facts)."""
+    s0 = seqs[0]
+    return RequestMetrics(
+        arrival_time=s0.arrival_time, first_scheduled_time=s0.first_scheduled_time,
+        first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+        finished_time=max((s.finished_time or 0) for s in seqs) if finished else None,
+        num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=num_output_tokens,
+        num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))

@@ -8,21 +8,24 @@ LM head.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-import numpy as np
 import torch
 
 from lmserve.attention import AttentionMetadata, pack_block_tables
+from lmserve.config import EngineConfig, ModelConfig
 from lmserve.graphs import DecodeGraphs
-from lmserve.kv.cache import KVCache
+from lmserve.kv.block_manager import BlockManager
+from lmserve.kv.cache import KVCache, slots
 from lmserve.sampling.rejection import verify
 from lmserve.sampling.sampler import Sampler, TokenView, make_logprob
 from lmserve.scheduler import SchedulerOutput
-from lmserve.sequence import Logprob, Sequence
-from lmserve.spec import SpecStats
+from lmserve.sequence import Logprob, SamplingParams, Sequence
 from lmserve.utils import to_device
+
+log = logging.getLogger("lmserve")
 
 
 @dataclass
@@ -35,7 +38,7 @@ class RunnerOutput:
     # the sampled tokens' logprobs, aligned with `sampled`, for sequences that need them (logprobs
     # asked for, or best_of ranking); the engine records those of the tokens it keeps
     logprobs: dict[Sequence, list[Logprob]] = field(default_factory=dict)
-    beam: list[Sequence] = field(default_factory=list)  # beam sequences whose next-token logprobs are ready
+    beam: dict[Sequence, torch.Tensor] = field(default_factory=dict)  # beam sequence -> (V,) next-token log-probs
 
 
 class ModelRunner:
@@ -47,7 +50,6 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = torch.device(device)
         self.sampler = Sampler()
-        self.spec_stats = SpecStats()
         self.graphs: DecodeGraphs | None = None  # set by enable_graphs: decode steps replay CUDA graphs
 
     def enable_graphs(self, sizes: list[int], max_model_len: int, capture: bool = True) -> float:
@@ -70,26 +72,21 @@ class ModelRunner:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        slot_ids: list[int] = []
         qlens: list[int] = []
         seqlens: list[int] = []
         for seq, n in out.scheduled:
             c = seq.num_computed_tokens
             bt = seq.block_table
             ids.extend(seq.token_ids[c:c + n])
-            if n == 1:
-                pos.append(c)
-                slots.append(bt[c // bs] * bs + c % bs)
-            else:
-                p = np.arange(c, c + n)  # (n,)
-                pos.extend(p.tolist())
-                slots.extend((np.asarray(bt)[p // bs] * bs + p % bs).tolist())
+            pos.extend(range(c, c + n))
+            slot_ids.extend(slots(bt, c, n, bs))
             qlens.append(n)
             seqlens.append(c + n)
         dev = self.device
         qsl = [0, *accumulate(qlens)]
         n, b = len(ids), len(qlens)
-        flat = to_device(torch.tensor(ids + pos + slots + qsl + seqlens, dtype=torch.long), dev)  # one copy
+        flat = to_device(torch.tensor(ids + pos + slot_ids + qsl + seqlens, dtype=torch.long), dev)  # one copy
         input_ids, positions, slot_mapping, query_start_loc, seq_lens = flat.split([n, n, n, b + 1, b])
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
@@ -108,7 +105,7 @@ class ModelRunner:
         for seq, n in out.scheduled:
             if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                 self._prompt_logprobs(seq, hidden[start:start + n], n)
-            if seq.num_draft:
+            if seq.spec.num_draft:
                 speculating.append((seq, start, n))
             elif seq.num_computed_tokens + n == seq.num_tokens:
                 rows.append(start + n - 1)
@@ -122,8 +119,7 @@ class ModelRunner:
             if beam:  # beam search decides from log-probs, in the engine, per request
                 lps = logits[beam].log_softmax(dim=-1)  # (Bb, V)
                 for j, i in enumerate(beam):
-                    sampling[i].pending_logprobs = lps[j]
-                    result.beam.append(sampling[i])
+                    result.beam[sampling[i]] = lps[j]
                 keep = [i for i in range(len(sampling)) if not sampling[i].params.use_beam_search]
                 sampling, logits = [sampling[i] for i in keep], logits[keep]
         if sampling:
@@ -138,17 +134,15 @@ class ModelRunner:
 
     def _verify(self, seq: Sequence, hidden: torch.Tensor, result: RunnerOutput) -> None:
         """Score the last committed token and the drafts in one pass, then rejection-sample."""
-        k = seq.num_draft
+        k = seq.spec.num_draft
         base = seq.num_tokens - k  # committed tokens
         logits = self.model.compute_logits(hidden)  # (k+1, V): row i predicts token base + i
         views = [TokenView(seq, base + i) for i in range(k + 1)]
         probs = self.sampler.target_probs(logits, views)  # (k+1, V)
         drafts = seq.token_ids[base:]
-        tokens, accepted = verify(probs, drafts, seq.draft_probs, seq.generator, seq.params.temperature == 0)
+        tokens, accepted = verify(probs, drafts, seq.spec.draft_probs, seq.generator, seq.params.temperature == 0)
         result.sampled[seq] = tokens
         result.rejected[seq] = k - accepted
-        self.spec_stats.record(k, accepted)
-        seq.spec_acceptance = 0.7 * seq.spec_acceptance + 0.3 * (accepted / k)
         if seq.params.needs_logprob:
             raw = logits.log_softmax(dim=-1)  # (k+1, V)
             result.logprobs[seq] = [make_logprob(raw[i], tok, seq.params.logprobs or 0)
@@ -165,3 +159,69 @@ class ModelRunner:
             if target >= seq.num_prompt_tokens or target < len(seq.prompt_logprobs):
                 continue
             seq.prompt_logprobs.append(make_logprob(lp[i], seq.token_ids[target], seq.params.prompt_logprobs))
+
+    def score(self, seq: Sequence, block_manager: BlockManager, last_only: bool = False,
+              decode_from: int | None = None) -> torch.Tensor:
+        """Logits (T, V) float32 at every position of seq's tokens (or (1, V) for the last), teacher-
+        forced through the paged cache: one prefill, or with decode_from=P a prefill of the first P
+        tokens and then one decode step per later token (the decode kernels and CUDA graphs, fed
+        given tokens). Takes its blocks from block_manager and frees them after.
+
+        For teacher-forced checks and the naive (cache-less) baseline, which calls this once per
+        generated token.
+        """
+        T = seq.num_tokens
+        if decode_from is not None and not 1 <= decode_from <= T:
+            raise ValueError(f"decode_from: must be in [1, {T}], got {decode_from}")
+        if not block_manager.allocate(seq.block_table, T):
+            raise RuntimeError("score: not enough free KV blocks")
+        try:
+            chunks = [T] if decode_from is None else [decode_from] + [1] * (T - decode_from)
+            logits = []
+            with torch.inference_mode():
+                for n in chunks:
+                    hidden = self.forward(SchedulerOutput([(seq, n)]))  # (n, hidden)
+                    if not last_only or seq.num_computed_tokens + n == T:
+                        logits.append(self.model.compute_logits(hidden[-1:] if last_only else hidden))  # (n, V)
+                    seq.num_computed_tokens += n
+            return torch.cat(logits)  # (T, V)
+        finally:
+            block_manager.free(seq.block_table)
+
+
+@torch.inference_mode()
+def profile_kv_budget(model: torch.nn.Module, cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> int:
+    """CUDA: run the largest step the scheduler can build (max_num_batched_tokens tokens, logits for
+    max_num_seqs rows) on a scratch cache, read the real peak of allocated memory (the weights of
+    every model loaded so far included), and give the KV cache what gpu_memory_utilization leaves."""
+    n = max(1, min(config.max_num_batched_tokens, max_model_len - 1))
+    blocks = -(-n // config.block_size)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    scratch = KVCache(cfg, blocks, config.block_size, config.torch_dtype, config.device)
+    seq = Sequence("__profile__", [0] * n, SamplingParams(max_tokens=1))
+    seq.block_table = list(range(blocks))
+    ids, pos, meta = ModelRunner(model, scratch, config.device).build_inputs(SchedulerOutput([(seq, n)]))
+    hidden = model(ids, pos, scratch.layers, meta)  # (n, hidden)
+    rows = hidden[-1:].expand(min(config.max_num_seqs, n), -1)
+    model.compute_logits(rows).softmax(dim=-1).cumsum(dim=-1)  # the sampler's working set
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    scratch_bytes = sum(t.numel() * t.element_size() for t in scratch.layers)
+    del scratch, hidden, rows
+    total = torch.cuda.get_device_properties(torch.device(config.device)).total_memory
+    budget = kv_budget_from_profile(total, config.gpu_memory_utilization, peak, scratch_bytes)
+    log.info("memory profile: peak %.2f GiB of %.1f GiB; KV cache gets %.2f GiB", peak / 2**30,
+             total / 2**30, budget / 2**30)
+    return budget
+
+
+def kv_budget_from_profile(total: int, utilization: float, peak: int, scratch_kv: int) -> int:
+    """Bytes left for the KV cache: utilization x device memory, minus the measured peak of the profile
+    step (weights + activations + the scratch cache it used, which the real cache replaces)."""
+    budget = int(total * utilization) - (peak - scratch_kv)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization}: the model's profiled peak "
+                         f"({(peak - scratch_kv) / 2**30:.2f} GiB) leaves nothing of {total * utilization / 2**30:.2f} "
+                         f"GiB for the KV cache; raise it or lower max_num_batched_tokens")
+    return budget

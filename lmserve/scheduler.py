@@ -120,7 +120,7 @@ class Scheduler:
         for seq in gang:
             use_cache = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
             prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes) if use_cache else []
-            if seq.forks_pending and prefix and len(prefix) * self.bm.block_size >= seq.num_prompt_tokens - 1:
+            if seq.family.forks_pending and prefix and len(prefix) * self.bm.block_size >= seq.num_prompt_tokens - 1:
                 prefix = prefix[:-1]  # a forking sequence must have its fork-point token left to run
             cached = len(prefix) * self.bm.block_size
             n = min(self._tokens_to_compute(seq, cached), budget)
@@ -157,7 +157,7 @@ class Scheduler:
     def _tokens_to_compute(seq: Sequence, computed: int | None = None) -> int:
         """Tokens left to run; a sequence that will fork stops one token short of its prompt's end."""
         computed = seq.num_computed_tokens if computed is None else computed
-        end = seq.num_prompt_tokens - 1 if seq.forks_pending and computed < seq.num_prompt_tokens - 1 \
+        end = seq.num_prompt_tokens - 1 if seq.family.forks_pending and computed < seq.num_prompt_tokens - 1 \
             else seq.num_tokens
         return end - computed
 
@@ -171,7 +171,6 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.block_table)
         seq.num_computed_tokens = 0
-        seq.pending_logprobs = None  # a beam recomputes its next-token log-probs on readmission
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -183,21 +182,19 @@ class Scheduler:
         """Advance progress, append sampled tokens, register filled blocks, finish sequences that hit a
         token-level stop (EOS, stop_token_ids, max_tokens).
 
-        A speculating sequence ran its last token plus its drafts; `rejected[seq]` of those drafts
-        were wrong: they leave the token list, their KV slots are rolled back (blocks past the
-        computed tokens return to the pool), and the accepted drafts plus the corrected token are
-        appended like any sampled tokens, up to the first that stops the sequence (the rest are
-        dropped, as if they had been sampled one step at a time). Blocks are hashed only after the
-        tokens they hold are back in the token list. Returns the tokens each sequence received.
+        A speculating sequence ran its last token plus its drafts (which the speculation policy has
+        taken back off its token list); `rejected[seq]` of those drafts were wrong: their KV slots
+        are rolled back (blocks past the computed tokens return to the pool), and the accepted drafts
+        plus the corrected token are appended like any sampled tokens, up to the first that stops the
+        sequence (the rest are dropped, as if they had been sampled one step at a time). Blocks are
+        hashed only after the tokens they hold are back in the token list. Returns the tokens each
+        sequence received.
         """
         rejected = rejected or {}
         bs = self.bm.block_size
         now = time.time()
         received: dict[Sequence, list[int]] = {}
         for seq, n in out.scheduled:
-            if seq.num_draft:
-                del seq.token_ids[len(seq.token_ids) - seq.num_draft:]
-                seq.num_draft, seq.draft_probs = 0, None
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n - rejected.get(seq, 0)
             if rejected.get(seq):
@@ -233,9 +230,14 @@ class Scheduler:
                 return got, ("length", None)
         return got, None
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """End a sequence (stop, length, abort, error) and free its blocks at once."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               override: bool = False) -> None:
+        """End a sequence (stop, length, abort, error) and free its blocks at once. With override, a
+        sequence that has already ended takes this reason instead (a stop string found in a token
+        before the one that ended it)."""
         if seq.is_finished:
+            if override:
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
             return
         if seq.status is Status.RUNNING:
             self.running.remove(seq)

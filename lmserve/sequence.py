@@ -128,6 +128,15 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
+@dataclass(frozen=True)
+class Request:
+    """A request as the engine accepts it: tokenized and validated once, by Engine.process_request."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None  # the text, when the prompt was given as text
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -143,9 +152,49 @@ class Logprob:
     top: dict[int, float]
 
 
+@dataclass
+class OutputState:
+    """What output processing (OutputProcessor) writes: the text, the logprobs of kept tokens, the
+    streaming offsets."""
+
+    text: str = ""
+    num_emitted_chars: int = 0  # streaming: text already handed out
+    num_emitted_tokens: int = 0
+    logprobs: list[Logprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    error: str | None = None  # set when finish_reason == "error"
+    detok: Any = None  # IncrementalDetokenizer
+
+
+@dataclass
+class SpecState:
+    """What the speculation policy (spec.SpecPolicy) writes: this step's drafts and the running
+    acceptance that decides whether to draft at all."""
+
+    num_draft: int = 0  # speculative tokens at the end of token_ids this step
+    draft_probs: Any = None  # (num_draft, V) draft distributions, or None (point mass)
+    acceptance: float = 1.0  # running acceptance rate (EMA)
+    pause: int = 0  # steps left without speculation
+
+
+@dataclass
+class FamilyState:
+    """What fan-out (FanOut) writes: children still to fork, and a beam's pending step."""
+
+    forks_pending: int = 0  # children to fork once the prompt (but its last token) is computed
+    pending_logprobs: Any = None  # beam search: (V,) log-softmax awaiting the beam step
+    beam_score: float = 0.0  # beam search: the hypothesis' cumulative log-probability
+
+
 @dataclass(eq=False)
 class Sequence:
-    """One generation stream: prompt + output tokens, its block table, its progress and metrics."""
+    """One generation stream: prompt + output tokens, its block table, its progress and metrics.
+
+    The fields here are the request's (set at creation) and the progress the scheduler owns (tokens,
+    blocks, counters, status, timings); `generator` is the sampler's, `prompt_logprobs` the runner's.
+    Three groups belong to other owners, who alone write them: `output` (OutputProcessor), `spec`
+    (spec.SpecPolicy), `family` (FanOut).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -163,25 +212,15 @@ class Sequence:
     status: Status = field(default=Status.WAITING, init=False)
     finish_reason: str | None = field(default=None, init=False)
     stop_reason: int | str | None = field(default=None, init=False)
-    generator: random.Random | None = field(default=None, init=False)  # this sequence's draws (host-side)
-    logprobs: list[Logprob] = field(default_factory=list, init=False)
-    prompt_logprobs: list[Logprob | None] = field(default_factory=list, init=False)
-    cumulative_logprob: float = field(default=0.0, init=False)
     num_preemptions: int = field(default=0, init=False)
     first_scheduled_time: float | None = field(default=None, init=False)
     first_token_time: float | None = field(default=None, init=False)
     finished_time: float | None = field(default=None, init=False)
-    text: str = field(default="", init=False)
-    num_emitted_chars: int = field(default=0, init=False)  # streaming: text already handed out
-    num_emitted_tokens: int = field(default=0, init=False)
-    forks_pending: int = field(default=0, init=False)
-    error: str | None = field(default=None, init=False)  # set when finish_reason == "error"
-    num_draft: int = field(default=0, init=False)  # speculative tokens at the end of token_ids this step
-    draft_probs: Any = field(default=None, init=False)  # (num_draft, V) draft distributions, or None
-    spec_acceptance: float = field(default=1.0, init=False)  # running acceptance rate (EMA)
-    spec_pause: int = field(default=0, init=False)  # steps left without speculation
-    pending_logprobs: Any = field(default=None, init=False)  # beam search: (V,) log-softmax awaiting the beam step  # children still to fork once the prompt is in
-    detok: Any = field(default=None, init=False)  # IncrementalDetokenizer, owned by the engine
+    generator: random.Random | None = field(default=None, init=False)  # this sequence's draws (host-side)
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list, init=False)
+    output: OutputState = field(default_factory=OutputState, init=False)
+    spec: SpecState = field(default_factory=SpecState, init=False)
+    family: FamilyState = field(default_factory=FamilyState, init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

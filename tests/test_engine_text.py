@@ -138,7 +138,7 @@ def test_chat_and_metrics(smol):  # type: ignore[no-untyped-def]
 
 
 def test_kv_budget_from_profile():
-    from lmserve.engine import kv_budget_from_profile
+    from lmserve.runner import kv_budget_from_profile
     gib = 2**30
     # 141 GiB device at 0.9, a profiled peak of 3 GiB of which 0.5 GiB was the scratch cache
     assert kv_budget_from_profile(141 * gib, 0.9, 3 * gib, gib // 2) == int(141 * gib * 0.9) - (3 * gib - gib // 2)

@@ -39,7 +39,7 @@ def test_hf_folder_reads_only_the_model_files(tmp_path, sharded):  # type: ignor
     _stray_consolidated(path)
     llm = LLM(str(path), kv_cache_memory="64MiB")
     for prompt in PROMPTS:
-        diff = (llm.engine.score(prompt) - hf_logits(hf, prompt)).abs().max().item()
+        diff = (llm.score(prompt) - hf_logits(hf, prompt)).abs().max().item()
         assert diff < 1e-4, diff
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 8)
@@ -147,7 +147,7 @@ def _check_gguf_matches_hf(path, rope: dict) -> None:  # type: ignore[no-untyped
     unscaled = (hf_logits(_tiny_llama(None), LONG) - ref).abs().max().item()
     assert unscaled > 1e-2, unscaled
     llm = LLM(str(path), kv_cache_memory="64MiB")
-    diff = (llm.engine.score(LONG) - ref).abs().max().item()
+    diff = (llm.score(LONG) - ref).abs().max().item()
     assert diff < 1e-4, diff
 
 

@@ -23,7 +23,7 @@ def test_logits_match_hf(tiny_models, family):  # type: ignore[no-untyped-def]
     path, hf = tiny_models[family]
     llm = LLM(str(path), kv_cache_memory="64MiB")
     for prompt in PROMPTS:
-        ours = llm.engine.score(prompt)  # (T, V)
+        ours = llm.score(prompt)  # (T, V)
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float()  # (T, V)
         assert ours.shape == ref.shape

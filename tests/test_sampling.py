@@ -290,7 +290,7 @@ def test_logprob_of_chosen_token_matches_forward(tiny_models):  # type: ignore[n
     prompt = [3, 9, 27, 81 % 128]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
-    full = llm.engine.score(prompt + out.token_ids).double().log_softmax(-1)
+    full = llm.score(prompt + out.token_ids).double().log_softmax(-1)
     for i, lp in enumerate(out.logprobs):
         assert math.isclose(lp.logprob, full[len(prompt) - 1 + i, lp.token_id].item(), abs_tol=1e-4)
     assert math.isclose(out.cumulative_logprob, sum(lp.logprob for lp in out.logprobs), abs_tol=1e-6)

@@ -87,15 +87,15 @@ class Driver:
             k = min(self.rng.randint(0, max_draft), room)
             if s.request_id not in self.lockstep and s.num_tokens - s.num_computed_tokens == 1 and k > 0:
                 s.token_ids.extend(self.rng.randrange(4) for _ in range(k))
-                s.num_draft = k
+                s.spec.num_draft = k
                 drafted.append(s)
         out = self.sched.schedule()
         got = dict(out.scheduled)
-        for s in drafted:  # what Engine._trim_drafts does
+        for s in drafted:  # what SpecPolicy.trim does
             keep = max(0, got.get(s, 0) - 1) if s.status is Status.RUNNING else 0
-            if keep < s.num_draft:
-                del s.token_ids[len(s.token_ids) - (s.num_draft - keep):]
-                s.num_draft = keep
+            if keep < s.spec.num_draft:
+                del s.token_ids[len(s.token_ids) - (s.spec.num_draft - keep):]
+                s.spec.num_draft = keep
         self.check_step(out)
         for src, dst in out.block_copies:  # the runner: copies, then the forward writes K/V
             self.content[dst] = list(self.content.get(src, [None] * self.bs))
@@ -110,20 +110,26 @@ class Driver:
                 continue  # a prefill chunk that does not reach the end samples nothing
             bonus = self.rng.randrange(4)
             if s.request_id in self.lockstep:
-                s.pending_logprobs = bonus  # a beam waits for its siblings (Engine._beam_step)
-            elif s.num_draft:
-                acc = self.rng.randint(0, s.num_draft)
-                sampled[s] = s.token_ids[s.num_tokens - s.num_draft:][:acc] + [bonus]
-                rejected[s] = s.num_draft - acc
+                s.family.pending_logprobs = bonus  # a beam waits for its siblings (FanOut._beam_step)
+            elif s.spec.num_draft:
+                acc = self.rng.randint(0, s.spec.num_draft)
+                sampled[s] = s.token_ids[s.num_tokens - s.spec.num_draft:][:acc] + [bonus]
+                rejected[s] = s.spec.num_draft - acc
             else:
                 sampled[s] = [bonus]
+        for s, _ in out.scheduled:  # what SpecPolicy.settle does: drafts leave the token list
+            if s.spec.num_draft:
+                del s.token_ids[len(s.token_ids) - s.spec.num_draft:]
+                s.spec.num_draft = 0
+        for s in out.preempted:  # FanOut.after_step: a preempted beam recomputes its log-probs
+            s.family.pending_logprobs = None
         self.sched.update_from_output(out, sampled, rejected)
         for rid in list(self.lockstep):
             fam = [s for s in self.families.get(rid, []) if not s.is_finished]
-            if fam and all(s.status is Status.RUNNING and s.pending_logprobs is not None for s in fam):
+            if fam and all(s.status is Status.RUNNING and s.family.pending_logprobs is not None for s in fam):
                 for s in fam:
-                    s.append_token(s.pending_logprobs)
-                    s.pending_logprobs = None
+                    s.append_token(s.family.pending_logprobs)
+                    s.family.pending_logprobs = None
                     if s.num_output_tokens >= s.params.max_tokens:
                         self.sched.finish(s, "length")
         for rid in [r for r, fam in self.families.items() if all(s.is_finished for s in fam)]:
@@ -161,7 +167,7 @@ class Driver:
             for b in s.block_table:
                 counts[b] += 1
             if s.status is Status.WAITING:
-                assert not s.block_table and s.pending_logprobs is None
+                assert not s.block_table and s.family.pending_logprobs is None
         assert counts == bm.ref_count, "reference counts must equal the number of holders"
         assert all((bm.ref_count[b] == 0) == (b in bm.free_queue) for b in range(bm.num_blocks))
         for s in self.live():
@@ -310,8 +316,9 @@ def test_speculative_steps_register_blocks_over_their_real_tokens():
     d.step()  # 3 prompt tokens computed, 1 sampled
     seq = d.families["a"][0]
     seq.token_ids.extend([8, 9, 9, 9])  # drafts that fill the second block
-    seq.num_draft = 4
+    seq.spec.num_draft = 4
     out = d.sched.schedule()
+    del seq.token_ids[-4:]  # the speculation policy takes the drafts back before the update
     d.sched.update_from_output(out, {seq: [8, 9, 9, 9, 1]}, {seq: 0})  # all accepted, plus a bonus
     assert seq.num_computed_tokens == 8 and seq.token_ids[4:] == [8, 9, 9, 9, 1]
     h0 = chain_hash(None, seq.token_ids[:4])

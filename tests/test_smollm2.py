@@ -52,7 +52,7 @@ def test_tokenizer_matches_hf(hf_ref, llm):  # type: ignore[no-untyped-def]
 def test_logits_match_hf(hf_ref, llm):  # type: ignore[no-untyped-def]
     tok, model = hf_ref
     ids = tok(PROMPTS[2]).input_ids
-    ours = llm.engine.score(ids)
+    ours = llm.score(ids)
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].float()
     assert (ours - ref).abs().max().item() < 1e-3

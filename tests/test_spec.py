@@ -54,7 +54,7 @@ def test_greedy_identical_to_plain(tiny_models, method, mode):  # type: ignore[n
     if mode == "preempt":
         assert st.num_preemptions > 0
     if method == "draft":
-        bm = llm.engine.proposer.bm
+        bm = llm.engine.spec.proposer.bm
         assert bm.num_free_blocks == bm.num_blocks  # the draft's own cache is all free too
 
 
@@ -231,14 +231,14 @@ def test_draft_model_shares_the_kv_budget(tiny_models, monkeypatch):  # type: ig
     budget = 4 * 2**20
     eng = spec_llm(path, "draft", kv_cache_memory=budget).engine
     size = lambda kv: sum(t.numel() * t.element_size() for t in kv.layers)  # noqa: E731
-    target, draft = size(eng.kv_cache), size(eng.proposer.kv)
+    target, draft = size(eng.kv_cache), size(eng.spec.proposer.kv)
     assert 0 < draft < target and target + draft <= budget
     assert target > budget * 0.6  # the 2-layer target gets about 2/3 of it, the 1-layer draft 1/3
     loaded: list[str] = []
     seen: list[int] = []
     real = engine_mod.load_model
     monkeypatch.setattr(engine_mod, "load_model", lambda c, *a: loaded.append(c.model) or real(c, *a))
-    monkeypatch.setattr(engine_mod.Engine, "_profile_kv_budget", lambda self: seen.append(len(loaded)) or budget)
+    monkeypatch.setattr(engine_mod, "profile_kv_budget", lambda *a: seen.append(len(loaded)) or budget)
     cfg = EngineConfig(model=str(path), speculative_method="draft", draft_num_layers=1)
     object.__setattr__(cfg, "kv_cache_memory", None)  # as on CUDA: measured by the profile
     engine_mod.Engine(cfg)

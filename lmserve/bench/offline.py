@@ -144,10 +144,10 @@ def run_naive_vs_cached(llm: LLM, max_len: int, points: int = 8, prompt_len: int
     lengths = sorted({max(prompt_len + 1, int(max_len * (i + 1) / points)) for i in range(points)})
     naive: dict[int, float] = {}
     for L in lengths:
-        eng.score(tokens[:L], last_only=True)  # warm-up at this shape
+        llm.score(tokens[:L], last_only=True)  # warm-up at this shape
         sync(dev)
         t0 = time.perf_counter()
-        eng.score(tokens[:L], last_only=True)
+        llm.score(tokens[:L], last_only=True)
         sync(dev)
         naive[L] = time.perf_counter() - t0
     cached_at = {L: cached.get(L, cached.get(L - 1, float("nan"))) for L in lengths}

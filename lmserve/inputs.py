@@ -1,0 +1,80 @@
+"""Input processing: a request (prompt text or token ids, SamplingParams) -> a tokenized, validated
+Request, once, before it reaches the engine's queues. Every error is a ValueError whose message starts
+with the field it is about, which the server turns into a 400 naming that field."""
+
+from __future__ import annotations
+
+from lmserve.kv.block_manager import BlockManager
+from lmserve.sequence import Request, SamplingParams
+from lmserve.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    """Tokenizes prompts and checks requests against the model and the KV pool. Reads only state that
+    never changes after start-up (the pool's size, not its contents), so any thread may use it."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 block_manager: BlockManager) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.bm = block_manager
+
+    def process(self, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+        """Tokenize and validate a request once; ValueError naming the field if it is bad. Reads only
+        what never changes after start-up, so any thread may call it."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        return Request(ids, params, prompt if isinstance(prompt, str) else None)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt (text or token ids) -> validated token ids; ValueError naming the problem."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids: must be a list of integers")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The request's options, then the checks that need the model: lengths, vocabulary, KV capacity."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        params.validate()
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens, but the model's context is {self.max_model_len}")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"model's context ({self.max_model_len})")
+        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer, so stop strings cannot be matched; "
+                             "use stop_token_ids")
+        # beams are scheduled and preempted as a whole, so all of them must fit at once, each at its
+        # longest (shared blocks are not counted on: a readmitted beam recomputes its own copy)
+        family = params.beam_width if params.use_beam_search else 1
+        field = "max_tokens" if family == 1 else ("best_of" if params.best_of else "n")
+        if family > self.max_num_seqs:
+            raise ValueError(f"{field}: {family} sequences for one request, but max_num_seqs is "
+                             f"{self.max_num_seqs}")
+        need = family * self.bm.blocks_needed(n + params.max_tokens)
+        if need > self.bm.num_blocks:
+            raise ValueError(f"{field}: the request needs {need} KV blocks"
+                             f"{f' ({family} sequences)' if family > 1 else ''} but the cache has "
+                             f"{self.bm.num_blocks}; raise kv_cache_memory or lower max_tokens")
