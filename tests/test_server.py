@@ -38,7 +38,7 @@ def server(smol):  # type: ignore[no-untyped-def]
         if srv.started:
             break
         time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "ae": ae, "engine": smol.engine, "srv": app.state.server}
+    yield {"url": f"http://127.0.0.1:{port}", "ae": ae, "engine": smol.engine, "llm": smol, "srv": app.state.server}
     srv.should_exit = True
     th.join(30)
 
@@ -116,6 +116,24 @@ def test_n_and_seed(client):  # type: ignore[no-untyped-def]
     assert a.usage.completion_tokens == 30
 
 
+def finished_requests(server) -> float:  # type: ignore[no-untyped-def]
+    """lmserve_requests_total over every finish reason, per /metrics."""
+    text = httpx.get(server["url"] + "/metrics").text
+    return sum(float(line.split()[1]) for line in text.splitlines() if line.startswith("lmserve_requests_total{"))
+
+
+def test_metrics_count_each_request_once(client, server):  # type: ignore[no-untyped-def]
+    """An n=4 request is one finished request, not four (plain or streamed); each prompt of a batch is one."""
+    kw = dict(model="smollm2-135m", max_tokens=3, temperature=1.0, seed=3, n=4)
+    before = finished_requests(server)
+    assert len(client.completions.create(prompt="Once", **kw).choices) == 4
+    assert finished_requests(server) == before + 1
+    assert len(list(client.completions.create(prompt="Once", stream=True, **kw))) > 0
+    assert finished_requests(server) == before + 2
+    assert len(client.completions.create(prompt=["Once", "Twice"], **kw).choices) == 8
+    assert finished_requests(server) == before + 4
+
+
 def test_beam_search_and_best_of(client, server):  # type: ignore[no-untyped-def]
     kw = dict(model="smollm2-135m", prompt="The three primary colours are", max_tokens=8, n=2)
     beam = client.completions.create(extra_body={"use_beam_search": True}, best_of=3, temperature=0, **kw)
@@ -143,7 +161,7 @@ def test_logprobs_and_echo(client, server):  # type: ignore[no-untyped-def]
     tok = server["engine"].tokenizer
     assert e.choices[0].text.startswith(tok.decode(ids, skip_special_tokens=False))
     # prompt logprobs equal the model's own log-softmax at those positions
-    full = server["engine"].score(ids).double().log_softmax(-1)
+    full = server["llm"].score(ids).double().log_softmax(-1)
     for i in range(1, len(ids)):
         assert abs(elp.token_logprobs[i] - full[i - 1, ids[i]].item()) < 1e-3
     # scoring mode: max_tokens=0 with echo returns the prompt only
@@ -309,15 +327,15 @@ def test_queue_full_gives_429(server, client, monkeypatch):  # type: ignore[no-u
 
 
 def test_exception_in_one_request_is_500_others_unharmed(server, client, monkeypatch):  # type: ignore[no-untyped-def]
-    eng = server["engine"]
-    original = eng._process_text
+    out = server["engine"].output  # the OutputProcessor: text and stop strings of each step's tokens
+    original = out._text
 
     def flaky(seq, new):  # type: ignore[no-untyped-def]
         if seq.params.max_tokens == 13:  # the marked request
             raise RuntimeError("boom")
         return original(seq, new)
 
-    monkeypatch.setattr(eng, "_process_text", flaky)
+    monkeypatch.setattr(out, "_text", flaky)
 
     async def go() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as c:

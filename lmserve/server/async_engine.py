@@ -1,7 +1,11 @@
 """AsyncEngine: one thread drives Engine.step() for every request; asyncio handlers talk to it
-through queues, so the event loop never runs a forward pass.
+through queues, so the event loop never runs a forward pass. It is the server's only door to the
+Engine: tokenizer and model facts, tokenize / validate, submit and stream, abort, stats.
 
-Requests enter and leave only between steps: `submit` and `abort` put work on thread-safe lists that
+Tokenizing and validating (`tokenize`, `process_request`) read only what never changes after
+start-up, so handlers run them on the event loop; the Request they make is queued as is.
+
+Requests enter and leave only between steps: `generate` and `abort` put work on thread-safe lists that
 the loop drains before each step; each request's outputs are pushed to its own asyncio.Queue with
 `loop.call_soon_threadsafe`.
 
@@ -19,10 +23,12 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from lmserve.engine import Engine, EngineStats
 from lmserve.outputs import RequestOutput
-from lmserve.sequence import SamplingParams
+from lmserve.sequence import Request, SamplingParams
+from lmserve.tokenizer import Tokenizer
 
 log = logging.getLogger("lmserve.server")
 
@@ -51,10 +57,10 @@ class AsyncEngine:
     """Owns the engine thread. All Engine mutation happens on that thread."""
 
     def __init__(self, engine: Engine, max_queue: int | None = None) -> None:
-        self.engine = engine
+        self._engine = engine
         self.max_queue = max_queue
         self._lock = threading.RLock()
-        self._pending: list[tuple[str, list[int], SamplingParams, _Stream]] = []
+        self._pending: list[tuple[str, Request, _Stream]] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -67,6 +73,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        """Start the engine thread."""
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -77,6 +84,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
+        """Whether the engine loop is running."""
         return self._thread.is_alive() and self.error is None
 
     @property
@@ -94,10 +102,37 @@ class AsyncEngine:
         """Whether n more requests may wait without passing max_queue."""
         return self.max_queue is None or self.num_waiting + n <= self.max_queue
 
+    # ------------------------------------------------------------ the model (fixed after start-up)
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None for a model without one)."""
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + output) one sequence may hold."""
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1."""
+        return self._engine.vocab_size
+
+    def info(self) -> dict[str, Any]:
+        """The engine's description: model, architecture, dtype, device, max_model_len, load time."""
+        return self._engine.info()
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt (text or token ids) -> checked token ids; ValueError naming the field."""
+        return self._engine.tokenize_prompt(prompt)
+
+    def process_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Tokenize and validate a request once, on the caller's thread; ValueError naming the field."""
+        return self._engine.process_request(prompt, params)
+
     # ------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs step by step; aborts it if the consumer goes away."""
+    async def generate(self, request_id: str, request: Request) -> AsyncIterator[RequestOutput]:
+        """Queue a processed request and yield its outputs step by step; aborts it if the consumer goes away."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
@@ -106,7 +141,7 @@ class AsyncEngine:
                 raise QueueFullError(f"{self.max_queue} requests are already waiting")
             if not self._thread.is_alive():
                 raise EngineDeadError("the engine loop is not running")
-            self._pending.append((request_id, prompt_ids, params, stream))
+            self._pending.append((request_id, request, stream))
         self._wake.set()
         try:
             while True:
@@ -122,6 +157,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Abort a request (applied between steps)."""
         with self._lock:
             self._aborts.append(request_id)
         self._wake.set()
@@ -131,13 +167,13 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._drain()
-                if not self.engine.has_unfinished_requests():
+                if not self._engine.has_unfinished_requests():
                     self._publish()
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 try:
-                    outputs = self.engine.step()
+                    outputs = self._engine.step()
                 except Exception as e:  # a failed forward: fail the requests in flight, keep serving
                     log.exception("engine step failed")
                     self._fail_all(e)
@@ -161,30 +197,30 @@ class AsyncEngine:
             pending, self._pending = self._pending, []
             aborts, self._aborts = self._aborts, []
             self._unpublished += len(pending)
-        for rid, ids, params, stream in pending:
+        for rid, request, stream in pending:
             try:
-                self.engine.add_request(rid, ids, params)
+                self._engine.add_request(rid, request)
                 self._streams[rid] = stream
             except Exception as e:  # validated already; anything left is this request's alone
                 stream.put(e)
         for rid in aborts:
-            self.engine.abort_request(rid)
+            self._engine.abort_request(rid)
             self._streams.pop(rid, None)
 
     def _publish(self) -> None:
         """Snapshot the engine's stats for readers on other threads (engine thread only)."""
-        st = self.engine.stats()
+        st = self._engine.stats()
         with self._lock:
             self._stats, self._stats_at, self._unpublished = st, time.monotonic(), 0
 
     def _fail_all(self, error: BaseException, pending_too: bool = False) -> None:
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
+        for rid in list(self._engine.requests):
+            self._engine.abort_request(rid)
         for stream in self._streams.values():
             stream.put(error)
         self._streams.clear()
         if pending_too:
             with self._lock:
                 pending, self._pending = self._pending, []
-            for _, _, _, stream in pending:
+            for _, _, stream in pending:
                 stream.put(error)

@@ -4,18 +4,30 @@ Engine, which that thread mutates)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lmserve.outputs import RequestOutput
 
+if TYPE_CHECKING:
+    from lmserve.server.async_engine import AsyncEngine
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_WORST_FIRST = ("error", "abort", "length", "stop")
+
+
+def finish_reason(out: RequestOutput) -> str:
+    """A finished request's one finish reason: the worst of its choices' (an n > 1 request counts once)."""
+    reasons = {c.finish_reason for c in out.outputs}
+    return next((r for r in _WORST_FIRST if r in reasons), "unknown")
 
 
 class _EngineCollector:
-    def __init__(self, async_engine: Any) -> None:
+    """Engine gauges and counters, read from the AsyncEngine's published snapshot at scrape time."""
+
+    def __init__(self, async_engine: AsyncEngine) -> None:
         self.ae = async_engine
 
     def collect(self):  # type: ignore[no-untyped-def]
@@ -38,7 +50,7 @@ class _EngineCollector:
 class ServerMetrics:
     """One registry per app (tests start several servers in one process)."""
 
-    def __init__(self, async_engine: Any) -> None:
+    def __init__(self, async_engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lmserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
@@ -55,8 +67,7 @@ class ServerMetrics:
     def observe(self, out: RequestOutput) -> None:
         """Record a finished request."""
         m = out.metrics
-        for c in out.outputs:
-            self.requests.labels(c.finish_reason or "unknown").inc()
+        self.requests.labels(finish_reason(out)).inc()
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.generation_tokens.inc(m.num_output_tokens)
         for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e), (self.queue, m.queue_time)):
@@ -64,7 +75,9 @@ class ServerMetrics:
                 hist.observe(value)
 
     def aborted(self, n: int = 1) -> None:
+        """Record n requests aborted (client gone, timeout)."""
         self.requests.labels("abort").inc(n)
 
     def render(self) -> bytes:
+        """The registry in Prometheus' text format."""
         return generate_latest(self.registry)

@@ -1,6 +1,9 @@
 """OpenAI request bodies (pydantic). Unknown fields are ignored, as OpenAI does; the extension fields
 that vLLM accepts and benchmark clients send are accepted and honoured. Numbers must be finite (JSON
-bodies parsed by Python may hold NaN / Infinity)."""
+bodies parsed by Python may hold NaN / Infinity).
+
+Each body also knows what needs no model: `check()` (rules across fields) and, for the generating
+endpoints, `to_sampling_params()`; both raise ValueError naming the field, which the app turns into a 400."""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
+from lmserve.sequence import SamplingParams
+
 MAX_N = 16
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 MAX_STOP = 16
 
 
@@ -17,15 +22,23 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class BaseRequest(_Body):
+    """A request body: it names the model, and may have rules across its fields."""
+
+    model: str | None = None
+
+    def check(self) -> None:
+        """Rules across fields, checked once the body parsed; ValueError naming the field."""
+
+
 class StreamOptions(_Body):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
 
-class _Sampling(_Body):
+class SamplingRequest(BaseRequest):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
@@ -59,13 +72,76 @@ class _Sampling(_Body):
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(v)}")
         return v
 
+    def check(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.use_beam_search and self.stream:
+            raise ValueError("use_beam_search: beam search results cannot be streamed")
+        if self.stream and self.best_of and self.best_of > self.n:
+            raise ValueError("best_of: cannot stream when best_of > n")
 
-class CompletionRequest(_Sampling):
+    def usage_flags(self) -> tuple[bool, bool]:
+        """(a final usage chunk, usage in every chunk) as stream_options / the vLLM extension ask."""
+        opts = self.stream_options
+        continuous = bool(opts and opts.continuous_usage_stats) or self.continuous_usage_stats
+        return bool(opts and opts.include_usage), continuous
+
+    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """The engine's SamplingParams for a prompt of prompt_len tokens (the default max_tokens is the
+        rest of the context)."""
+        raise NotImplementedError
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+                         ) -> SamplingParams:
+        try:
+            bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        except ValueError:
+            raise ValueError("logit_bias: keys must be token ids") from None
+        return SamplingParams(
+            n=self.n, best_of=self.best_of, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k if self.top_k is not None else -1,
+            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos,
+            logprobs=None if self.use_beam_search else logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+
+
+class CompletionRequest(SamplingRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """Scoring: return the prompt (and its logprobs), generate nothing."""
+        return self.max_tokens == 0
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def check(self) -> None:
+        if not self.prompts():
+            raise ValueError("prompt: must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be >= 1 (0 is allowed only with echo)")
+        if self.suffix:
+            raise ValueError("suffix: is not supported")
+        super().check()
+
+    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        max_tokens = max_model_len - prompt_len if self.max_tokens is None else self.max_tokens
+        # echo-only scoring (max_tokens 0) runs one step and drops its token
+        return self._sampling_params(max(1, max_tokens), self.logprobs, self.logprobs if self.echo else None)
 
 
 class ContentPart(_Body):
@@ -89,6 +165,7 @@ class ChatMessage(_Body):
         return v
 
     def text(self) -> str:
+        """The content as one string (text parts only; ValueError for others)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -100,8 +177,12 @@ class ChatMessage(_Body):
             parts.append(p.text or "")
         return "".join(parts)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it."""
+        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
 
-class ChatCompletionRequest(_Sampling):
+
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
@@ -110,15 +191,27 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def check(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: only allowed when logprobs is true")
+        super().check()
 
-class TokenizeRequest(_Body):
-    model: str | None = None
+    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens or (max_model_len - prompt_len)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max(1, max_tokens), logprobs, None)
+
+
+class TokenizeRequest(BaseRequest):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
 
-class DetokenizeRequest(_Body):
-    model: str | None = None
+
+class DetokenizeRequest(BaseRequest):
     tokens: list[StrictInt]

@@ -1,0 +1,54 @@
+"""ApiError: an HTTP status with OpenAI's error body, and the conversion of our ValueErrors into 400s."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class ApiError(Exception):
+    """An error with an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    @classmethod
+    def of(cls, e: BaseException) -> "ApiError":
+        """An ApiError as is; anything else as a 500."""
+        return e if isinstance(e, ApiError) else cls(500, str(e), type_="server_error")
+
+    @classmethod
+    def invalid(cls, e: ValueError) -> "ApiError":
+        """A 400 for one of our ValueErrors, which start with the field they are about: 'max_tokens: ...'."""
+        msg = str(e)
+        head = msg.split(":", 1)[0]
+        param = head if head.replace("_", "").isalnum() and " " not in head else None
+        return cls(400, msg, param=param)
+
+    @classmethod
+    def engine_failure(cls, error: str | None) -> "ApiError":
+        """A request that finished with finish_reason 'error' inside the engine."""
+        return cls(500, f"request failed inside the engine: {error}", type_="server_error")
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """The error as a JSON response."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+@contextmanager
+def invalid_request() -> Iterator[None]:
+    """Turn a ValueError raised inside the block (a bad field) into a 400 naming that field."""
+    try:
+        yield
+    except ValueError as e:
+        raise ApiError.invalid(e) from None

@@ -1,0 +1,201 @@
+"""OpenAI response bodies: whole responses, stream chunks, choices, logprobs and usage.
+
+A Formatter holds one response's envelope (id, object, created, model); its subclasses turn engine
+outputs into choices, whole (`response`) or one stream step at a time (`delta`). `sse_events` is the
+one streaming loop every generating endpoint shares."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from lmserve.outputs import CompletionOutput, RequestOutput
+from lmserve.sequence import Logprob
+from lmserve.server.errors import ApiError
+from lmserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from lmserve.tokenizer import Tokenizer
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying obj as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(outs: list[RequestOutput], drop_generated: bool = False) -> dict[str, int]:
+    """Token counts of the requests behind one response."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = 0 if drop_generated else sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def new_logprobs(c: CompletionOutput) -> list[Logprob]:
+    """The logprobs of the tokens this stream step added."""
+    return list((c.logprobs or [])[-len(c.delta_token_ids):]) if c.delta_token_ids else []
+
+
+class Formatter:
+    """One response: its envelope, and how the engine's outputs become its choices."""
+
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None) -> None:
+        self.rid, self.model, self.tok = rid, model, tokenizer
+        self.created = int(time.time())
+
+    def piece(self, tid: int) -> str:
+        """A token's text as logprobs show it."""
+        return self.tok.decode([tid], skip_special_tokens=False) if self.tok else str(tid)
+
+    def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        """The whole response, once every request finished (outs in job order)."""
+        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [self.choice(i, o, c) for i, o in enumerate(outs) for c in o.outputs],
+                "usage": usage(outs)}
+
+    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
+        """A stream chunk: some choices' deltas, and usage if given."""
+        c: dict[str, Any] = {"id": self.rid, "object": self.chunk_object, "created": self.created,
+                             "model": self.model, "choices": choices}
+        if usage_ is not None:
+            c["usage"] = usage_
+        return c
+
+    def head(self) -> list[dict[str, Any]]:
+        """Chunks sent before any output."""
+        return []
+
+    def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        """Output c of job i as a finished choice."""
+        raise NotImplementedError
+
+    def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
+        """What output c of job i added in this stream step as a choice; None when there is nothing to send."""
+        raise NotImplementedError
+
+
+class CompletionFormatter(Formatter):
+    """/v1/completions: text choices (with the prompt when echoed), OpenAI's legacy logprobs."""
+
+    object = chunk_object = "text_completion"
+
+    def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: CompletionRequest,
+                 prompts: list[str | list[int]]) -> None:
+        super().__init__(rid, model, tokenizer)
+        self.body, self.prompts = body, prompts
+        self.echoed: set[tuple[int, int]] = set()  # (job, choice) whose prompt the stream has sent
+
+    def prompt_text(self, i: int) -> str:
+        """Job i's prompt as text (echo)."""
+        p = self.prompts[i]
+        return p if isinstance(p, str) else (self.tok.decode(p, skip_special_tokens=False) if self.tok else "")
+
+    def logprobs(self, ids: list[int], lps: list[Logprob | None]) -> dict[str, Any]:
+        """Legacy completions logprobs: tokens, their logprobs, top alternatives, text offsets."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = 0
+        for tid, lp in zip(ids, lps):
+            piece = self.piece(tid)
+            tokens.append(piece)
+            offsets.append(off)
+            off += len(piece)
+            token_lps.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {self.piece(t): v for t, v in lp.top.items()})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        return {**super().response(outs), "usage": usage(outs, drop_generated=self.body.echo_only)}
+
+    def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        body = self.body
+        text, ids, lps = ("", [], []) if body.echo_only else (c.text, c.token_ids, list(c.logprobs or []))
+        lp_obj = None
+        if body.echo:
+            if body.logprobs is not None:
+                lp_obj = self.logprobs(out.prompt_token_ids + ids, list(out.prompt_logprobs or []) + lps)
+            text = self.prompt_text(i) + text
+        elif body.logprobs is not None:
+            lp_obj = self.logprobs(ids, lps)
+        return {"index": i * body.n + c.index, "text": text, "logprobs": lp_obj,
+                "finish_reason": "length" if body.echo_only else c.finish_reason, "stop_reason": c.stop_reason}
+
+    def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
+        text = c.delta_text
+        lp_obj = None
+        if self.body.logprobs is not None and c.delta_token_ids:
+            lp_obj = self.logprobs(c.delta_token_ids, new_logprobs(c))
+        if self.body.echo and (i, c.index) not in self.echoed:
+            self.echoed.add((i, c.index))
+            text = self.prompt_text(i) + text
+        if not text and not c.finished and lp_obj is None:
+            return None
+        return {"index": i * self.body.n + c.index, "text": text, "logprobs": lp_obj,
+                "finish_reason": c.finish_reason if c.finished else None,
+                "stop_reason": c.stop_reason if c.finished else None}
+
+
+class ChatFormatter(Formatter):
+    """/v1/chat/completions: assistant messages, chat logprobs; the stream opens with the role."""
+
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: ChatCompletionRequest) -> None:
+        super().__init__(rid, model, tokenizer)
+        self.body = body
+
+    def logprobs(self, ids: list[int], lps: list[Logprob]) -> dict[str, Any]:
+        """Chat logprobs: each token with its bytes and top alternatives."""
+        content = []
+        for tid, lp in zip(ids, lps):
+            piece = self.piece(tid)
+            content.append({"token": piece, "logprob": lp.logprob, "bytes": list(piece.encode("utf-8")),
+                            "top_logprobs": [{"token": self.piece(t), "logprob": v,
+                                              "bytes": list(self.piece(t).encode("utf-8"))}
+                                             for t, v in lp.top.items()]})
+        return {"content": content}
+
+    def head(self) -> list[dict[str, Any]]:
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(self.body.n)])]
+
+    def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(c.token_ids, c.logprobs or []) if self.body.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
+        if not c.delta_text and not c.finished:
+            return None
+        lp = self.logprobs(c.delta_token_ids, new_logprobs(c)) if self.body.logprobs and c.delta_token_ids else None
+        return {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {}, "logprobs": lp,
+                "finish_reason": c.finish_reason if c.finished else None,
+                "stop_reason": c.stop_reason if c.finished else None}
+
+
+async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOutput | BaseException]],
+                     include_usage: bool, continuous: bool) -> AsyncIterator[str]:
+    """The SSE stream of one response: its head, a chunk per choice per step that added something (an
+    error event for a request that failed), a usage chunk when asked, then [DONE]. outputs yields
+    (job index, output) or (job index, error), which ends the stream."""
+    for c in fmt.head():
+        yield sse(c)
+    last: dict[int, RequestOutput] = {}
+    async for i, item in outputs:
+        if isinstance(item, BaseException):
+            yield sse(ApiError.of(item).body())
+            break
+        last[i] = item
+        for c in item.outputs:
+            if c.finish_reason == "error":
+                yield sse(ApiError.engine_failure(c.error).body())
+                continue
+            choice = fmt.delta(i, c)
+            if choice is not None:
+                yield sse(fmt.chunk([choice], usage([item]) if continuous else None))
+    if include_usage and last:
+        yield sse(fmt.chunk([], usage(list(last.values()))))
+    yield DONE
