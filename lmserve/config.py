@@ -128,6 +128,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return table[dtype]
 
 
+QUANTIZATIONS = (None, "int8", "int4", "awq", "gguf", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine options, named as vLLM names them."""
@@ -147,6 +151,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ... max_num_seqs
     attention_backend: str = "auto"  # auto (triton on CUDA, else torch) | torch | triton
+    quantization: str | None = None  # weights: None (the checkpoint's float) | int8 | int4 | awq | gguf | fp8
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: quantized KV, scales per token and head
     # speculative decoding
     speculative_method: str | None = None  # None | "ngram" | "draft"
     num_speculative_tokens: int = 3
@@ -185,6 +191,10 @@ class EngineConfig:
         if self.speculative_method and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         resolve_dtype(self.dtype, self.device)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
