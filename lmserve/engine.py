@@ -10,6 +10,7 @@ naming the field and leaves the engine and the other requests as they were.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -56,6 +57,14 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prompt_tokens_queried if self.prompt_tokens_queried else 0.0
 
 
+def init_sequence(rng: random.Random, output: OutputProcessor, seq: Sequence) -> None:
+    """A new sequence's generator (request seed + child index, else a draw from the engine's RNG; on
+    the host: a draw costs no device call) and output state."""
+    p = seq.params
+    seq.generator = random.Random(p.seed + seq.index if p.seed is not None else rng.randrange(2**63))
+    output.start(seq)
+
+
 class Engine:
     """The serving core: requests in, incremental RequestOutputs out, one step at a time."""
 
@@ -74,11 +83,11 @@ class Engine:
         # one budget for every KV cache: a draft model's cache takes its share by bytes per token
         draft_budget = 0 if draft is None else \
             self.kv_budget * draft[0].kv_elems_per_token // (draft[0].kv_elems_per_token + cfg.kv_elems_per_token)
-        num_blocks = KVCache.blocks_for_budget(cfg, c.block_size, c.torch_dtype, self.kv_budget - draft_budget)
+        kv = dict(cfg=cfg, block_size=c.block_size, dtype=c.torch_dtype, kv_cache_dtype=c.kv_cache_dtype)  # + scales
+        num_blocks = KVCache.blocks_for_budget(**kv, budget=self.kv_budget - draft_budget)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={self.kv_budget} bytes holds no KV block of "
-                             f"{KVCache.bytes_per_block(cfg, c.block_size, c.torch_dtype)} bytes")
-        self.kv_cache = KVCache(cfg, num_blocks, c.block_size, c.torch_dtype, c.device)
+            raise ValueError(f"kv_cache_memory={self.kv_budget} bytes holds no KV block of {KVCache.bytes_per_block(**kv)} bytes")
+        self.kv_cache = KVCache(cfg, num_blocks, c.block_size, c.torch_dtype, c.device, c.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, c.device)
@@ -94,10 +103,12 @@ class Engine:
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, c.max_num_seqs,
                                      self.block_manager)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        # a function of the RNG and the output processor, not a bound method: no engine <-> fan-out cycle
+        # (a cycle would keep a dropped engine, and its KV cache, alive until the next GC pass)
+        self._init_seq = functools.partial(init_sequence, random.Random(c.seed), self.output)
         self.fanout = FanOut(self.scheduler, self.block_manager, self._init_seq)
         self.requests: dict[str, list[Sequence]] = {}  # the request table: each request's sequences
         self.final_only: set[str] = set()  # requests whose caller wants only the finished output
-        self._rng = random.Random(c.seed)
         self.load_time = time.perf_counter() - t0
         log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)%s", self.load_time,
                  num_blocks, c.block_size, num_blocks * c.block_size, "" if self.graph_capture_time is None
@@ -147,13 +158,6 @@ class Engine:
         if final_only:
             self.final_only.add(request_id)
         self.scheduler.add(seq)
-
-    def _init_seq(self, seq: Sequence) -> None:
-        """A new sequence's generator (request seed + child index, else a draw from the engine's RNG;
-        on the host: a draw costs no device call) and output state."""
-        p = seq.params
-        seq.generator = random.Random(p.seed + seq.index if p.seed is not None else self._rng.randrange(2**63))
-        self.output.start(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False if it is unknown or already done."""

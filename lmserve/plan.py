@@ -2,6 +2,8 @@
 
 All figures are lower bounds from first principles:
   KV bytes / token   = 2 (K and V) x layers x kv_heads x head_dim x kv_bytes    (MLA: layers x (latent + rope) x kv_bytes)
+                       + with a quantized KV dtype (int8, fp8, int4): a float32 scale per token, head and K/V
+                       (2 x layers x kv_heads x 4; MLA: layers x 4), as lmserve's kv_cache_dtype int8 / fp8 stores them
   decode step time  >= max(bytes moved / bandwidth, FLOPs / peak)
                        bytes = weight bytes + batch x context x KV bytes/token; FLOPs = 2 x params x batch + attention
   ridge point        = peak FLOP/s / bandwidth  (a kernel below it is memory-bound)
@@ -18,6 +20,7 @@ from typing import Any
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "fp8": 1, "int8": 1, "int4": 0.5}
+KV_SCALE_BYTES = 4  # a quantized KV cache's float32 scale per token, head and K/V (absmax per row)
 
 # name -> (memory GB, bandwidth TB/s, dense bf16 TFLOP/s), vendor spec-sheet figures;
 # "cpu" is this project's 2-core CI machine as measured (fp32 matmul, memcpy).
@@ -64,6 +67,11 @@ class PlanModel:
         if self.mla_latent is not None:
             return self.layers * (self.mla_latent + self.mla_rope)
         return 2 * self.layers * self.kv_heads * self.head_dim
+
+    @property
+    def kv_scales_per_token(self) -> int:
+        """Scales a quantized cache keeps per token: one per K/V row (head) of each layer."""
+        return self.layers if self.mla_latent is not None else 2 * self.layers * self.kv_heads
 
     @property
     def mha_kv_elems_per_token(self) -> int:
@@ -120,7 +128,8 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
     kb = DTYPE_BYTES[kv_dtype or dtype]
     bw, peak = bw_tbs * 1e12, tflops * 1e12
     weight_bytes = m.params * wb
-    kv_tok = m.kv_elems_per_token * kb
+    kv_scales = m.kv_scales_per_token * KV_SCALE_BYTES if kb < 2 else 0  # quantized KV: its scales
+    kv_tok = m.kv_elems_per_token * kb + kv_scales
     kv_seq = kv_tok * seq_len
     usable = mem_gb * 1e9 * mem_util - weight_bytes
     fit = max(0, int(usable // kv_seq)) if kv_seq else 0
@@ -150,6 +159,7 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
         "device": {"mem_gb": mem_gb, "bandwidth_tbs": bw_tbs, "tflops": tflops},
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_tok,
+        "kv_scale_bytes_per_token": kv_scales,
         "kv_bytes_per_seq": kv_seq,
         "seq_len": seq_len,
         "max_seqs_that_fit": fit,
@@ -176,12 +186,13 @@ def _fmt_bytes(n: float) -> str:
 
 def render(r: dict[str, Any]) -> str:
     d = r["device"]
+    scales = f" ({r['kv_scale_bytes_per_token']:,} of them scales)" if r["kv_scale_bytes_per_token"] else ""
     lines = [
         f"model {r['model']}: {r['params'] / 1e9:.3f} B params ({_fmt_bytes(r['weight_bytes'])} in {r['dtype']}), "
         f"{r['attention_kind']}",
         f"device: {d['mem_gb']} GB, {d['bandwidth_tbs']} TB/s, {d['tflops']} TFLOP/s -> ridge point "
         f"{r['ridge_flop_per_byte']:.0f} FLOP/byte",
-        f"KV cache ({r['kv_dtype']}): {r['kv_bytes_per_token']:,.0f} bytes/token; "
+        f"KV cache ({r['kv_dtype']}): {r['kv_bytes_per_token']:,.0f} bytes/token{scales}; "
         f"{_fmt_bytes(r['kv_bytes_per_seq'])} per {r['seq_len']}-token sequence; "
         f"{r['kv_saving_vs_mha']:.1f}x smaller than full MHA",
         f"sequences of {r['seq_len']} tokens that fit beside the weights: {r['max_seqs_that_fit']:,}",

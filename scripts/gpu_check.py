@@ -7,7 +7,7 @@
 Parts, cheapest first (PARTS): preflight (one Triton launch: Triton builds its launcher with the
 system C compiler and Python.h, and every CUDA model goes through Triton), fusions (the fused
 kernels against their torch code, and the profile behind them), kernels (attention kernels against
-float64, the Gumbel sampler), correctness (fast path against the torch reference, teacher-forced,
+float64, with a float and an int8 / fp8 KV cache; the Gumbel sampler), correctness (fast path against the torch reference, teacher-forced,
 margin-aware argmax gate), host overhead (host work per decode step at batch 256), batch-1 decode
 (against the `lmserve plan` bound, with and without CUDA graphs), throughput (the 256-request
 workload), hf baseline (HF transformers on the same workload and at batch 1).
@@ -350,11 +350,35 @@ def part_kernels(p: Part, s: dict) -> None:
             p.fail(f"kernels {name}")
     p.row("prefill tl.dot precision", "checks: ieee for fp32; fast path: bf16 inputs (exact products, fp32 "
                                       "accumulation); an fp32 model would use tf32")
+    quant_kernel_checks(p, s, dtypes)
     pval, power = gumbel_check(s["device"], draws=300 if s["device"] == "cpu" else 20000)
     p.put(gumbel_chi2_p=pval, gumbel_chi2_p_wrong_T=power)
     p.row("Gumbel sampler: chi2 p vs softmax(l/T) / vs T=1", f"{pval:.3f} / {power:.1e}")
     if pval < 1e-3 or power > 1e-3:
         p.fail("gumbel sampler")
+
+
+def quant_kernel_checks(p: Part, s: dict, dtypes: list) -> None:
+    """The same cases with a quantized KV cache (kv_cache_dtype int8, and fp8 in bf16): Triton's
+    quantizing store against the reference's bytes and scales, the kernels against float64 over the
+    dequantized cache (tolerance as for the float cache), and against float64 over the float cache
+    (QUANT_ATTN_BOUND, plus that tolerance). The CPU dry run: int8, one decode case."""
+    from lmserve.attention.testing import QUANT_ATTN_BOUND, check_quant_kernels
+    runs = [("int8", name, dt, tol) for name, dt, tol in dtypes] + [("fp8", n, dt, tol) for n, dt, tol in dtypes
+                                                                      if n == "bf16"]
+    for kv, name, dt, tol in runs:
+        opts = {"d": 32, "cases": [1], "target_programs": 16} if s["small"] else {}
+        rows = check_quant_kernels(s["device"], dt, kv, **opts)
+        errs = [r[k] for r in rows for k in ("triton_err", "static_err") if k in r]
+        qerrs = [r["triton_quant_err"] for r in rows]
+        checks = [e < tol for e in errs] + [e < QUANT_ATTN_BOUND[kv] + tol for e in qerrs] + [
+            r["store_equal"] and r.get("static_store_equal", True) and r.get("static_pad_zero", True) for r in rows]
+        p.put(**{f"kernels_{kv}_kv_{name}": rows})
+        p.row(f"attention kernels, {kv} KV cache, {name}: checks passed",
+              f"{sum(checks)} of {len(checks)} (max err {max(errs):.1e}, tol {tol:g}; vs float cache "
+              f"{max(qerrs):.1e}, bound {QUANT_ATTN_BOUND[kv] + tol:g})")
+        if not all(checks):
+            p.fail(f"kernels {kv} KV {name}")
 
 
 def argmax_gate(fast: Any, ref: Any, top: int = 5, noise_factor: float = 2.0, min_agree: float = 0.99,
@@ -611,7 +635,7 @@ def part_hf(p: Part, s: dict) -> None:
 PARTS: list[tuple[str, float, float, PartFn]] = [
     ("preflight", 25, 2, part_preflight),
     ("fusions", 25, 4, part_fusions),
-    ("kernels", 75, 10, part_kernels),
+    ("kernels", 95, 12, part_kernels),
     ("correctness", 50, 12, part_correctness),
     ("host overhead", 40, 6, part_host),
     ("batch-1 decode", 45, 5, part_batch1),

@@ -13,6 +13,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "llama_mqa"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _collect_garbage():  # type: ignore[no-untyped-def]
+    """After each test module, collect what reference cycles the tests themselves made (closures,
+    monkeypatches): the suite loads many engines, each with a KV cache, on a 24 GiB machine."""
+    yield
+    import gc
+    gc.collect()
+
+
 def _hf_config(family: str):  # type: ignore[no-untyped-def]
     import transformers as tf
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

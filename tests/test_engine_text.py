@@ -236,3 +236,23 @@ def test_stop_strings_need_a_tokenizer(tiny_models):  # type: ignore[no-untyped-
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
                .outputs[0].token_ids) == 4
+
+
+def test_a_dropped_engine_is_freed_at_once(tiny_models):  # type: ignore[no-untyped-def]
+    """No reference cycle through the engine (its parts hold no bound methods of it), so dropping an
+    LLM frees its KV cache at once, not at some later GC pass: a test suite (or a process that
+    reloads models) would otherwise hold one dead cache per engine, a GiB each by default."""
+    import gc
+    import weakref
+    path, _ = tiny_models["llama"]
+    gc.disable()
+    try:
+        for kw in ({}, {"speculative_method": "draft", "draft_num_layers": 1}):
+            llm = LLM(str(path), kv_cache_memory="16MiB", **kw)
+            llm.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(max_tokens=4, n=2), use_tqdm=False)
+            llm.generate([[4, 5, 6]], SamplingParams(max_tokens=3, use_beam_search=True, best_of=2), use_tqdm=False)
+            ref = weakref.ref(llm.engine.kv_cache)
+            del llm
+            assert ref() is None, kw
+    finally:
+        gc.enable()

@@ -4,7 +4,9 @@ The runner builds one `AttentionMetadata` per step from the scheduler's decision
 down explicitly (no global context). Tokens are flattened: the batch is `[num_tokens, ...]` and
 `query_start_loc` marks where each sequence's new tokens begin. A sequence's keys live in the paged
 cache at the slots its block table names; the new tokens' K/V are written at `slot_mapping` first,
-so attention always reads the whole context from the cache.
+so attention always reads the whole context from the cache. With kv_cache_dtype int8 / fp8 a layer's
+cache is a `lmserve.kv.cache.QuantizedKV` (elements + a float32 scale per slot and head): the store
+quantizes, every reader dequantizes (see the backends).
 """
 
 from __future__ import annotations
@@ -82,5 +84,6 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-        """q: (N, H, d), k/v: (N, Hkv, d), kv_cache: (2, num_slots, Hkv, d) -> (N, H, d)."""
+        """q: (N, H, d), k/v: (N, Hkv, d), kv_cache: (2, num_slots, Hkv, d) or a QuantizedKV
+        (data (2, num_slots, Hkv, d) int8 / float8, scale (2, num_slots, Hkv) float32) -> (N, H, d)."""
         ...

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from lmserve.attention.backend import AttentionMetadata, pack_block_tables
+from lmserve.kv.cache import QuantizedKV, kv_quant_dtype
 from lmserve.kv.cache import slots as slots_of
 
 # context lengths, new-token lengths (1 = decode), GQA group, block size, window
@@ -124,3 +125,64 @@ def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
             row["static_store_equal"] = bool(torch.equal(st_cache, ref_cache))
         rows.append(row)
     return rows
+
+
+# Bounds on max |attention(quantized cache) - attention(float cache)| (both float64 math) for the
+# cases' unit-normal q / k / v (outputs ~1): measured on the CPU up to 0.015 (int8) and 0.085 (fp8)
+QUANT_ATTN_BOUND = {"int8": 0.03, "fp8": 0.15}
+
+
+def check_quant_kernels(device: str, dtype: torch.dtype, kv_cache_dtype: str = "int8", d: int = 64, hkv: int = 2,
+                        cases: list[int] | None = None, fp32_dot: str = "ieee", target_programs: int = 264
+                        ) -> list[dict]:
+    """KERNEL_CASES through both backends with a quantized cache (kv_cache_dtype int8 / fp8): each
+    case's earlier context quantized as the store path would have written it, the step's new K/V
+    quantized by each backend's store. Per case: store_equal (elements and scales, byte for byte),
+    triton_err / torch_err against float64 attention over the dequantized cache (the kernels' own
+    error), triton_quant_err / torch_quant_err against float64 attention over the float cache (what
+    quantization costs); decode-only cases also as a padded static batch (static_err, against the
+    dequantized oracle; static_pad_zero; static_store_equal). target_programs: the decode split
+    heuristic's aim (fewer programs under the interpreter)."""
+    from lmserve.attention.torch_ref import TorchAttention
+    from lmserve.attention.triton_attn import TritonAttention
+    qdtype = kv_quant_dtype(kv_cache_dtype)
+    backend = TritonAttention(fp32_dot=fp32_dot, target_programs=target_programs)
+    rows = []
+    for idx, (ctx, qlens, group, bs, window) in enumerate(KERNEL_CASES):
+        if cases is not None and idx not in cases:
+            continue
+        meta, cache, tables = random_step(ctx, qlens, bs, hkv, d, seed=300 + idx, device=device)
+        g = torch.Generator().manual_seed(400 + idx)
+        n, h = sum(qlens), hkv * group
+        q, k, v = (torch.randn(n, x, d, generator=g).to(device, dtype) for x in (h, hkv, hkv))
+        cache = cache.to(dtype)
+        scale = d ** -0.5
+        float_cache = cache.clone()
+        TorchAttention().forward(q, k, v, float_cache, meta, scale, window)  # the float store: the oracle's cache
+        ref_cache, tri_cache = QuantizedKV.from_float(cache, qdtype), QuantizedKV.from_float(cache, qdtype)
+        ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale, window)
+        tri = backend.forward(q, k, v, tri_cache, meta, scale, window)
+        exact = float64_attention(q, ref_cache.dequantized(), meta, tables, scale, window)
+        exact_float = float64_attention(q, float_cache, meta, tables, scale, window)
+        row = {"case": idx, "group": group, "block_size": bs, "window": window, "kv_cache_dtype": kv_cache_dtype,
+               "store_equal": _same_bytes(tri_cache, ref_cache),
+               "triton_err": (tri.double().cpu() - exact).abs().max().item(),
+               "torch_err": (ref.double().cpu() - exact).abs().max().item(),
+               "triton_quant_err": (tri.double().cpu() - exact_float).abs().max().item(),
+               "torch_quant_err": (ref.double().cpu() - exact_float).abs().max().item()}
+        if all(x == 1 for x in qlens):  # the same step as a padded CUDA-graph batch
+            st_cache = QuantizedKV.from_float(cache, qdtype)
+            pad = 3
+            z = torch.zeros(pad, *q.shape[1:], dtype=dtype, device=device)
+            zk = torch.zeros(pad, *k.shape[1:], dtype=dtype, device=device)
+            st = backend.forward(torch.cat([q, z]), torch.cat([k, zk]), torch.cat([v, zk]), st_cache,
+                                 pad_static_decode(meta, pad), scale, window)
+            row["static_err"] = (st[:n].double().cpu() - exact).abs().max().item()
+            row["static_pad_zero"] = bool((st[n:] == 0).all())
+            row["static_store_equal"] = _same_bytes(st_cache, ref_cache)
+        rows.append(row)
+    return rows
+
+
+def _same_bytes(a: QuantizedKV, b: QuantizedKV) -> bool:
+    return bool(torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale))

@@ -2,7 +2,9 @@
 
 Runs on any device and is the oracle every fast kernel is tested against. Decodes (one new token)
 are batched into one padded SDPA call; prefill chunks run one sequence at a time, each attending
-causally over its cached prefix plus its own new tokens.
+causally over its cached prefix plus its own new tokens. A quantized cache (QuantizedKV: int8 / fp8
+elements and a scale per slot and head) is written quantized and read by gathering the elements and
+scales of the needed slots, then dequantizing them to the model dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.attention.backend import AttentionMetadata
+from lmserve.kv.cache import QuantizedKV
 
 
 def _slots_for(meta: AttentionMetadata, seq: int, length: int) -> torch.Tensor:
@@ -45,13 +48,15 @@ class TorchAttention:
     supports_cuda_graphs = False  # gathers to the longest context, a host-side length
 
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
         if meta.static_decode:
             raise ValueError("the torch attention backend cannot run a static (CUDA-graph) decode batch")
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # (S, Hkv, d) each
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if isinstance(kv_cache, QuantizedKV):
+            kv_cache.store(k, v, meta.slot_mapping)
+        else:
+            kv_cache[0].index_copy_(0, meta.slot_mapping, k)  # (S, Hkv, d)
+            kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)  # (N, H, d)
         dec, pre = meta.memo("plan", lambda: _decode_plan(meta))
         if dec:
@@ -60,8 +65,8 @@ class TorchAttention:
             mask = valid if window is None else meta.memo(
                 ("decode_mask", window), lambda: _window_mask(valid, meta.positions[tok], window))  # (Bd, L)
             flat = slots.reshape(-1)
-            kk = k_cache.index_select(0, flat).view(Bd, L, *k_cache.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
-            vv = v_cache.index_select(0, flat).view(Bd, L, *v_cache.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
+            kk = _gather(kv_cache, 0, flat, q.dtype).view(Bd, L, *k.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
+            vv = _gather(kv_cache, 1, flat, q.dtype).view(Bd, L, *v.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
             qq = q.index_select(0, tok).unsqueeze(2)  # (Bd, H, 1, d)
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None, None, :],
                                                scale=scale, enable_gqa=True)  # (Bd, H, 1, d)
@@ -70,14 +75,21 @@ class TorchAttention:
             n, L = meta.query_lens_host[i], meta.seq_lens_host[i]
             start = meta.query_starts_host[i]
             slots = meta.memo(("slots", i), lambda: _slots_for(meta, i, L))  # (L,)
-            kk = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, d)
-            vv = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, d)
+            kk = _gather(kv_cache, 0, slots, q.dtype).transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, d)
+            vv = _gather(kv_cache, 1, slots, q.dtype).transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, d)
             qq = q[start:start + n].transpose(0, 1).unsqueeze(0)  # (1, H, n, d)
             mask = meta.memo(("mask", i, window), lambda: _causal_mask(L - n, n, L, window, q.device))
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale,
                                                enable_gqa=True)  # (1, H, n, d)
             out[start:start + n] = o[0].transpose(0, 1)
         return out
+
+
+def _gather(kv_cache: torch.Tensor | QuantizedKV, i: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K (i = 0) or V (i = 1) of the cache at `slots` (n,): (n, Hkv, d) in `dtype`."""
+    if isinstance(kv_cache, QuantizedKV):
+        return kv_cache.read(i, slots, dtype)
+    return kv_cache[i].index_select(0, slots)
 
 
 def _window_mask(valid: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:

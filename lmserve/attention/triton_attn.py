@@ -6,6 +6,11 @@ the tests check them against the torch reference and a float64 reference.
 Layouts (as in the reference): q (N, H, d); k/v cache (num_slots, Hkv, d) with slot = block * bs +
 offset; block_tables (B, M); query_start_loc (B+1,); seq_lens (B,) = context length after the step.
 
+Quantized cache (kv_cache_dtype int8 / fp8, a QuantizedKV): `store_kv_quant` quantizes each new
+token's heads (absmax per head, the same float32 arithmetic as the torch reference, so the bytes
+match), and the prefill and decode kernels load the elements with their per-slot scales and
+dequantize in registers (QUANT), before the dots.
+
 GQA: a program owns one KV head and all G = H / Hkv query heads that read it, so each K/V tile is
 loaded once per query group: the query tile is BLOCK_M tokens x G heads, flattened into rows.
 
@@ -26,6 +31,7 @@ import triton
 import triton.language as tl
 
 from lmserve.attention.backend import AttentionMetadata
+from lmserve.kv.cache import QuantizedKV
 from lmserve.utils import to_device
 
 
@@ -55,11 +61,77 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
-def _load_kv_pages(kc_ptr, vc_ptr, bt_row_ptr, j, end_page, lo_key, ctx, kvh, stride_cs, stride_ch, dd, d_ok,
-                   BS: tl.constexpr, PAGES: tl.constexpr):
+def _rne(t):
+    """Round to the nearest integer, ties to even (torch.round), for |t| < 2^22."""
+    r = tl.floor(t + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    return tl.where((r - t == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _quantize_rows(x, QMAX: tl.constexpr, FP8: tl.constexpr):
+    """x (R, C) float32 -> (elements on the int8 / fp8 e4m3 grid, still float32; scales (R,)), absmax
+    per row. fp8: rounded to the e4m3 grid here (ulp 2^(e-3), at least 2^-9), ties to even, so the
+    cast that follows is exact: the interpreter's own float -> fp8 rounding drops the carry into the
+    exponent (126.1 -> 64)."""
+    scale = tl.div_rn(tl.max(tl.abs(x), 1), QMAX)  # (R,)
+    y = tl.div_rn(x, tl.where(scale > 0.0, scale, 1.0)[:, None])
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if FP8:
+        e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # exponent of y (-127: zero)
+        u = tl.maximum(e - 3, -9)  # the grid step at y is 2^u
+        ulp = ((u + 127) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - u) << 23).to(tl.float32, bitcast=True)
+        y = _rne(y * inv) * ulp  # products with powers of two: exact
+    else:
+        y = _rne(y)
+    return y, scale
+
+
+@triton.jit(do_not_specialize=["slot_ptr"])
+def _store_kv_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, row_stride, cache_stride,
+                           scale_stride, HKV: tl.constexpr, D: tl.constexpr, HKV_P2: tl.constexpr,
+                           BLOCK_D: tl.constexpr, QMAX: tl.constexpr, FP8: tl.constexpr):
+    """One program per new token: quantize its K and V (Hkv, d), absmax per head, and write elements
+    and scales at its slot. Slot -1 (a padding row of a CUDA-graph batch): nothing is written."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    hh = tl.arange(0, HKV_P2)
+    dd = tl.arange(0, BLOCK_D)
+    h_ok = hh < HKV
+    m = h_ok[:, None] & (dd < D)[None, :]
+    offs = hh[:, None] * D + dd[None, :]  # (HKV_P2, BLOCK_D)
+    if slot >= 0:
+        k, ks = _quantize_rows(tl.load(k_ptr + t * row_stride + offs, mask=m, other=0.0).to(tl.float32), QMAX, FP8)
+        v, vs = _quantize_rows(tl.load(v_ptr + t * row_stride + offs, mask=m, other=0.0).to(tl.float32), QMAX, FP8)
+        tl.store(kc_ptr + slot * cache_stride + offs, k.to(kc_ptr.dtype.element_ty), mask=m)
+        tl.store(vc_ptr + slot * cache_stride + offs, v.to(vc_ptr.dtype.element_ty), mask=m)
+        tl.store(ks_ptr + slot * scale_stride + hh, ks, mask=h_ok)
+        tl.store(vs_ptr + slot * scale_stride + hh, vs, mask=h_ok)
+
+
+def store_kv_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: (N, Hkv, d) contiguous; caches: (S, Hkv, d) int8 / float8_e4m3fn, contiguous per slot;
+    scales: (S, Hkv) float32, contiguous per slot."""
+    n, hkv, d = k.shape
+    if n == 0:
+        return
+    fp8 = k_cache.dtype != torch.int8
+    _store_kv_quant_kernel[(n,)](k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, hkv * d,
+                                 k_cache.stride(0), k_scale.stride(0), HKV=hkv, D=d,
+                                 HKV_P2=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+                                 QMAX=448.0 if fp8 else 127.0, FP8=fp8)
+
+
+@triton.jit
+def _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row_ptr, j, end_page, lo_key, ctx, kvh, stride_cs, stride_ch,
+                   stride_ss, dd, d_ok, BS: tl.constexpr, PAGES: tl.constexpr, QUANT: tl.constexpr):
     """Pages [j, j + PAGES) of one sequence (those below end_page), KV head kvh: K and V (T, BLOCK_D)
     with T = PAGES * BS, their key positions (T,), and which keys are real (inside [lo_key, ctx)).
-    Each key's block id is gathered from the block table row, so a tile spans several pages."""
+    Each key's block id is gathered from the block table row, so a tile spans several pages.
+    QUANT: the elements are int8 / fp8 with a float32 scale per (slot, head) (scale rows stride_ss
+    apart, heads adjacent): K and V come back dequantized, in float32."""
     kk = tl.arange(0, PAGES * BS)
     page = j + kk // BS  # (T,)
     page_ok = page < end_page
@@ -70,16 +142,21 @@ def _load_kv_pages(kc_ptr, vc_ptr, bt_row_ptr, j, end_page, lo_key, ctx, kvh, st
     mask = kv_ok[:, None] & d_ok[None, :]
     k = tl.load(kc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :], mask=mask, other=0.0)
     v = tl.load(vc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :], mask=mask, other=0.0)
+    if QUANT:
+        ks = tl.load(ks_ptr + slots * stride_ss + kvh, mask=kv_ok, other=0.0)  # (T,)
+        vs = tl.load(vs_ptr + slots * stride_ss + kvh, mask=kv_ok, other=0.0)
+        k = k.to(tl.float32) * ks[:, None]
+        v = v.to(tl.float32) * vs[:, None]
     return k, v, k_pos, kv_ok
 
 
 @triton.jit(do_not_specialize=["qsl_ptr", "sl_ptr", "work_seq_ptr", "work_q_ptr", "stride_btb"])
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_seq_ptr, work_q_ptr,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_seq_ptr, work_q_ptr,
                     scale, window,
-                    stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
+                    stride_qn, stride_qh, stride_cs, stride_ch, stride_ss, stride_btb,
                     G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr):
     """Causal attention of BLOCK_M new tokens (x G heads) over the sequence's whole paged context,
     PAGES pages (PAGES * BS keys) per iteration. DOT_PRECISION: tl.dot's input_precision, which
     matters for float32 inputs only ("tf32" rounds them to 10 mantissa bits, "ieee" does not)."""
@@ -114,9 +191,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_
     n_lo = lo // BS
     n_hi = (hi + BS - 1) // BS
     for j in range(n_lo, n_hi, PAGES):  # PAGES pages per iteration; keys below lo are outside every row's window
-        k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, bt_ptr + seq * stride_btb, j, n_hi, lo, ctx, kvh,
-                                            stride_cs, stride_ch, dd, d_ok, BS, PAGES)  # (T, BLOCK_D) x2, (T,) x2
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION).to(tl.float32) * scale  # (R, T)
+        k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_btb, j, n_hi, lo,
+                                            ctx, kvh, stride_cs, stride_ch, stride_ss, dd, d_ok, BS, PAGES,
+                                            QUANT)  # (T, BLOCK_D) x2, (T,) x2
+        k, v = k.to(q.dtype), v.to(q.dtype)  # dequantized tiles to the model dtype (else no-ops)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # (R, T)
         ok = (k_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         if HAS_WINDOW:
             ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
@@ -135,12 +214,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_
 
 @triton.jit(do_not_specialize=["qsl_ptr", "sl_ptr", "seq_idx_ptr", "num_splits", "stride_btb",
                              "stride_ob", "stride_oh", "stride_lb", "stride_lh"])
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_ptr, seq_idx_ptr,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_ptr, seq_idx_ptr,
                    scale, window, num_splits,
-                   stride_qn, stride_qh, stride_cs, stride_ch, stride_btb,
+                   stride_qn, stride_qh, stride_cs, stride_ch, stride_ss, stride_btb,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                   BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr):
     """One decode query (x G heads) over one split of its pages, PAGES pages per iteration; writes a
     partial output and its LSE.
 
@@ -174,8 +253,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, op_ptr, lse_ptr, bt_ptr, qsl_ptr, sl_p
     l_i = tl.zeros([G_P2], tl.float32)
     acc = tl.zeros([G_P2, BLOCK_D], tl.float32)
     for j in range(p_start, p_end, PAGES):  # PAGES pages per iteration
-        k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, bt_ptr + seq * stride_btb, j, p_end, lo_key, ctx, kvh,
-                                            stride_cs, stride_ch, dd, d_ok, BS, PAGES)
+        k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_btb, j, p_end,
+                                            lo_key, ctx, kvh, stride_cs, stride_ch, stride_ss, dd, d_ok, BS, PAGES,
+                                            QUANT)
         k, v = k.to(tl.float32), v.to(tl.float32)  # (T, BLOCK_D) each
         s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, T)
         s = tl.where(kv_ok[None, :], s, float("-inf"))
@@ -266,11 +346,19 @@ class TritonAttention:
             plan["splits"] = self._splits(len(dec), num_kv_heads, max_pages)
         return plan
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-        """q: (N, H, d), k/v: (N, Hkv, d), kv_cache: (2, S, Hkv, d) -> (N, H, d)."""
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        """q: (N, H, d), k/v: (N, Hkv, d), kv_cache: (2, S, Hkv, d) or a QuantizedKV -> (N, H, d)."""
+        quant = isinstance(kv_cache, QuantizedKV)
+        if quant:
+            k_cache, v_cache = kv_cache.data[0], kv_cache.data[1]
+            k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]  # (S, Hkv) each
+            store_kv_quant(k.contiguous(), v.contiguous(), k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
+        else:
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
+            k_scale, v_scale = k_cache, v_cache  # unread (QUANT=False)
+            store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        stride_ss = k_scale.stride(0) if quant else 0
         n, h, d = q.shape
         hkv = k.shape[1]
         g = h // hkv
@@ -284,9 +372,9 @@ class TritonAttention:
         if plan["work_seq"] is not None:
             work_seq, work_q = plan["work_seq"], plan["work_q"]
             _prefill_kernel[(work_seq.numel(), hkv)](
-                q, k_cache, v_cache, out, bt, meta.query_start_loc, meta.seq_lens, work_seq, work_q,
-                scale, win, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), bt.stride(0),
-                BLOCK_M=plan["block_m"], PAGES=max(1, self.prefill_keys // bs),
+                q, k_cache, v_cache, k_scale, v_scale, out, bt, meta.query_start_loc, meta.seq_lens, work_seq, work_q,
+                scale, win, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_ss, bt.stride(0),
+                BLOCK_M=plan["block_m"], PAGES=max(1, self.prefill_keys // bs), QUANT=quant,
                 DOT_PRECISION=self.fp32_dot if q.dtype == torch.float32 else "tf32", **common)  # tf32: the default
         if plan["dec"] is not None:
             dec = plan["dec"]
@@ -294,11 +382,11 @@ class TritonAttention:
             part = torch.empty(nd, h, splits, d, dtype=torch.float32, device=q.device)
             lse = torch.empty(nd, h, splits, dtype=torch.float32, device=q.device)
             _decode_kernel[(nd, hkv, splits)](
-                q, k_cache, v_cache, part, lse, bt, meta.query_start_loc, meta.seq_lens, dec,
+                q, k_cache, v_cache, k_scale, v_scale, part, lse, bt, meta.query_start_loc, meta.seq_lens, dec,
                 scale, win, splits,
-                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), bt.stride(0),
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_ss, bt.stride(0),
                 part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-                PAGES=max(1, self.decode_keys // g_p2 // bs), **common)
+                PAGES=max(1, self.decode_keys // g_p2 // bs), QUANT=quant, **common)
             _reduce_kernel[(nd, h)](
                 part, lse, out, meta.query_start_loc, dec, splits,
                 part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
