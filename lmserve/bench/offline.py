@@ -67,7 +67,7 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int, repe
     dev = eng.config.device
     rng = random.Random(seed)
     vocab = eng.vocab_size
-    kv_tok = KVCache.bytes_per_block(eng.model_config, 1, eng.config.torch_dtype)  # KV bytes of one token
+    kv_tok = KVCache.bytes_per_block(eng.model_config, 1, eng.config.torch_dtype, eng.config.kv_cache_dtype)  # one token
     wbytes = weight_bytes(eng.model)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     ttfts: list[float] = []
