@@ -1,4 +1,4 @@
-"""Command line: `lmserve generate | chat | serve | bench | plan`. A thin layer over the library.
+"""Command line: `lmserve generate | chat | serve | bench | plan | quantize | eval`. A thin layer over the library.
 
 This is the front door: it builds the parser from each command's `add_parser` and runs the chosen
 command. Below it, the commands (lmserve.cli.generate and .chat, lmserve.server.cli, lmserve.bench.cli,
@@ -18,12 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
     because a command importing lmserve.cli.engine_args runs this file first: it must not need them."""
     from lmserve import plan
     from lmserve.bench import cli as bench_cli
-    from lmserve.cli import chat, generate
+    from lmserve.cli import chat, generate, quantize
+    from lmserve.cli import eval as eval_cli
     from lmserve.server import cli as server_cli
 
     p = argparse.ArgumentParser(prog="lmserve", description="LLM inference and serving engine")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for command in (generate, chat, plan, server_cli, bench_cli):
+    for command in (generate, chat, plan, server_cli, bench_cli, quantize, eval_cli):
         command.add_parser(sub)
     return p
 

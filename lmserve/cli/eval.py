@@ -1,0 +1,141 @@
+"""`lmserve eval perplexity`: what a quantization (of the weights, of the KV cache) costs on real text.
+
+Sliding-window perplexity over a fixed text through the engine's own forward (LLM.score: teacher-
+forced through the paged cache), and the top-1 agreement, position by position, with a reference: the
+same model unquantized unless --reference-* say otherwise. One table line per configuration, and a
+JSON with every figure and the run's metadata.
+
+The default text (tests/data/declaration_gettysburg.txt in a checkout) is the Declaration of
+Independence (1776) and the Gettysburg Address (1863): public-domain English prose, 1,620 words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "declaration_gettysburg.txt"
+
+
+def add_parser(sub: Any) -> None:
+    e = sub.add_parser("eval", help="evaluate a model: perplexity and agreement with the unquantized model")
+    es = e.add_subparsers(dest="eval_cmd", required=True)
+    p = es.add_parser("perplexity", help="sliding-window perplexity over a text, top-1 agreement with a reference")
+    add_engine_args(p)
+    p.add_argument("--text", default=None, help=f"plain-text file (default: {DEFAULT_TEXT.name} from tests/data, "
+                                                "public-domain prose, when run from a checkout)")
+    p.add_argument("--window", type=int, default=None, help="tokens per window (default: the model's context)")
+    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    p.add_argument("--reference-model", default=None, help="reference model (default: --model)")
+    p.add_argument("--reference-quantization", default="none",
+                   choices=["none", *[q for q in QUANTIZATIONS if q]], help="reference weights (default none)")
+    p.add_argument("--reference-kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="reference KV cache (default auto: the model dtype)")
+    p.add_argument("--output-json", default=None, help="where to write the figures (default bench_out/...)")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_perplexity)
+
+
+def _label(model: str, kw: dict[str, Any]) -> str:
+    return f"{model} weights={kw.get('quantization') or 'none'} kv={kw.get('kv_cache_dtype', 'auto')}"
+
+
+def _timed(score: Any, spent: dict[str, float], name: str) -> Any:
+    def fn(ids: list[int]) -> Any:
+        t0 = time.perf_counter()
+        out = score(ids)
+        spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return out
+    return fn
+
+
+def read_text(path: str | None) -> tuple[Path, str]:
+    p = Path(path) if path else DEFAULT_TEXT
+    if not p.is_file():
+        raise FileNotFoundError(f"text: no file {str(p)!r}" + ("" if path else " (give --text FILE)"))
+    text = p.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"text: {p} is empty")
+    return p, text
+
+
+def cmd_perplexity(a: argparse.Namespace) -> int:
+    from lmserve.bench.common import run_metadata, write_json
+    from lmserve.llm import LLM
+    from lmserve.quant.perplexity import evaluate_perplexity
+
+    path, text = read_text(a.text)
+    kw = engine_kwargs(a)
+    ref_kw = {**kw, "quantization": None if a.reference_quantization == "none" else a.reference_quantization,
+              "kv_cache_dtype": a.reference_kv_cache_dtype}
+    ref_model = a.reference_model or a.model
+    t0 = time.perf_counter()
+    ref = LLM(ref_model, **ref_kw)
+    same = ref_model == a.model and ref_kw == kw
+    llm = ref if same else LLM(a.model, **kw)
+    load_s = time.perf_counter() - t0
+    if llm.tokenizer is None:
+        raise ValueError(f"model: {a.model!r} has no tokenizer, so it cannot read a text")
+    ids = llm.engine.tokenize_prompt(text)
+    if not same and ref.engine.tokenize_prompt(text) != ids:
+        raise ValueError("reference-model: its tokenizer splits the text differently, so positions cannot be compared")
+    if a.max_tokens is not None:
+        ids = ids[:a.max_tokens]
+    ctx = min(llm.engine.max_model_len, ref.engine.max_model_len)
+    window = a.window or ctx
+    if window > ctx:
+        raise ValueError(f"window: {window} tokens is more than the model's context ({ctx})")
+    stride = a.stride or max(1, window // 2)
+
+    ref_name, name = _label(ref_model, ref_kw), _label(a.model, kw)
+    spent: dict[str, float] = {}
+    models = {ref_name: _timed(ref.score, spent, ref_name)}
+    if not same:
+        models[name] = _timed(llm.score, spent, name)
+    bar = None
+    if not a.no_progress and not a.json:
+        from tqdm import tqdm
+        bar = tqdm(desc="windows", unit="win", leave=False, file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        results = evaluate_perplexity(models, ids, window, stride, reference=ref_name, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    rows = []
+    for n, r in results.items():
+        r.extra.update(score_s=round(spent.get(n, 0.0), 2), reference=n == ref_name)
+        rows.append(r.as_dict())
+    res = {"eval": "perplexity", "window": window, "stride": stride, "reference": ref_name,
+           "text": {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(), "chars": len(text),
+                    "tokens": len(ids)},
+           "load_s": round(load_s, 2), "results": rows,
+           "meta": run_metadata(vars(a) | {"func": None})}
+    out = write_json(a.output_json or f"bench_out/eval-perplexity-{time.strftime('%Y%m%d-%H%M%S')}.json", res)
+    if a.json:
+        import json
+        print(json.dumps(res, indent=2, default=str))
+    else:
+        print(f"{len(ids)} tokens of {path.name}, windows of {window} every {stride} "
+              f"({rows[0]['windows']} window{'s' * (rows[0]['windows'] != 1)}, {rows[0]['scored_tokens']} scored tokens)")
+        width = max(len(r["name"]) for r in rows)
+        print(f"{'configuration':<{width}}  {'perplexity':>10}  {'mean NLL':>8}  {'top-1 agree':>11}  {'score s':>7}")
+        for r in rows:
+            print(f"{r['name']:<{width}}  {r['perplexity']:>10.4f}  {r['mean_nll']:>8.4f}  "
+                  f"{r['top1_agreement']:>11.2%}  {r['score_s']:>7.2f}")
+    print(f"[figures written to {out}]", file=sys.stderr)
+    return 0
