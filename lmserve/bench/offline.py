@@ -15,7 +15,9 @@ from lmserve.sequence import SamplingParams
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's weights as held: parameters and buffers (quantized layers keep their
+    packed values and scales in buffers)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def measure_bandwidth(device: str, mb: int = 256) -> float:

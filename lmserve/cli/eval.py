@@ -39,6 +39,7 @@ def add_parser(sub: Any) -> None:
                    choices=["none", *[q for q in QUANTIZATIONS if q]], help="reference weights (default none)")
     p.add_argument("--reference-kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="reference KV cache (default auto: the model dtype)")
+    p.add_argument("--reference-dtype", default=None, help="reference dtype (default: --dtype)")
     p.add_argument("--output-json", default=None, help="where to write the figures (default bench_out/...)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     p.add_argument("--no-progress", action="store_true")
@@ -46,7 +47,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _label(model: str, kw: dict[str, Any]) -> str:
-    return f"{model} weights={kw.get('quantization') or 'none'} kv={kw.get('kv_cache_dtype', 'auto')}"
+    return (f"{model} {kw.get('dtype', 'auto')} weights={kw.get('quantization') or 'none'} "
+            f"kv={kw.get('kv_cache_dtype', 'auto')}")
 
 
 def _timed(score: Any, spent: dict[str, float], name: str) -> Any:
@@ -76,7 +78,7 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     path, text = read_text(a.text)
     kw = engine_kwargs(a)
     ref_kw = {**kw, "quantization": None if a.reference_quantization == "none" else a.reference_quantization,
-              "kv_cache_dtype": a.reference_kv_cache_dtype}
+              "kv_cache_dtype": a.reference_kv_cache_dtype, "dtype": a.reference_dtype or kw["dtype"]}
     ref_model = a.reference_model or a.model
     t0 = time.perf_counter()
     ref = LLM(ref_model, **ref_kw)
