@@ -28,6 +28,7 @@ class FanOut:
         self.bm = block_manager
         self.init_seq = init_seq  # gives a new sequence its generator and output state
         self.beams: dict[str, BeamState] = {}  # beam-search requests: their search state
+        self._forking: list[Sequence] = []  # parents with children still to fork
 
     def start(self, seq: Sequence, family: list[Sequence]) -> None:
         """A new request's first sequence: set up its beam search, or its n / best_of children
@@ -42,8 +43,9 @@ class FanOut:
                 child = self._new_child(seq, i)
                 family.append(child)
                 self.scheduler.add(child)
-        else:
+        elif p.num_samples > 1:
             seq.family.forks_pending = p.num_samples - 1
+            self._forking.append(seq)
 
     def after_step(self, out: SchedulerOutput, beam_logprobs: dict[Sequence, torch.Tensor],
                    requests: dict[str, list[Sequence]]) -> None:
@@ -54,10 +56,10 @@ class FanOut:
             seq.family.pending_logprobs = None
         for seq, lp in beam_logprobs.items():
             seq.family.pending_logprobs = lp
-        for seq, _ in out.scheduled:
-            if seq.family.forks_pending and seq.num_computed_tokens == seq.num_prompt_tokens - 1 \
-                    and not seq.is_finished:
+        for seq in self._forking:
+            if seq.num_computed_tokens == seq.num_prompt_tokens - 1 and not seq.is_finished:
                 self._fork(seq, requests[seq.request_id])
+        self._forking = [s for s in self._forking if s.family.forks_pending and not s.is_finished]
         for rid in {s.request_id for s in beam_logprobs}:
             if rid in requests:
                 self._beam_step(rid, requests[rid])

@@ -196,8 +196,9 @@ class Scheduler:
         received: dict[Sequence, list[int]] = {}
         for seq, n in out.scheduled:
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += n - rejected.get(seq, 0)
-            if rejected.get(seq):
+            wrong = rejected.get(seq, 0)
+            seq.num_computed_tokens += n - wrong
+            if wrong:
                 self.bm.shrink(seq.block_table, seq.num_computed_tokens)
             stop = None
             if seq in sampled:
@@ -214,21 +215,26 @@ class Scheduler:
     @staticmethod
     def _append(seq: Sequence, tokens: list[int], now: float) -> tuple[list[int], tuple | None]:
         """Append tokens up to and including the first that ends the sequence; returns the appended
-        tokens and (finish reason, stop reason) if one did."""
+        tokens and (finish reason, stop reason) if one did. On every sequence's path every step:
+        kept lean."""
         p = seq.params
-        got: list[int] = []
-        for tok in tokens:
-            seq.append_token(tok)
-            got.append(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if not p.ignore_eos and tok in seq.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
-                return got, ("stop", None)
-            if tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
-                return got, ("stop", tok)
-            if seq.num_output_tokens >= p.max_tokens:
-                return got, ("length", None)
-        return got, None
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        n_out = seq.num_output_tokens
+        for i, tok in enumerate(tokens):
+            seq.token_ids.append(tok)
+            n_out += 1
+            stop = None
+            if n_out >= p.min_tokens:
+                if not p.ignore_eos and tok in seq.eos_token_ids:
+                    stop = ("stop", None)
+                elif tok in p.stop_token_ids:
+                    stop = ("stop", tok)
+            if stop is None and n_out >= p.max_tokens:
+                stop = ("length", None)
+            if stop is not None:
+                return tokens[:i + 1], stop
+        return tokens, None
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                override: bool = False) -> None:

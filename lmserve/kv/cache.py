@@ -35,8 +35,8 @@ def slot(block_table: list[int], pos: int, block_size: int) -> int:
 
 def slots(block_table: list[int], start: int, n: int, block_size: int) -> list[int]:
     """The cache slots of token positions [start, start + n) of a sequence (vectorised `slot`)."""
-    if n == 1:
-        return [slot(block_table, start, block_size)]
+    if n == 1:  # a decode: the common case, without numpy
+        return [block_table[start // block_size] * block_size + start % block_size]
     p = np.arange(start, start + n)  # (n,)
     return (np.asarray(block_table)[p // block_size] * block_size + p % block_size).tolist()
 
