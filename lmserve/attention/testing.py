@@ -87,6 +87,18 @@ def pad_static_decode(meta: AttentionMetadata, pad: int) -> AttentionMetadata:
         query_lens_host=[1] * b, seq_lens_host=[0] * b, static_decode=True)
 
 
+def case_inputs(idx: int, hkv: int, d: int, device: str, dtype: torch.dtype, seed: int
+                ) -> tuple[AttentionMetadata, torch.Tensor, list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KERNEL_CASES[idx] as a random paged step: metadata, the cache (2, slots, Hkv, d) in dtype, the
+    block tables, and q (N, H, d), k / v (N, Hkv, d) drawn from seed + idx and seed + 100 + idx."""
+    ctx, qlens, group, bs, _ = KERNEL_CASES[idx]
+    meta, cache, tables = random_step(ctx, qlens, bs, hkv, d, seed=seed + idx, device=device)
+    g = torch.Generator().manual_seed(seed + 100 + idx)
+    n, h = sum(qlens), hkv * group
+    q, k, v = (torch.randn(n, x, d, generator=g).to(device, dtype) for x in (h, hkv, hkv))
+    return meta, cache.to(dtype), tables, q, k, v
+
+
 def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
                   cases: list[int] | None = None, fp32_dot: str = "ieee") -> list[dict]:
     """KERNEL_CASES (all, or those indexed by `cases`; decode-only ones also as a padded static
@@ -99,12 +111,8 @@ def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
     for idx, (ctx, qlens, group, bs, window) in enumerate(KERNEL_CASES):
         if cases is not None and idx not in cases:
             continue
-        meta, cache, tables = random_step(ctx, qlens, bs, hkv, d, seed=100 + idx, device=device)
-        g = torch.Generator().manual_seed(200 + idx)
-        n, h = sum(qlens), hkv * group
-        q, k, v = (torch.randn(n, x, d, generator=g).to(device, dtype) for x in (h, hkv, hkv))
-        cache = cache.to(dtype)
-        scale = d ** -0.5
+        meta, cache, tables, q, k, v = case_inputs(idx, hkv, d, device, dtype, seed=100)
+        n, scale = sum(qlens), d ** -0.5
         ref_cache, tri_cache = cache.clone(), cache.clone()
         ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale, window)
         tri = TritonAttention(fp32_dot=fp32_dot).forward(q, k, v, tri_cache, meta, scale, window)
@@ -151,12 +159,8 @@ def check_quant_kernels(device: str, dtype: torch.dtype, kv_cache_dtype: str = "
     for idx, (ctx, qlens, group, bs, window) in enumerate(KERNEL_CASES):
         if cases is not None and idx not in cases:
             continue
-        meta, cache, tables = random_step(ctx, qlens, bs, hkv, d, seed=300 + idx, device=device)
-        g = torch.Generator().manual_seed(400 + idx)
-        n, h = sum(qlens), hkv * group
-        q, k, v = (torch.randn(n, x, d, generator=g).to(device, dtype) for x in (h, hkv, hkv))
-        cache = cache.to(dtype)
-        scale = d ** -0.5
+        meta, cache, tables, q, k, v = case_inputs(idx, hkv, d, device, dtype, seed=300)
+        n, scale = sum(qlens), d ** -0.5
         float_cache = cache.clone()
         TorchAttention().forward(q, k, v, float_cache, meta, scale, window)  # the float store: the oracle's cache
         ref_cache, tri_cache = QuantizedKV.from_float(cache, qdtype), QuantizedKV.from_float(cache, qdtype)
