@@ -57,6 +57,19 @@ def make_tiny(family: str, path: Path, seed: int = 0):  # type: ignore[no-untype
     return model
 
 
+def char_tokenizer_model(src: Path, dst: Path) -> Path:
+    """A copy of a tiny model folder with a character-level tokenizer (ASCII ids < 128), so commands that
+    read text can run on it."""
+    import shutil
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    shutil.copytree(src, dst)
+    tok = Tokenizer(models.WordLevel({chr(i): i for i in range(128)}, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.save(str(dst / "tokenizer.json"))
+    return dst
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):  # type: ignore[no-untyped-def]
     """family -> (folder, HF model)."""

@@ -6,7 +6,6 @@ and the checkpoint's save -> load round trip, bit for bit."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,9 @@ from lmserve import LLM
 from lmserve.quant.awq import (awq_calibrate, capture_inputs, default_group_size, dequantize_int4,
                                fake_quantize_model, quantize_int4, scale_groups, search_scale)
 from lmserve.quant.checkpoint import (AWQ_ORDER, check_awq_config, dequantized_weights, group_awq_tensors, hf_config_dict,
-                                      load_awq_tensors, pack_int4, read_quantization_config, save_awq_checkpoint,
-                                      unpack_int4)
+                                      load_awq_tensors, pack_awq, read_quantization_config, save_awq_checkpoint,
+                                      unpack_awq)
+from tests.conftest import char_tokenizer_model
 
 KV = "16MiB"
 
@@ -87,8 +87,8 @@ def test_packing_matches_a_hand_packed_word():
     vals = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     word = 0x86427531  # nibbles low to high: 1, 3, 5, 7, 2, 4, 6, 8
     assert AWQ_ORDER == (0, 2, 4, 6, 1, 3, 5, 7)
-    assert pack_int4(vals).tolist() == [[word - 2**32]]  # the same bits in an int32
-    assert unpack_int4(pack_int4(vals)).tolist() == vals.tolist()
+    assert pack_awq(vals).tolist() == [[word - 2**32]]  # the same bits in an int32
+    assert unpack_awq(pack_awq(vals)).tolist() == vals.tolist()
     # AutoAWQ's own loop (WQLinear_GEMM.from_linear) and unpacking (dequantize_gemm), transcribed
     g = torch.Generator().manual_seed(1)
     iw = torch.randint(0, 16, (6, 24), generator=g, dtype=torch.int32)
@@ -96,7 +96,7 @@ def test_packing_matches_a_hand_packed_word():
     for col in range(3):
         for i in range(8):
             ref[:, col] |= iw[:, col * 8 + AWQ_ORDER[i]] << (i * 4)
-    assert torch.equal(pack_int4(iw), ref)
+    assert torch.equal(pack_awq(iw), ref)
     shifts = torch.arange(0, 32, 4)
     unpacked = (ref[:, :, None] >> shifts).to(torch.int8).reshape(6, -1)
     order = torch.arange(24).view(-1, 8)[:, [0, 4, 1, 5, 2, 6, 3, 7]].reshape(-1)
@@ -106,7 +106,7 @@ def test_packing_matches_a_hand_packed_word():
 def test_load_awq_tensors_reads_an_autoawq_layout():
     w, _, _ = outlier_layer(3)
     q, s, z = quantize_int4(w, 32)  # W [out=48, in=128]
-    qweight, qzeros = pack_int4(q.T), pack_int4(z.T)  # AutoAWQ: [in, out/8] and [in/G, out/8]
+    qweight, qzeros = pack_awq(q.T), pack_awq(z.T)  # AutoAWQ: [in, out/8] and [in/G, out/8]
     scales = s.T.half()  # [in/G, out]
     assert qweight.shape == (128, 6) and qzeros.shape == (4, 6) and scales.shape == (4, 48)
     back = load_awq_tensors(qweight, qzeros, scales)
@@ -228,17 +228,6 @@ def test_hf_config_for_a_gguf_source_reads_back(tiny_models):
     cfg = llm.engine.model_config
     assert ModelConfig.from_hf(hf_config_dict(cfg)) == cfg
     assert default_group_size(llm.engine.model) == 64  # 128 does not divide the 64-wide inputs
-
-
-def char_tokenizer_model(src: Path, dst: Path) -> Path:
-    """A copy of a tiny model folder with a character-level tokenizer (ASCII ids < 128), so commands that
-    read text can run on it."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    shutil.copytree(src, dst)
-    tok = Tokenizer(models.WordLevel({chr(i): i for i in range(128)}, unk_token="?"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.save(str(dst / "tokenizer.json"))
-    return dst
 
 
 def test_quantize_command_writes_an_awq_folder(tiny_models, tmp_path, capsys):

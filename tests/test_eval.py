@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 
 from lmserve import LLM
 from lmserve.quant.perplexity import evaluate_perplexity, sliding_windows
+from tests.conftest import char_tokenizer_model
 
 KV = "16MiB"
 TEXT = Path(__file__).parent / "data" / "declaration_gettysburg.txt"
@@ -78,16 +78,6 @@ def test_agreement_is_total_for_the_same_model_and_not_for_another(tiny_models):
     assert res["ref"].top1_agreement == res["same"].top1_agreement == 1.0
     assert res["same"].perplexity == pytest.approx(res["ref"].perplexity, rel=1e-6)
     assert res["other"].top1_agreement < 0.5 and res["other"].tokens == 39
-
-
-def char_tokenizer_model(src: Path, dst: Path) -> Path:
-    """A copy of a tiny model folder with a character-level tokenizer (ASCII ids < 128)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    shutil.copytree(src, dst)
-    tok = Tokenizer(models.WordLevel({chr(i): i for i in range(128)}, unk_token="?"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.save(str(dst / "tokenizer.json"))
-    return dst
 
 
 def test_eval_command_prints_a_line_per_configuration_and_writes_json(tiny_models, tmp_path, capsys):

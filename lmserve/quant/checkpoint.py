@@ -51,7 +51,7 @@ class Int4Weight(NamedTuple):
 
 # ---------------------------------------------------------------- packing
 
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
     """[rows, cols] integers in 0..15 -> int32 [rows, cols / 8], AWQ's nibble order along the columns."""
     rows, cols = values.shape
     if cols % 8:
@@ -64,8 +64,8 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the same bits, as int32
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [rows, cols / 8] -> uint8 [rows, cols] in 0..15: pack_int4 undone."""
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, cols / 8] -> uint8 [rows, cols] in 0..15: pack_awq undone."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int64)
     nibbles = (packed.to(torch.int64)[..., None] >> shifts) & 0xF  # (rows, cols / 8, 8): nibble i
     cols = nibbles[..., list(AWQ_REVERSE_ORDER)]  # column j <- nibble REVERSE[j]
@@ -80,7 +80,7 @@ def awq_tensors(w: Int4Weight) -> dict[str, torch.Tensor]:
         raise ValueError("AWQ checkpoint: scales must be representable in float16 (quantize with fp16 scales)")
     if not torch.equal(w.zeros, w.zeros.round()):
         raise ValueError("AWQ checkpoint: zero points must be whole numbers")
-    return {"qweight": pack_int4(w.q.T.contiguous()), "qzeros": pack_int4(w.zeros.T.contiguous()),
+    return {"qweight": pack_awq(w.q.T.contiguous()), "qzeros": pack_awq(w.zeros.T.contiguous()),
             "scales": scales16.T.contiguous()}
 
 
@@ -98,8 +98,8 @@ def load_awq_tensors(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     if tuple(qweight.shape) != (in_f, out_f // 8) or tuple(qzeros.shape) != (groups, out_f // 8):
         raise ValueError(f"AWQ tensors: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and "
                          f"scales {tuple(scales.shape)} do not fit together")
-    q = unpack_int4(qweight).T.contiguous()  # (out, in)
-    zeros = unpack_int4(qzeros).T.float().contiguous()  # (out, in/G)
+    q = unpack_awq(qweight).T.contiguous()  # (out, in)
+    zeros = unpack_awq(qzeros).T.float().contiguous()  # (out, in/G)
     return Int4Weight(q, scales.T.float().contiguous(), zeros, group)
 
 
