@@ -150,7 +150,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ... max_num_seqs
-    attention_backend: str = "auto"  # auto (triton on CUDA, else torch) | torch | triton
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU, else torch) | torch | cpu | triton
     quantization: str | None = None  # weights: None (the checkpoint's float) | int8 | int4 | awq | gguf | fp8
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: quantized KV, scales per token and head
     # speculative decoding

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from lmserve import LLM, SamplingParams
-from lmserve.layers import cpu_kernels
 from lmserve.layers.linear import Linear, LinearBase
 from lmserve.layers.quant import (GGUF_NATIVE, Fp8Linear, GroupQuantLinear, Int4Linear, Int8Linear, QuantizedWeight,
                                   dequant_matmul, gguf_blocks, pack_int4, quantize_fp8, quantize_int4, quantize_int8,
@@ -59,26 +58,6 @@ def test_layer_equals_its_dequantized_reference(kind):  # type: ignore[no-untype
     assert (layer(big).double() - f64_reference(big, layer)).abs().max() < 1e-5 * f64_reference(big, layer).abs().max()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int8_outliers", "int4_g32", "int4_g64", "int4_g128"])
-def test_cpu_kernels_agree_with_the_reference_to_bf16(kind):  # type: ignore[no-untyped-def]
-    w, b, x = layer_data()
-    layer = LAYERS[kind](w, b)
-    before, ref = layer.dequantize(), f64_reference(x, layer)
-    layer.cpu_kernel = True
-    y = layer(x)
-    if isinstance(layer, Int4Linear):
-        assert layer.cpu_layout and layer.qweight.shape == (96, 128)  # the kernel's layout, still 4 bits a value
-        assert torch.equal(layer.dequantize(), before)  # read back exactly from the kernel's layout
-    # activations (and int4 scales / zeros) rounded to bf16: a few 2^-9 of the magnitudes summed
-    steps = layer.scales.repeat_interleave(layer.group_size, dim=1)  # (out, in)
-    mag = x.abs().double() @ (before.abs() + 16 * steps).double().T  # (rows, out)
-    assert ((y.double() - ref).abs() <= 2 ** -7 * mag).all()
-    assert (y.double() - ref).abs().max() > 0  # it did take the kernel
-    if isinstance(layer, Int4Linear):  # loading new rows goes back to our layout first
-        layer.load(w * 2)
-        assert not layer.cpu_layout and torch.allclose(layer.dequantize(), 2 * before, atol=1e-6)
-
-
 def test_quantize_int8_is_symmetric_round_to_nearest():
     w, _, _ = layer_data()
     q, s = quantize_int8(w)
@@ -120,9 +99,6 @@ def test_int4_packing_round_trips():
     packed = pack_int4(q)
     assert packed.shape == (12, 32) and torch.equal(unpack_int4(packed), q)
     assert pack_int4(torch.tensor([[1, 2, 15, 0]])).tolist() == [[0x21, 0x0F]]  # low nibble = even column
-    for out_f, in_f in [(16, 64), (48, 32), (96, 256), (128, 64), (80, 576)]:
-        q = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8)
-        assert torch.equal(cpu_kernels.int4_from_cpu_layout(cpu_kernels.int4_to_cpu_layout(q), out_f, in_f), q)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
@@ -212,9 +188,10 @@ def test_gguf_blocks_decode_exactly_as_gguf(kind):  # type: ignore[no-untyped-de
     assert layer.qweight.dtype == (torch.uint8 if bits == 4 else torch.int8)
     assert layer.qweight.shape == (32, 512 * bits // 8)  # kept packed
     assert torch.equal(layer.dequantize(), ref)
-    layer.cpu_kernel = True
-    layer(torch.randn(2, 512))
-    assert torch.equal(layer.dequantize(), ref)  # also from the int4 kernel's layout
+    layer.cpu_kernel = True  # our CPU kernel reads the same packed blocks
+    x = torch.randn(2, 512, dtype=torch.float64)
+    y, want = layer(x.float()).double(), x @ ref.double().T  # (2, 32)
+    assert (y - want).abs().max() <= 0.02 * want.abs().max()  # within the VNNI path's int8 x (exact: test_cpu_native)
 
 
 def test_gguf_mixed_widths_share_an_int8_layer():

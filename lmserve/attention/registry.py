@@ -7,15 +7,21 @@ from lmserve.attention.backend import AttentionBackend
 
 
 def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
-    """Backend registry: 'torch' (reference, any device), 'triton' (paged kernels; CUDA, or the CPU
-    under TRITON_INTERPRET=1), 'auto' (triton on CUDA when it imports, else torch)."""
+    """Backend registry: 'torch' (reference, any device), 'cpu' (decode through our C kernel, the rest
+    as torch), 'triton' (paged kernels; CUDA, or the CPU under TRITON_INTERPRET=1), 'auto' (triton on
+    CUDA when it imports, cpu on the CPU when our kernels build, else torch)."""
     if name == "auto":
+        from lmserve.layers import cpu_native
         from lmserve.utils import triton_available
-        name = "triton" if str(device).startswith("cuda") and triton_available() else "torch"
+        on_cuda = str(device).startswith("cuda")
+        name = "triton" if on_cuda and triton_available() else "cpu" if not on_cuda and cpu_native.available() else "torch"
+    if name == "cpu":
+        from lmserve.attention.cpu_attn import CpuAttention
+        return CpuAttention()
     if name == "torch":
         from lmserve.attention.torch_ref import TorchAttention
         return TorchAttention()
     if name == "triton":
         from lmserve.attention.triton_attn import TritonAttention
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r} (available: auto, torch, triton)")
+    raise ValueError(f"unknown attention backend {name!r} (available: auto, torch, cpu, triton)")

@@ -60,17 +60,7 @@ class TorchAttention:
         out = torch.empty_like(q)  # (N, H, d)
         dec, pre = meta.memo("plan", lambda: _decode_plan(meta))
         if dec:
-            tok, slots, valid = meta.memo("decode", lambda: _decode_gather(meta, dec))
-            Bd, L = slots.shape
-            mask = valid if window is None else meta.memo(
-                ("decode_mask", window), lambda: _window_mask(valid, meta.positions[tok], window))  # (Bd, L)
-            flat = slots.reshape(-1)
-            kk = _gather(kv_cache, 0, flat, q.dtype).view(Bd, L, *k.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
-            vv = _gather(kv_cache, 1, flat, q.dtype).view(Bd, L, *v.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, d)
-            qq = q.index_select(0, tok).unsqueeze(2)  # (Bd, H, 1, d)
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None, None, :],
-                                               scale=scale, enable_gqa=True)  # (Bd, H, 1, d)
-            out.index_copy_(0, tok, o.squeeze(2))
+            self.decode(q, kv_cache, meta, dec, scale, window, out)
         for i in pre:
             n, L = meta.query_lens_host[i], meta.seq_lens_host[i]
             start = meta.query_starts_host[i]
@@ -83,6 +73,28 @@ class TorchAttention:
                                                enable_gqa=True)  # (1, H, n, d)
             out[start:start + n] = o[0].transpose(0, 1)
         return out
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV, meta: AttentionMetadata, dec: list[int],
+               scale: float, window: int | None, out: torch.Tensor) -> None:
+        """The one-token sequences `dec`: their pages gathered into one padded SDPA call, written to out."""
+        tok, slots, valid = meta.memo("decode", lambda: _decode_gather(meta, dec))
+        Bd, L = slots.shape
+        mask = valid if window is None else meta.memo(
+            ("decode_mask", window), lambda: _window_mask(valid, meta.positions[tok], window))  # (Bd, L)
+        flat = slots.reshape(-1)
+        Hkv, d = kv_cache_shape(kv_cache)
+        kk = _gather(kv_cache, 0, flat, q.dtype).view(Bd, L, Hkv, d).transpose(1, 2)  # (Bd, Hkv, L, d)
+        vv = _gather(kv_cache, 1, flat, q.dtype).view(Bd, L, Hkv, d).transpose(1, 2)  # (Bd, Hkv, L, d)
+        qq = q.index_select(0, tok).unsqueeze(2)  # (Bd, H, 1, d)
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None, None, :],
+                                           scale=scale, enable_gqa=True)  # (Bd, H, 1, d)
+        out.index_copy_(0, tok, o.squeeze(2))
+
+
+def kv_cache_shape(kv_cache: torch.Tensor | QuantizedKV) -> tuple[int, int]:
+    """(kv heads, head dim) of a layer's cache."""
+    shape = kv_cache.data.shape if isinstance(kv_cache, QuantizedKV) else kv_cache.shape  # (2, S, Hkv, d)
+    return shape[-2], shape[-1]
 
 
 def _gather(kv_cache: torch.Tensor | QuantizedKV, i: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -25,7 +25,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "dtype": {"help": "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16"},
     "enforce_eager": {"help": "CUDA: no CUDA graphs for decode steps"},
     "cuda_graph_sizes": {"help": "decode batch sizes to capture (default 1 2 4 8 16 ... max-num-seqs)"},
-    "attention_backend": {"choices": ["auto", "torch", "triton"]},
+    "attention_backend": {"choices": ["auto", "torch", "cpu", "triton"]},
     "quantization": {"choices": ["int8", "int4", "awq", "gguf", "fp8"],
                      "help": "weights kept quantized: int8 / int4 (round to nearest at load), awq (an AWQ "
                              "checkpoint), gguf (the GGUF file's own blocks), fp8 (e4m3)"},

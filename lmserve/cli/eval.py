@@ -34,6 +34,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--window", type=int, default=None, help="tokens per window (default: the model's context)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    p.add_argument("--decode", action="store_true",
+                   help="score each window's targets by one-token decode steps (the path generation takes: "
+                        "decode-sized kernels) instead of one prefill")
     p.add_argument("--reference-model", default=None, help="reference model (default: --model)")
     p.add_argument("--reference-quantization", default="none",
                    choices=["none", *[q for q in QUANTIZATIONS if q]], help="reference weights (default none)")
@@ -100,9 +103,14 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
 
     ref_name, name = _label(ref_model, ref_kw), _label(a.model, kw)
     spent: dict[str, float] = {}
-    models = {ref_name: _timed(ref.score, spent, ref_name)}
+    def scorer(m: LLM) -> Any:  # ids -> logits (T, V): one prefill, or (--decode) the scored part decoded
+        if not a.decode:
+            return m.score
+        return lambda ids: m.score(ids, decode_from=max(1, len(ids) - stride - 1))
+
+    models = {ref_name: _timed(scorer(ref), spent, ref_name)}
     if not same:
-        models[name] = _timed(llm.score, spent, name)
+        models[name] = _timed(scorer(llm), spent, name)
     bar = None
     if not a.no_progress and not a.json:
         from tqdm import tqdm
@@ -122,7 +130,7 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     for n, r in results.items():
         r.extra.update(score_s=round(spent.get(n, 0.0), 2), reference=n == ref_name)
         rows.append(r.as_dict())
-    res = {"eval": "perplexity", "window": window, "stride": stride, "reference": ref_name,
+    res = {"eval": "perplexity", "window": window, "stride": stride, "reference": ref_name, "decode": a.decode,
            "text": {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(), "chars": len(text),
                     "tokens": len(ids)},
            "load_s": round(load_s, 2), "results": rows,

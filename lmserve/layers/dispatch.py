@@ -1,8 +1,10 @@
-"""Where fused kernels are used: on CUDA, when Triton imports. Elsewhere the plain torch ops run.
+"""Where fused kernels are used: on CUDA, the Triton ones (layers/fused.py) when Triton imports; on
+the CPU, for float32 tensors, our C ones (layers/cpu_fused.py) when they build. Elsewhere the plain
+torch ops run.
 
 `use_fused(False)` turns them off everywhere (the torch reference in scripts/gpu_check.py and the
-torch side of its fusion profile); `use_fused(True)` turns them on for any device (the CPU tests,
-under TRITON_INTERPRET=1).
+torch side of its fusion profile, and the eager reference on the CPU); `use_fused(True)` turns the
+Triton ones on for any device (the CPU tests, under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -18,10 +20,22 @@ _forced: bool | None = None  # None: by device (CUDA only); True / False: everyw
 
 
 def fused_ops(x: torch.Tensor) -> ModuleType | None:
-    """The fused-kernel module (lmserve.layers.fused) for tensors on CUDA, else None."""
-    if _forced is False or (_forced is None and not x.is_cuda):
+    """The fused-kernel module for x: Triton's (lmserve.layers.fused) on CUDA, ours for float32 CPU
+    tensors (lmserve.layers.cpu_fused), else None."""
+    if _forced is False:
         return None
+    if _forced is None and not x.is_cuda:
+        return _cpu_module() if x.dtype == torch.float32 and x.device.type == "cpu" else None
     return _fused_module()
+
+
+@functools.cache
+def _cpu_module() -> ModuleType | None:
+    from lmserve.layers import cpu_native
+    if not cpu_native.available():
+        return None
+    from lmserve.layers import cpu_fused
+    return cpu_fused
 
 
 @functools.cache

@@ -17,9 +17,10 @@ or a q / scales / zeros / group record (canonical int4, w = (q - zeros) * scales
 (LLM.int8()-style outliers: columns whose calibration activations pass a threshold, `input_absmax`).
 
 Forward, the fp32 reference: dequantize a tile of rows at a time on the CPU (the tile stays in cache),
-all at once elsewhere (GPU dequant-in-matmul kernels are future work), then matmul. With cpu_kernel
-(load_model sets it) int8 / int4 use PyTorch's CPU kernels with bf16 activations (layers/cpu_kernels.py);
-fp8 uses torch._scaled_mm on GPUs with fp8 tensor cores.
+all at once elsewhere, then matmul. With cpu_kernel (load_model sets it) int8 / int4 multiply a few
+rows (decode, verification) with our CPU kernel (layers/cpu_native.py: the packed bytes read once per
+call; on AVX-512 VNNI CPUs with x quantized per 32 columns, as llama.cpp does); more rows (prefill)
+take the reference path. fp8 uses torch._scaled_mm on GPUs with fp8 tensor cores.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lmserve.layers import cpu_kernels
+from lmserve.layers import cpu_native
 from lmserve.layers.linear import LinearBase, check_shape
 
 SCHEMES = ("int8", "int4", "fp8")
@@ -155,9 +156,9 @@ class GroupQuantLinear(LinearBase):
     """Integer weights with a float scale, and optionally a float min, per group of `group_size` input
     columns: w = q * scale (+ min). Subclasses fix the bit width and the integer storage.
 
-    cpu_kernel (off by default; load_model turns it on): on the CPU, multiply with PyTorch's kernels
-    (layers/cpu_kernels.py), faster at decode sizes but with activations rounded to bf16; off, the
-    fp32 reference path (dequantize + matmul)."""
+    cpu_kernel (off by default; load_model turns it on): on the CPU, up to cpu_native.MAX_ROWS rows of
+    x multiply with our kernel (layers/cpu_native.py); off, or more rows, the fp32 reference path
+    (dequantize + matmul)."""
 
     bits = 8
     qdtype = torch.int8
@@ -231,7 +232,16 @@ class GroupQuantLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out), no bias
+        if self.cpu_kernel and x.device.type == "cpu" and x.shape[0] <= cpu_native.MAX_ROWS and self.native_fits():
+            return self.native_matmul(x)
         return dequant_matmul(x, self)
+
+    def native_fits(self) -> bool:
+        """Our CPU kernel is built and takes this layer's shape."""
+        return cpu_native.available() and cpu_native.fits(self.bits, self.in_features, self.group_size)
+
+    def native_matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out) with our CPU kernel
+        return cpu_native.qgemm(x, self.qweight, self.bits, self.scales, self.mins, self.group_size).to(x.dtype)
 
 
 def dequant_matmul(x: torch.Tensor, layer: Any) -> torch.Tensor:
@@ -281,58 +291,24 @@ class Int8Linear(GroupQuantLinear):
             w[:, self.outlier_cols] = self.outlier_weight[slice(None) if rows is None else rows].to(w.dtype)
         return w
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """PyTorch's int8 kernel for a few rows on the CPU (per-row scales only), else dequantize."""
-        if not self.cpu_kernel or x.device.type != "cpu" or x.shape[0] > cpu_kernels.INT8_MAX_ROWS \
-                or self.scales.shape[1] > 1 or self.mins is not None:
-            return dequant_matmul(x, self)
-        y = cpu_kernels.int8_mm(x, self.qweight, self.scales.view(-1))  # (N, out)
-        if self.outlier_cols is not None:  # the int8 part holds zeros in these columns
+    def native_matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
+        y = super().native_matmul(x)  # the int8 part, zeros in the outlier columns (dequantize fills them)
+        if self.outlier_cols is not None:
             y = y + x[:, self.outlier_cols] @ self.outlier_weight.to(x.dtype).T
         return y
 
 
 class Int4Linear(GroupQuantLinear):
-    """4-bit affine weights, two a byte (low nibble = even input column): w = q * scale + min per group.
-
-    With cpu_kernel, the first CPU forward moves `qweight` into PyTorch's int4 kernel layout (`cpu_layout`
-    True; as many bytes, nibbles reordered; state_dict then holds that layout), which every later CPU
-    forward multiplies by; dequantize() reads either. `layout_fits` False (a table read by rows, or a
-    shape the kernel refuses) keeps ours."""
+    """4-bit affine weights, two a byte (low nibble = even input column): w = q * scale + min per group."""
 
     bits = 4
     qdtype = torch.uint8
 
     def __init__(self, in_features: int, sizes: int | Sequence[int], bias: bool = False, group_size: int = 128) -> None:
         super().__init__(in_features, sizes, bias, group_size, zero_point=True)
-        self.layout_fits = cpu_kernels.int4_kernel_fits(self.out_features, self.group_size)
-        self.cpu_layout = False
-        self.scales_zeros: torch.Tensor | None = None  # the kernel's bf16 scales and zeros, with cpu_layout
 
     def values(self, idx: slice | torch.Tensor) -> torch.Tensor:
-        if self.cpu_layout:
-            return cpu_kernels.int4_from_cpu_layout(self.qweight, self.out_features, self.in_features)[idx]
         return unpack_int4(self.qweight[idx])
-
-    def load_weight(self, tensor: Any, shard: int | None) -> None:
-        self.to_our_layout()
-        super().load_weight(tensor, shard)
-
-    def to_our_layout(self) -> None:
-        """Back from the CPU kernel's layout (before loading rows, or on another device)."""
-        if self.cpu_layout:
-            self.qweight = pack_int4(self.values(slice(None)))
-            self.cpu_layout, self.scales_zeros = False, None
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or not (self.cpu_kernel and self.layout_fits):
-            self.to_our_layout()
-            return dequant_matmul(x, self)
-        if not self.cpu_layout:
-            self.qweight = cpu_kernels.int4_to_cpu_layout(unpack_int4(self.qweight))
-            self.scales_zeros = cpu_kernels.int4_scales_zeros(self.scales.float(), self.mins.float())
-            self.cpu_layout = True
-        return cpu_kernels.int4_mm(x, self.qweight, self.group_size, self.scales_zeros)  # (N, out)
 
     @classmethod
     def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -47,8 +47,6 @@ class QuantEmbedding(nn.Module):
     def __init__(self, head: LinearBase) -> None:
         super().__init__()
         self.head = head
-        if isinstance(head, Int4Linear):
-            head.layout_fits = False  # read by rows: keep our layout
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, hidden)
         return self.head.dequantize(ids)
@@ -113,7 +111,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
 
 
 def use_cpu_kernels(model: nn.Module, on: bool = True) -> None:
-    """Let the integer layers of `model` multiply with PyTorch's CPU kernels (bf16 activations)."""
+    """Let the integer layers of `model` multiply a few rows at a time with our CPU kernel (layers/cpu_native.py)."""
     for m in model.modules():
         if isinstance(m, GroupQuantLinear):
             m.cpu_kernel = on

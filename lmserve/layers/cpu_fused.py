@@ -1,0 +1,49 @@
+"""The fused elementwise ops on the CPU (float32), with the interface of the Triton module
+(layers/fused.py): residual add + RMSNorm, SiLU-and-mul, rotary. Our C code (layers/csrc/fused.c,
+built by layers/cpu_native.py); layers/dispatch.py hands this module to float32 CPU tensors when the
+library is built. tests/test_cpu_fused.py holds each op to the torch code it replaces."""
+
+from __future__ import annotations
+
+import torch
+
+from lmserve.layers import cpu_native
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x (N, D) [+ residual] -> (rmsnorm(x + residual) * weight, x + residual or None)."""
+    lib = cpu_native.lib()
+    n, d = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(n, d, dtype=torch.float32)  # (N, D)
+    new_res = None
+    if residual is not None:
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+        new_res = torch.empty(n, d, dtype=torch.float32)  # (N, D)
+    lib.lm_add_rmsnorm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                       0 if residual is None else residual.stride(0), weight.data_ptr(), eps, n, d, out.data_ptr(),
+                       None if new_res is None else new_res.data_ptr(), torch.get_num_threads())
+    return out, new_res
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(N, 2I) with gate | up halves -> silu(gate) * up, (N, I)."""
+    gate_up = gate_up.contiguous()
+    n, two_i = gate_up.shape
+    out = torch.empty(n, two_i // 2, dtype=torch.float32)  # (N, I)
+    cpu_native.lib().lm_silu_and_mul(gate_up.data_ptr(), n, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (N, H, d) in place with cos/sin rows (N, d) float32; returns x."""
+    n, h, d = x.shape
+    if n == 0:
+        return x
+    assert x.stride(2) == 1, "rotary_ needs the head dim contiguous"
+    cpu_native.lib().lm_rotary(x.data_ptr(), n, h, d, x.stride(0), x.stride(1), cos.contiguous().data_ptr(),
+                               sin.contiguous().data_ptr())
+    return x

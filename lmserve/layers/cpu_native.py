@@ -1,0 +1,185 @@
+"""Our own CPU kernels (layers/csrc/*.c), built with the system C compiler on first use and called
+through ctypes: the weight-only int8 / int4 matmul the quantized layers use for decode-sized inputs
+(qgemv.c), paged decode attention reading the KV cache in place (paged_attn.c; the CPU attention
+backend, attention/cpu_attn.py), and fused elementwise ops (fused.c; layers/cpu_fused.py).
+
+Why our own: PyTorch's weight-only CPU kernels lost to plain bf16 when measured at DRAM scale (issue
+#14), and an fp32 matmul over dequantized weights reads the float bytes. This one reads the packed
+bytes once per call whatever the number of rows (up to MAX_ROWS), with fp32 activations.
+
+The library is compiled once per source text and compiler into LMSERVE_CACHE (default
+~/.cache/lmserve) / kernels, picking its code path (AVX-512, AVX2, plain C) at run time from what the
+CPU has; with no compiler, or LMSERVE_NATIVE=0, `available()` is False and callers keep their torch
+path. LMSERVE_ISA=avx2|c caps the path (to compare them). Threads: torch's intra-op thread count, on
+the same OpenMP runtime torch uses (the process has one libgomp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "paged_attn.c", "fused.c")]
+MAX_ROWS = 16  # up to this many rows of x the kernel beats dequantize + matmul (measured: docs/architecture.md)
+ISA_NAMES = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}  # vnni: AVX-512 VNNI with int8 activations
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LMSERVE_CACHE", Path.home() / ".cache" / "lmserve")) / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    """The built library, or None (no compiler, a failed build, or LMSERVE_NATIVE=0)."""
+    if os.environ.get("LMSERVE_NATIVE", "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found: quantized layers use the torch path on the CPU")
+        return None
+    src = b"".join(f.read_bytes() for f in SOURCES)
+    key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"qgemv-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # build aside, then rename: atomic
+            out = Path(tmp) / path.name
+            res = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
+            if res.returncode != 0:
+                log.warning("building the CPU kernels failed (%s): the torch path is used\n%s", cc, res.stderr[-2000:])
+                return None
+            os.replace(out, path)
+    lib = ctypes.CDLL(str(path))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.lm_qgemm.argtypes = [p, i64, i64, p, i32, i64, p, p, i64, p, i32, i32]
+    lib.lm_qgemm.restype = None
+    lib.lm_permute_x4.argtypes = [p, i64, i64, p]
+    lib.lm_isa.argtypes = [i32]
+    lib.lm_isa.restype = i32
+    lib.lm_qgemm_vnni.argtypes = [p, i64, i64, p, i32, i64, p, p, i64, p, i32]
+    lib.lm_qgemm_vnni.restype = None
+    lib.lm_has_vnni.restype = i32
+    lib.lm_paged_decode_attn.argtypes = [p, p, p, i32, p, i64, p, i64, i32, i32, i32, i64, ctypes.c_float, i64, p, i32, i32]
+    lib.lm_paged_decode_attn.restype = None
+    lib.lm_attn_isa.restype = i32
+    f32 = ctypes.c_float
+    lib.lm_add_rmsnorm.argtypes = [p, i64, p, i64, p, f32, i64, i64, p, p, i32]
+    lib.lm_silu_and_mul.argtypes = [p, i64, i64, p, i32]
+    lib.lm_rotary.argtypes = [p, i64, i64, i64, i64, i64, p, p]
+    for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_rotary):
+        fn.restype = None
+    return lib
+
+
+def _level(lib: ctypes.CDLL, cap: str | None) -> int:
+    """The best code path this CPU has, capped by `cap` or LMSERVE_ISA (names in ISA_NAMES)."""
+    return _level_for(cap or os.environ.get("LMSERVE_ISA", "vnni"))
+
+
+@functools.cache
+def _level_for(name: str) -> int:
+    if name not in ISA_NAMES:
+        raise ValueError(f"LMSERVE_ISA must be one of {', '.join(ISA_NAMES)}, got {name!r}")
+    lib, limit = _lib(), ISA_NAMES[name]
+    assert lib is not None
+    return 3 if limit >= 3 and lib.lm_has_vnni() else lib.lm_isa(min(limit, 2))
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def lib() -> ctypes.CDLL:
+    """The built library (callers check available() first)."""
+    built = _lib()
+    assert built is not None, "the CPU kernels are not built (check cpu_native.available())"
+    return built
+
+
+def isa() -> str:
+    """The code path the kernels take on this CPU: avx512, avx2 or c."""
+    lib = _lib()
+    if lib is None:
+        return "none"
+    return {v: k for k, v in ISA_NAMES.items()}[_level(lib, None)]
+
+
+def fits(bits: int, in_features: int, group_size: int) -> bool:
+    """The kernel's shape rules: groups of whole 16-column (int8) or 32-column (int4) chunks."""
+    chunk = 16 if bits == 8 else 32
+    return group_size % chunk == 0 and in_features % group_size == 0
+
+
+def vnni_fits(bits: int, in_features: int, group_size: int) -> bool:
+    """The VNNI path's shape rules: 64-column chunks, each holding whole groups or inside one."""
+    chunk = 16 if bits == 8 else 32
+    return in_features % 64 == 0 and group_size % chunk == 0 and in_features % group_size == 0 \
+        and (64 % group_size == 0 or group_size % 64 == 0)
+
+
+def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, mins: torch.Tensor | None,
+          group_size: int, isa_name: str | None = None) -> torch.Tensor:
+    """x (M, K) @ W.T -> (M, N) float32, W [N, K] = q * scales (+ mins) per group of group_size columns.
+
+    q: int8 [N, K] (bits 8) or uint8 [N, K // 2] two values a byte, low nibble = even column (bits 4);
+    scales, mins: float32 [N, K // group_size]. All CPU tensors."""
+    lib = _lib()
+    assert lib is not None, "cpu_native.qgemm called without the library (check available())"
+    M, K = x.shape
+    N = q.shape[0]
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()  # (M, K)
+    y = torch.empty(M, N, dtype=torch.float32)  # (M, N)
+    sc = scales if scales.dtype == torch.float32 else scales.float()  # (N, G): buffers are contiguous
+    mn = None if mins is None or mins.dtype == torch.float32 else mins.float()
+    mn = mins if mn is None else mn
+    level = _level(lib, isa_name)
+    if level == 3 and vnni_fits(bits, K, group_size):
+        lib.lm_qgemm_vnni(xf.data_ptr(), M, K, q.data_ptr(), bits, N, sc.data_ptr(),
+                          None if mn is None else mn.data_ptr(), group_size, y.data_ptr(), torch.get_num_threads())
+        return y
+    if bits == 4:
+        xp = torch.empty_like(xf)  # (M, K), each 32-column chunk as evens then odds
+        lib.lm_permute_x4(xf.data_ptr(), M, K, xp.data_ptr())
+        xf = xp
+    lib.lm_qgemm(xf.data_ptr(), M, K, q.data_ptr(), bits, N, sc.data_ptr(), None if mn is None else mn.data_ptr(),
+                 group_size, y.data_ptr(), min(level, 2), torch.get_num_threads())
+    return y
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, block_size: int, scale: float, window: int | None,
+                           isa_name: str | None = None) -> torch.Tensor:
+    """One query token per sequence against its paged context, read in place: q (B, H, D) float32,
+    k_cache / v_cache (S, Hkv, D) float32 or bf16, block_tables (B, T) int64, seq_lens (B,) int64 ->
+    (B, H, D) float32. window: attend to the last `window` keys only (None: all)."""
+    lib = _lib()
+    assert lib is not None, "cpu_native.paged_decode_attention called without the library (check available())"
+    B, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_decode_attention reads float32 or bfloat16 caches, not {k_cache.dtype}")
+    qc = q.to(torch.float32).contiguous()  # (B, H, D)
+    tables = block_tables.to(torch.int64).contiguous()  # (B, T)
+    lens = seq_lens.to(torch.int64).contiguous()  # (B,)
+    out = torch.empty(B, H, D, dtype=torch.float32)  # (B, H, D)
+    simd = int(_level(lib, isa_name) >= 1 and lib.lm_attn_isa())
+    lib.lm_paged_decode_attn(qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+                             tables.data_ptr(), tables.shape[1], lens.data_ptr(), B, H, Hkv, D, block_size, scale,
+                             window or 0, out.data_ptr(), simd, torch.get_num_threads())
+    return out

@@ -1,0 +1,53 @@
+/* Fused elementwise ops for the CPU, float32 (issue #15): the same three as the Triton module
+ * (layers/fused.py) so the model calls one interface: residual add + RMSNorm, SiLU-and-mul, rotary.
+ * Each replaces 3-8 torch ops (and their per-op overhead) on the decode path. Rows in parallel. */
+#include <math.h>
+#include <stdint.h>
+
+/* out = rmsnorm(x + res) * w; new_res = x + res (res may be NULL: then no new_res). x, res: [n, d],
+ * row strides sx / sr (elements). */
+void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t sr, const float *w, float eps,
+                    int64_t n, int64_t d, float *out, float *new_res, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n > 4)
+  for (int64_t i = 0; i < n; i++) {
+    const float *xi = x + i * sx;
+    float *oi = out + i * d;
+    float ss = 0.f;
+    if (res) {
+      const float *ri = res + i * sr;
+      float *nr = new_res + i * d;
+      for (int64_t j = 0; j < d; j++) { const float h = xi[j] + ri[j]; nr[j] = h; ss += h * h; }
+      xi = nr;
+    } else {
+      for (int64_t j = 0; j < d; j++) ss += xi[j] * xi[j];
+    }
+    const float inv = 1.f / sqrtf(ss / (float)d + eps);
+    for (int64_t j = 0; j < d; j++) oi[j] = xi[j] * inv * w[j];
+  }
+}
+
+/* [n, 2i] gate | up -> [n, i] silu(gate) * up */
+void lm_silu_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * i > 65536)
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t j = 0; j < i; j++) {
+      const float g = gu[r * 2 * i + j], u = gu[r * 2 * i + i + j];
+      out[r * i + j] = g / (1.f + expf(-g)) * u;
+    }
+}
+
+/* In place, rotate-half: x [n, h, d] with strides (sn, sh, 1); cos / sin [n, d] (halves equal). */
+void lm_rotary(float *x, int64_t n, int64_t h, int64_t d, int64_t sn, int64_t sh, const float *cos_,
+               const float *sin_) {
+  const int64_t half = d / 2;
+  for (int64_t t = 0; t < n; t++)
+    for (int64_t k = 0; k < h; k++) {
+      float *b = x + t * sn + k * sh;
+      const float *c = cos_ + t * d, *s = sin_ + t * d;
+      for (int64_t j = 0; j < half; j++) {
+        const float x1 = b[j], x2 = b[half + j];
+        b[j] = x1 * c[j] - x2 * s[j];
+        b[half + j] = x2 * c[j] + x1 * s[j];
+      }
+    }
+}

@@ -1,0 +1,125 @@
+/* Paged decode attention for the CPU (issue #15): one new query token per sequence, keys and values
+ * read in place from the paged cache through the block table (no gather into a dense copy).
+ *
+ *   q      float [B, H, D]        the decode tokens' queries
+ *   k, v   [S, Hkv, D] float32 or bf16 (kv_bf16 = 1), S = blocks * block_size cache slots
+ *   tables int64 [B, T]           block ids of each sequence
+ *   lens   int64 [B]              context length (the new token included)
+ *   out    float [B, H, D]
+ * Query head h reads kv head h / (H / Hkv) (GQA / MQA). window > 0: only the last `window` keys
+ * (sliding-window layers). Two passes over the keys per (sequence, kv head): scores for every query
+ * head of the group, a max-subtracted softmax, then the weighted sum of values; fp32 throughout.
+ * Parallel over (sequence, kv head) pairs with OpenMP.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t b) {
+  union { uint32_t u; float f; } c;
+  c.u = (uint32_t)b << 16;
+  return c.f;
+}
+
+#define ROW(T) \
+  static inline void row_##T(const void *base, int64_t idx, int bf16, int D, float *dst) { \
+    if (bf16) { const uint16_t *p = (const uint16_t *)base + idx * D; for (int i = 0; i < D; i++) dst[i] = bf16_to_f32(p[i]); } \
+    else memcpy(dst, (const float *)base + idx * D, sizeof(float) * (size_t)D); \
+  }
+ROW(kv)
+
+__attribute__((target("avx2,fma")))
+static void attend_avx2(const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len,
+                        int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores,
+                        float *row, float *out) {
+  /* scores [G, len - first]; q, out: the group's G heads [G, D] */
+  const int64_t n = len - first;
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
+    row_kv(k, slot * Hkv + kvh, bf16, D, row);
+    for (int g = 0; g < G; g++) {
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int i = 0; i < D; i++) s += q[g * D + i] * row[i];
+      scores[g * n + j] = s * scale;
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < n; j++) mx = scores[g * n + j] > mx ? scores[g * n + j] : mx;
+    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < n; j++) scores[g * n + j] *= inv;
+    for (int i = 0; i < D; i++) out[g * D + i] = 0.f;
+  }
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
+    row_kv(v, slot * Hkv + kvh, bf16, D, row);
+    for (int g = 0; g < G; g++) {
+      const float p = scores[g * n + j];
+#pragma omp simd
+      for (int i = 0; i < D; i++) out[g * D + i] += p * row[i];
+    }
+  }
+}
+
+static void attend_c(const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len,
+                     int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores,
+                     float *row, float *out) {
+  const int64_t n = len - first;
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
+    row_kv(k, slot * Hkv + kvh, bf16, D, row);
+    for (int g = 0; g < G; g++) {
+      float s = 0.f;
+      for (int i = 0; i < D; i++) s += q[g * D + i] * row[i];
+      scores[g * n + j] = s * scale;
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < n; j++) mx = scores[g * n + j] > mx ? scores[g * n + j] : mx;
+    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
+    for (int64_t j = 0; j < n; j++) scores[g * n + j] /= sum;
+    for (int i = 0; i < D; i++) out[g * D + i] = 0.f;
+  }
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
+    row_kv(v, slot * Hkv + kvh, bf16, D, row);
+    for (int g = 0; g < G; g++)
+      for (int i = 0; i < D; i++) out[g * D + i] += scores[g * n + j] * row[i];
+  }
+}
+
+int lm_attn_isa(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+void lm_paged_decode_attn(const float *q, const void *k, const void *v, int kv_bf16, const int64_t *tables,
+                          int64_t T, const int64_t *lens, int64_t B, int H, int Hkv, int D, int64_t block_size,
+                          float scale, int64_t window, float *out, int use_simd, int nthreads) {
+  const int G = H / Hkv;
+  int64_t maxlen = 0;
+  for (int64_t b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(G * (maxlen > 0 ? maxlen : 1)));
+    float *row = (float *)malloc(sizeof(float) * (size_t)D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < B * Hkv; t++) {
+      const int64_t b = t / Hkv;
+      const int kvh = (int)(t % Hkv);
+      const int64_t len = lens[b];
+      const int64_t first = window > 0 && len > window ? len - window : 0;
+      const float *qg = q + (b * H + (int64_t)kvh * G) * D;
+      float *og = out + (b * H + (int64_t)kvh * G) * D;
+      if (len <= 0) { memset(og, 0, sizeof(float) * (size_t)(G * D)); continue; }
+      if (use_simd) attend_avx2(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, row, og);
+      else attend_c(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, row, og);
+    }
+    free(scores);
+    free(row);
+  }
+}

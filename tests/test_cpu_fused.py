@@ -1,0 +1,61 @@
+"""The CPU fused ops (layers/csrc/fused.c) against the torch code they replace, and the model using
+them: greedy tokens equal to the unfused eager path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmserve.layers import cpu_fused, cpu_native, dispatch
+from lmserve.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler to build the CPU kernels")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_add_rmsnorm(rows):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(rows)
+    x, r, w = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g), torch.randn(576, generator=g)
+    out, new_res = cpu_fused.add_rmsnorm(x, r, w, 1e-5)
+    h = (x.double() + r.double())
+    want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert torch.allclose(new_res.double(), h, atol=1e-6) and (out.double() - want).abs().max() < 1e-5
+    alone, none = cpu_fused.add_rmsnorm(x, None, w, 1e-5)
+    assert none is None and torch.allclose(alone, F.rms_norm(x, (576,), w, 1e-5), atol=1e-5)
+
+
+def test_silu_and_mul():
+    gu = torch.randn(5, 2 * 1536)
+    assert torch.allclose(cpu_fused.silu_and_mul(gu), F.silu(gu[:, :1536]) * gu[:, 1536:], atol=1e-6)
+
+
+def test_rotary_in_place_on_a_strided_view():
+    rot = RotaryEmbedding(64, 512, 10000.0)
+    pos = torch.tensor([0, 7, 300])
+    qkv = torch.randn(3, (9 + 3 + 3) * 64)
+    q, k = qkv[:, :9 * 64].view(3, 9, 64), qkv[:, 9 * 64:12 * 64].view(3, 3, 64)  # views of one buffer
+    want_q, want_k = rot(pos, q.clone(), k.clone())
+    cos, sin = rot.lookup(pos)
+    cpu_fused.rotary_(q, cos.squeeze(1), sin.squeeze(1))
+    cpu_fused.rotary_(k, cos.squeeze(1), sin.squeeze(1))
+    assert torch.allclose(q, want_q, atol=1e-5) and torch.allclose(k, want_k, atol=1e-5)
+
+
+def test_dispatch_hands_float32_cpu_tensors_our_module():
+    assert dispatch.fused_ops(torch.zeros(2, dtype=torch.float32)) is cpu_fused
+    assert dispatch.fused_ops(torch.zeros(2, dtype=torch.bfloat16)) is None
+    with dispatch.use_fused(False):
+        assert dispatch.fused_ops(torch.zeros(2)) is None
+
+
+def test_model_greedy_equals_the_unfused_path(tiny_models):  # type: ignore[no-untyped-def]
+    from lmserve import LLM, SamplingParams
+    path = tiny_models["qwen3"][0]  # q/k norms on (N, heads, d) views too
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory="16MiB")
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with dispatch.use_fused(False):
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert fast == ref

@@ -1,0 +1,124 @@
+"""Our CPU kernel (layers/csrc/qgemv.c through layers/cpu_native.py) against float64 oracles, on every
+code path this CPU can run (VNNI with int8 activations, AVX-512, AVX2, plain C), and the quantized
+layers' choice between it and the reference path."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lmserve.layers import cpu_native, quant
+from lmserve.layers.quant import Int4Linear, Int8Linear
+
+LEVELS = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}
+
+
+def runnable() -> list[str]:
+    """The code paths this CPU runs (a cap above what it has runs a lower one: listed once)."""
+    top = LEVELS[cpu_native.isa()]
+    return [name for name, lv in LEVELS.items() if lv <= top]
+
+
+def test_the_kernels_build_where_a_compiler_is():
+    assert cpu_native.available() == (shutil.which("cc") is not None or shutil.which("gcc") is not None)
+    assert cpu_native.isa() in LEVELS
+
+
+needs_lib = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler to build the CPU kernels")
+
+LAYERS = {  # name -> (build from a float weight [out, in]); sizes below fit every path (in % 64 == 0)
+    "int8_row": lambda w: Int8Linear.from_float(w),
+    "int8_g32": lambda w: Int8Linear.from_float(w, group_size=32),
+    "int8_g16_mins": lambda w: _int8_with_mins(w, 16),
+    "int4_g32": lambda w: Int4Linear.from_float(w, group_size=32),
+    "int4_g64": lambda w: Int4Linear.from_float(w, group_size=64),
+    "int4_g128": lambda w: Int4Linear.from_float(w, group_size=128),
+}
+
+
+def _int8_with_mins(w: torch.Tensor, group: int) -> Int8Linear:
+    """An int8 layer with a min per group (what GGUF's K-quants load into): q in 0..63, w = q * s + min."""
+    out_f, in_f = w.shape
+    g = w.view(out_f, -1, group)
+    lo, hi = g.amin(-1), g.amax(-1)  # (out, G)
+    s = (hi - lo).clamp(min=1e-8) / 63
+    q = ((g - lo[..., None]) / s[..., None]).round().clamp(0, 63).to(torch.int8).view(out_f, in_f)
+    layer = Int8Linear(in_f, out_f, group_size=group, zero_point=True)
+    layer.load(quant.QuantizedWeight(q, s, lo, group))
+    return layer
+
+
+def x_blocks_dequantized(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the VNNI path sees it: per 32 columns, int8 with scale max|x| / 127, round half away
+    from zero; float64."""
+    xb = x.double().view(x.shape[0], -1, 32)  # (M, K / 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, xb / torch.where(d > 0, d, 1), 0)
+    q = torch.sign(q) * torch.floor(q.abs() + 0.5)
+    return (q * d).view_as(x)
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize("isa", list(LEVELS))
+def test_kernel_equals_the_float64_oracle(kind, isa, monkeypatch):  # type: ignore[no-untyped-def]
+    if isa not in runnable():
+        pytest.skip(f"this CPU has no {isa}")
+    monkeypatch.setenv("LMSERVE_ISA", isa)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(203, 256, generator=g)  # an odd row count: the kernel's short last block
+    layer = LAYERS[kind](w)
+    W = layer.dequantize().double()  # (203, 256)
+    for m in (1, 2, 3, 4, 5, 8, 9, 16):
+        x = torch.randn(m, 256, generator=g) * torch.linspace(0.1, 3, 256)  # columns of different scales
+        y = cpu_native.qgemm(x, layer.qweight, layer.bits, layer.scales, layer.mins, layer.group_size)  # (m, 203)
+        xs = x_blocks_dequantized(x) if isa == "vnni" else x.double()
+        want = xs @ W.T  # (m, 203)
+        assert y.shape == (m, 203)
+        assert (y.double() - want).abs().max() <= 2e-5 * want.abs().max(), (kind, isa, m)
+        if isa == "vnni":  # and it really quantized x: within, not at, the float result
+            exact = x.double() @ W.T
+            bound = (x.double() - xs).abs() @ W.abs().T + 1e-4 * exact.abs().max()  # |dx| . |w| per output
+            assert ((y.double() - exact).abs() <= bound).all()
+            assert (y.double() - exact).abs().max() > 1e-6 * exact.abs().max()
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", ["int8_row", "int4_g32"])
+def test_layers_use_the_kernel_for_few_rows_and_the_reference_for_many(kind, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("LMSERVE_ISA", "avx2" if "avx2" in runnable() else "c")  # float x: equal to the reference
+    torch.manual_seed(0)
+    w = torch.randn(64, 128)
+    layer = LAYERS[kind](w)
+    layer.cpu_kernel = True
+    ref = quant.dequant_matmul
+    calls: list[int] = []
+    monkeypatch.setattr(quant, "dequant_matmul", lambda x, lay: calls.append(x.shape[0]) or ref(x, lay))
+    few, many = torch.randn(cpu_native.MAX_ROWS, 128), torch.randn(cpu_native.MAX_ROWS + 1, 128)
+    assert torch.allclose(layer(few), few @ layer.dequantize().T, atol=1e-4) and calls == []
+    assert torch.allclose(layer(many), many @ layer.dequantize().T, atol=1e-4) and calls == [cpu_native.MAX_ROWS + 1]
+    layer.cpu_kernel = False  # the layer's own default: the reference path always
+    layer(few)
+    assert calls[-1] == cpu_native.MAX_ROWS
+
+
+@needs_lib
+def test_int8_outlier_columns_are_added_back_on_the_kernel_path(monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("LMSERVE_ISA", "c")
+    w = torch.randn(32, 64)
+    w[:, [3, 40]] *= 50  # two outlier columns kept in float
+    layer = Int8Linear.from_float(w, outlier_cols=torch.tensor([3, 40]))
+    x = torch.randn(3, 64)
+    ref = layer(x)  # the reference path (dequantize restores the float columns)
+    layer.cpu_kernel = True
+    assert torch.allclose(layer(x), ref, atol=1e-4)
+    assert torch.allclose(ref, x @ w.T, rtol=0, atol=0.05 * (x @ w.T).abs().max())
+
+
+def test_shape_rules():
+    assert cpu_native.fits(8, 576, 576) and cpu_native.fits(8, 256, 16) and cpu_native.fits(4, 576, 32)
+    assert not cpu_native.fits(4, 576, 16) and not cpu_native.fits(8, 100, 100) and not cpu_native.fits(4, 96, 64)
+    assert cpu_native.vnni_fits(4, 576, 32) and cpu_native.vnni_fits(8, 576, 576)
+    assert not cpu_native.vnni_fits(4, 544, 32)  # 544 is not a whole number of 64-column chunks
