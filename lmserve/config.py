@@ -128,7 +128,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return table[dtype]
 
 
-QUANTIZATIONS = (None, "int8", "int4", "awq", "gguf", "fp8")
+QUANTIZATIONS = ("auto", "none", None, "int8", "int4", "awq", "gguf", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
@@ -151,7 +151,9 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ... max_num_seqs
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU, else torch) | torch | cpu | triton
-    quantization: str | None = None  # weights: None (the checkpoint's float) | int8 | int4 | awq | gguf | fp8
+    # weights: auto (a GGUF on the CPU keeps its blocks, as llama.cpp runs it: gguf; else the checkpoint's
+    # own) | none / None (the checkpoint's float; an AWQ folder stays AWQ) | int8 | int4 | awq | gguf | fp8
+    quantization: str | None = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: quantized KV, scales per token and head
     # speculative decoding
     speculative_method: str | None = None  # None | "ngram" | "draft"

@@ -9,8 +9,10 @@ system C compiler and Python.h, and every CUDA model goes through Triton), fusio
 kernels against their torch code, and the profile behind them), kernels (attention kernels against
 float64, with a float and an int8 / fp8 KV cache; the Gumbel sampler), correctness (fast path against the torch reference, teacher-forced,
 margin-aware argmax gate), host overhead (host work per decode step at batch 256), batch-1 decode
-(against the `lmserve plan` bound, with and without CUDA graphs), throughput (the 256-request
-workload), hf baseline (HF transformers on the same workload and at batch 1).
+(against the `lmserve plan` bound, with and without CUDA graphs), quant matmul (the Triton
+dequantize-in-matmul kernels against float64, and batch-1 decode's linears of a Llama-3.1-8B shape
+with bf16 / int8 / int4 / fp8 weights), throughput (the 256-request workload), hf baseline (HF
+transformers on the same workload and at batch 1).
 
 Each part runs in its own process (forked from a server that imported torch once), so a crash or a
 sticky CUDA error ends that part only; it writes $OUT/parts/<part>.json after every result, so a
@@ -246,7 +248,8 @@ def compiled_variants() -> dict[str, int] | None:
     interpreter, or before any kernel module is imported). A count that grows during a timed run
     means a compile (0.5-2 s) inside the measurement."""
     out: dict[str, int] = {}
-    for mod in ("lmserve.attention.triton_attn", "lmserve.layers.fused", "lmserve.sampling.gumbel"):
+    for mod in ("lmserve.attention.triton_attn", "lmserve.layers.fused", "lmserve.sampling.gumbel",
+                "lmserve.layers.triton_quant"):
         m = sys.modules.get(mod)
         for name, obj in (vars(m) if m else {}).items():
             caches = getattr(obj, "device_caches", None)
@@ -582,6 +585,201 @@ def part_batch1(p: Part, s: dict) -> None:
               f"compiles while timed: {_compiles(v0, v1)}")
 
 
+def part_quant_matmul(p: Part, s: dict) -> None:
+    """The Triton dequantize-in-matmul kernels (layers/triton_quant.py, issue #14). Correctness: the GEMV
+    and tiled kernels against float64 over each layer's dequantized weight (quant_matmul_check), fp32
+    (IEEE dots) and bf16 activations. Speed, on CUDA: the linears of one batch-1 decode step of a
+    Llama-3.1-8B-shaped model (32 layers of qkv / o / gate_up / down, then the LM head; random weights
+    made on the device) with bf16 weights (F.linear) and int8 / int4 / fp8 weights (quant_matmul; fp8
+    also through Fp8Linear's own torch._scaled_mm), each step captured in a CUDA graph, ms per token and
+    the ratio to bf16 (quant_decode_timing; the issue's goal: int8 >= 1.6x, int4 >= 2.5x bf16). With
+    --small on the CPU: the same code on tiny shapes under the interpreter, not a speed."""
+    import torch
+    cuda = s["device"].startswith("cuda")
+    dtypes = [("fp32", torch.float32, 1e-5), ("bf16", torch.bfloat16, 1e-2)]
+    if not cuda:  # the interpreter's tl.dot is wrong for bf16
+        dtypes = dtypes[:1]
+    for name, dt, tol in dtypes:
+        rows = quant_matmul_check(s["device"], dt, small=s["small"], full=name == "bf16")
+        errs = [r["err"] for r in rows]
+        bad = [f"{r['scheme']} {r['kernel']} M={r['m']}" for r in rows if not r["err"] < tol]
+        worst = max(rows, key=lambda r: r["err"])
+        p.put(**{f"quant_matmul_{name}": rows})
+        p.row(f"quant matmul kernels {name}: checks passed",
+              f"{len(rows) - len(bad)} of {len(rows)} (max rel err {max(errs):.1e} at {worst['scheme']} "
+              f"{worst['kernel']} M={worst['m']}, tol {tol:g})" + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+        if bad:
+            p.fail(f"quant matmul {name}")
+    shape = "debug-tiny" if s["small"] else "llama-3.1-8b"
+    t = quant_decode_timing(s["device"], shape, num_layers=1 if s["small"] else None)
+    p.put(quant_decode_timing=t)
+    base = t["bf16"]["ms"]
+    goals = {"int8": 1.6, "int4": 2.5}
+    for scheme, r in t.items():
+        if scheme == "config":
+            continue
+        ratio = base / r["ms"]
+        goal = f", goal {goals[scheme]:g}x: {'met' if ratio >= goals[scheme] else 'NOT MET'}" \
+            if scheme in goals and cuda else ""
+        how = f"{r['ms']:.3f} ms ({'eager' if r.get('graph_error') else 'graph'})" + (
+            f", {r['eager_ms']:.3f} eager" if r.get("eager_ms") is not None and not r.get("graph_error") else "")
+        p.row(f"decode linears {shape} x{t['config']['layers']} + head, {scheme}",
+              f"{how}; {r['gb'] / r['ms'] * 1e3:.0f} GB/s of weights ({r['gb']:.2f} GB); {ratio:.2f}x bf16{goal}"
+              if cuda else f"{r['ms']:.0f} ms per token (CPU interpreter: exercises the code, not a speed)")
+        if r.get("graph_error"):
+            p.row(f"  {scheme}: CUDA graph capture failed, eager time above", r["graph_error"])
+
+
+def quant_matmul_check(device: str, dtype: Any, small: bool = False, full: bool = True) -> list[dict]:
+    """layers/triton_quant.py's GEMV and tiled kernels on `device` against float64 over each layer's
+    dequantize(): int8 per channel and per group of 128, int4 groups of 32 and 128, fp8; 300 outputs (no
+    multiple of a block), K 1000 (per row: a partial last K tile in both kernels) or 1152 (grouped: 9
+    groups of 128, a partial last GEMV tile). full: GEMV at M 1 and 7, tiled at 7 and 300; else GEMV at 1,
+    tiled at 300. small (the CPU dry run): 40 outputs, K 100 / 384, GEMV at 1 and tiled at 17. Each row:
+    scheme, kernel, m, err = max |y - ref| / max |ref|."""
+    import math
+
+    import torch
+
+    from lmserve.layers import triton_quant as tq
+    from lmserve.layers.quant import Fp8Linear, Int4Linear, Int8Linear
+    out_f, k_row, k_group = (40, 100, 384) if small else (300, 1000, 1152)
+    schemes: dict[str, tuple[int, Callable[[Any], Any]]] = {
+               "int8": (k_row, lambda w: Int8Linear.from_float(w)),
+               "int8 g128": (k_group, lambda w: Int8Linear.from_float(w, group_size=128)),
+               "int4 g32": (k_group, lambda w: Int4Linear.from_float(w, group_size=32)),
+               "int4 g128": (k_group, lambda w: Int4Linear.from_float(w, group_size=128)),
+               "fp8": (k_row, lambda w: Fp8Linear.from_float(w))}
+    runs = [("gemv", 1), ("tiled", 17)] if small else \
+        [("gemv", 1), ("gemv", 7), ("tiled", 7), ("tiled", 300)] if full else [("gemv", 1), ("tiled", 300)]
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for scheme, (k, make) in schemes.items():
+        layer = make(torch.randn(out_f, k, generator=g) * 0.05).to(device)  # float32 scales
+        w = tq.packed_weight(layer)
+        wd = layer.dequantize().double().cpu()  # (out, k)
+        for kernel, m in runs:
+            x = torch.randn(m, k, generator=g)
+            ref = x.to(dtype).double() @ wd.T  # (m, out): the activations as the kernel gets them
+            y = (tq.gemv if kernel == "gemv" else tq.tiled)(x.to(device, dtype), w).double().cpu()
+            err = ((y - ref).abs().max() / ref.abs().max()).item()
+            rows.append({"scheme": scheme, "kernel": kernel, "m": m, "err": float("inf") if math.isnan(err) else err})
+    return rows
+
+
+def quant_decode_timing(device: str, shape: str, num_layers: int | None = None, reps: int = 20) -> dict:
+    """ms per token of the linears of one batch-1 decode step: per layer qkv, o, gate_up, down, then the
+    LM head, for a model of `shape` (num_layers: fewer layers). bf16 weights through F.linear; int8 (per
+    channel), int4 (groups as quantize_model picks them) and fp8 through triton_quant.quant_matmul, fp8
+    also through Fp8Linear's forward (torch._scaled_mm on sm89+: "fp8 scaled_mm"); the LM head of the
+    quantized models int8 per channel, quantize_model's default. Random weights made on the device, all
+    layers distinct (every step streams every weight from memory, as decode does); scales and mins in
+    bf16, as a bf16 model holds them. CUDA: each step captured in a CUDA graph (ms: replays, after a
+    warm-up that compiles every kernel variant; eager_ms beside it); the CPU (float32, interpreter): one
+    eager step. Returns {scheme: {"ms", "eager_ms", "gb" (weight bytes read, 1e9)}, "config": {...}}."""
+    import gc
+
+    import torch
+    import torch.nn.functional as F
+
+    from lmserve.layers.quant import Fp8Linear, Int4Linear, Int8Linear
+    from lmserve.layers.triton_quant import quant_matmul
+    from lmserve.models.registry import default_group_size
+    from lmserve.models.shapes import shape_config
+    cfg = shape_config(shape)
+    cuda = device.startswith("cuda")
+    dt = torch.bfloat16 if cuda else torch.float32
+    n_layers = num_layers or cfg.num_layers
+    h, hd = cfg.hidden_size, cfg.head_dim
+    dims = [((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, h), (h, cfg.num_heads * hd),
+            (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]  # (out, in): qkv, o, gate_up, down
+    xs = {k: torch.randn(1, k, device=device, dtype=dt) for k in {i for _, i in dims}}  # (1, in) each
+
+    def make(scheme: str, out_f: int, in_f: int) -> Any:
+        if scheme == "bf16":
+            return torch.randn(out_f, in_f, device=device, dtype=dt) * 0.02  # (out, in)
+        layer: Any
+        with torch.device(device):  # the buffers are made there: no host copy of the weights
+            if scheme == "int8":
+                layer = Int8Linear(in_f, [out_f])
+                layer.qweight.random_(-127, 128)
+            elif scheme == "int4":
+                layer = Int4Linear(in_f, [out_f], group_size=default_group_size(in_f))
+                layer.qweight.random_(0, 256)
+                layer.mins.uniform_(-0.02, 0.0)
+            else:
+                layer = Fp8Linear(in_f, [out_f])
+                layer.qweight.random_(0, 254)  # e4m3 bytes without the NaNs 0x7F and 0xFF
+                layer.qweight += (layer.qweight >= 0x7F).to(torch.uint8)
+        layer.scales.uniform_(1e-3, 4e-3)
+        return layer.to(dt)  # scales / mins as a bf16 model holds them
+
+    def nbytes(m: Any) -> int:
+        return m.numel() * m.element_size() if isinstance(m, torch.Tensor) else \
+            sum(b.numel() * b.element_size() for b in m.buffers())
+
+    def timed(step: Any) -> dict:
+        if not cuda:
+            t0 = time.perf_counter()
+            step()
+            return {"ms": (time.perf_counter() - t0) * 1e3, "eager_ms": None}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: every kernel variant compiled, outside the graph and the timing
+            step()
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev[0].record()
+        for _ in range(3):
+            step()
+        ev[1].record()
+        out: dict[str, Any] = {}
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graph.replay()
+            ev[2].record()
+            for _ in range(reps):
+                graph.replay()
+            ev[3].record()
+            torch.cuda.synchronize()
+            out["ms"] = ev[2].elapsed_time(ev[3]) / reps
+            del graph
+        except Exception as e:  # noqa: BLE001 - reported; the eager time stands in
+            torch.cuda.synchronize()
+            out["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+        out["eager_ms"] = ev[0].elapsed_time(ev[1]) / 3
+        out.setdefault("ms", out["eager_ms"])
+        return out
+
+    res: dict[str, Any] = {"config": {"shape": shape, "layers": n_layers, "dims": dims, "vocab": cfg.vocab_size,
+                                      "reps": reps, "dtype": str(dt)}}
+    for scheme in ("bf16", "int8", "int4", "fp8"):
+        stack = [[make(scheme, o, i) for o, i in dims] for _ in range(n_layers)]
+        head = make("bf16" if scheme == "bf16" else "int8", cfg.vocab_size, h)
+        gb = (sum(nbytes(m) for layer in stack for m in layer) + nbytes(head)) / 1e9
+        ways = [(scheme, (lambda w, x: F.linear(x, w)) if scheme == "bf16" else (lambda w, x: quant_matmul(x, w)))]
+        if scheme == "fp8" and cuda:
+            ways.append(("fp8 scaled_mm", lambda w, x: w(x)))
+        head_mm = (lambda w, x: F.linear(x, w)) if scheme == "bf16" else (lambda w, x: quant_matmul(x, w))
+        for label, mm in ways:
+            def step(mm: Any = mm, stack: list = stack, head: Any = head, head_mm: Any = head_mm) -> None:
+                for layer in stack:
+                    for w, (_, i) in zip(layer, dims):
+                        mm(w, xs[i])
+                head_mm(head, xs[h])
+            res[label] = {**timed(step), "gb": gb}
+            del step
+        del stack, head
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return res
+
+
 def _workload(s: dict, vocab: int) -> list:
     from lmserve.bench.common import PRESETS, random_workload
     return random_workload(vocab_size=vocab, seed=0, **PRESETS["tiny" if s["small"] else "gpu"])
@@ -639,10 +837,11 @@ PARTS: list[tuple[str, float, float, PartFn]] = [
     ("correctness", 50, 12, part_correctness),
     ("host overhead", 40, 6, part_host),
     ("batch-1 decode", 45, 5, part_batch1),
+    ("quant matmul", 90, 8, part_quant_matmul),
     ("throughput", 90, 6, part_throughput),
     ("hf baseline", 130, 12, part_hf),
 ]
-NEEDS_TRITON = {"fusions", "kernels", "correctness"}
+NEEDS_TRITON = {"fusions", "kernels", "correctness", "quant matmul"}
 
 
 def skip_without_triton(name: str, settings: dict) -> str | None:

@@ -81,4 +81,4 @@ def tiny_models(tmp_path_factory):  # type: ignore[no-untyped-def]
 def smol():  # type: ignore[no-untyped-def]
     """The real default model, loaded once for the whole run."""
     from lmserve import LLM
-    return LLM()
+    return LLM(quantization="none")  # the float weights: the HF-parity reference (auto keeps the GGUF's blocks)

@@ -122,3 +122,10 @@ def test_shape_rules():
     assert not cpu_native.fits(4, 576, 16) and not cpu_native.fits(8, 100, 100) and not cpu_native.fits(4, 96, 64)
     assert cpu_native.vnni_fits(4, 576, 32) and cpu_native.vnni_fits(8, 576, 576)
     assert not cpu_native.vnni_fits(4, 544, 32)  # 544 is not a whole number of 64-column chunks
+
+
+def test_auto_keeps_a_gguf_quantized_on_the_cpu_only():
+    from lmserve.models.loader import resolve_quantization
+    assert resolve_quantization("auto", "gguf", "cpu") == ("gguf" if cpu_native.available() else None)
+    assert resolve_quantization("auto", "hf", "cpu") is None and resolve_quantization("auto", "gguf", "cuda") is None
+    assert resolve_quantization("none", "gguf", "cpu") is None and resolve_quantization("int8", "hf", "cpu") == "int8"

@@ -275,5 +275,14 @@ def test_smollm2_gguf_keeps_its_4bit_blocks(smol):  # type: ignore[no-untyped-de
     assert weight_bytes(model) < 0.25 * weight_bytes(ref_model)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for a, b in zip(smol.generate(prompts, params), llm.generate(prompts, params)):
-        assert a.outputs[0].token_ids[:8] == b.outputs[0].token_ids[:8]
+    with pytest.MonkeyPatch.context() as mp:  # our kernel with float x: the file's exact weights, HF's tokens
+        mp.setenv("LMSERVE_ISA", "avx512")
+        for a, b in zip(smol.generate(prompts, params), llm.generate(prompts, params)):
+            assert a.outputs[0].token_ids[:8] == b.outputs[0].token_ids[:8]
+    # the default path (VNNI CPUs: x quantized per 32 columns, as llama.cpp): teacher-forced decode
+    # steps agree with the float model's argmax at >= 90% of positions (96.8% over 1,023 tokens of
+    # real text, BENCHMARKS.md)
+    ids = smol.engine.tokenize_prompt("We hold these truths to be self-evident, that all men are created equal, "
+                                      "that they are endowed by their Creator with certain unalienable Rights.")
+    ref, got = smol.score(ids, decode_from=4), llm.score(ids, decode_from=4)  # (T, V) each
+    assert (ref[4:].argmax(-1) == got[4:].argmax(-1)).float().mean() >= 0.9

@@ -114,4 +114,5 @@ def test_modules_stay_readable():
     kernels."""
     sizes = {module_name(p): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     assert sizes["lmserve.engine"] <= 250
-    assert {m: n for m, n in sizes.items() if n > 400 and m != "lmserve.attention.triton_attn"} == {}
+    kernels = ("lmserve.attention.triton_attn", "lmserve.layers.triton_quant")  # Triton kernel files
+    assert {m: n for m, n in sizes.items() if n > 400 and m not in kernels} == {}

@@ -26,9 +26,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "enforce_eager": {"help": "CUDA: no CUDA graphs for decode steps"},
     "cuda_graph_sizes": {"help": "decode batch sizes to capture (default 1 2 4 8 16 ... max-num-seqs)"},
     "attention_backend": {"choices": ["auto", "torch", "cpu", "triton"]},
-    "quantization": {"choices": ["int8", "int4", "awq", "gguf", "fp8"],
-                     "help": "weights kept quantized: int8 / int4 (round to nearest at load), awq (an AWQ "
-                             "checkpoint), gguf (the GGUF file's own blocks), fp8 (e4m3)"},
+    "quantization": {"choices": ["auto", "none", "int8", "int4", "awq", "gguf", "fp8"],
+                     "help": "weights kept quantized: auto (default: a GGUF file on the CPU keeps its blocks, "
+                             "as gguf; else none), none (the checkpoint's float), int8 / int4 (round to nearest "
+                             "at load), awq (an AWQ checkpoint), gguf (the GGUF file's own blocks), fp8 (e4m3)"},
     "kv_cache_dtype": {"choices": ["auto", "int8", "fp8"], "help": "KV cache element type (auto: the model dtype)"},
     "speculative_method": {"choices": ["ngram", "draft"]},
     "draft_model": {"help": "draft model (default: the target itself, truncated)"},

@@ -49,8 +49,9 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     from lmserve.quant.checkpoint import save_awq_checkpoint
 
     kw = engine_kwargs(a)
-    if kw.get("quantization"):
+    if kw.get("quantization") not in (None, "none", "auto"):
         raise ValueError("quantization: calibration runs on the float model; leave --quantization off")
+    kw["quantization"] = None  # calibrate on the float weights (a GGUF's blocks dequantized)
     calib = Path(a.calib)
     if not calib.is_file():
         raise FileNotFoundError(f"calib: no file {str(calib)!r}")

@@ -17,10 +17,10 @@ or a q / scales / zeros / group record (canonical int4, w = (q - zeros) * scales
 (LLM.int8()-style outliers: columns whose calibration activations pass a threshold, `input_absmax`).
 
 Forward, the fp32 reference: dequantize a tile of rows at a time on the CPU (the tile stays in cache),
-all at once elsewhere, then matmul. With cpu_kernel (load_model sets it) int8 / int4 multiply a few
-rows (decode, verification) with our CPU kernel (layers/cpu_native.py: the packed bytes read once per
-call; on AVX-512 VNNI CPUs with x quantized per 32 columns, as llama.cpp does); more rows (prefill)
-take the reference path. fp8 uses torch._scaled_mm on GPUs with fp8 tensor cores.
+then matmul. On CUDA the Triton kernels of layers/triton_quant.py dequantize inside the matmul. With
+cpu_kernel (load_model sets it) int8 / int4 multiply a few rows (decode, verification) with our CPU
+kernel (layers/cpu_native.py: the packed bytes read once per call; on AVX-512 VNNI CPUs with x
+quantized per 32 columns, as llama.cpp does); more rows (prefill) take the reference path. fp8 uses torch._scaled_mm on GPUs with fp8 tensor cores.
 """
 
 from __future__ import annotations
@@ -232,7 +232,9 @@ class GroupQuantLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out), no bias
-        if self.cpu_kernel and x.device.type == "cpu" and x.shape[0] <= cpu_native.MAX_ROWS and self.native_fits():
+        if x.is_cuda:
+            return gpu_matmul(x, self)
+        if self.cpu_kernel and x.shape[0] <= cpu_native.MAX_ROWS and self.native_fits():
             return self.native_matmul(x)
         return dequant_matmul(x, self)
 
@@ -242,6 +244,13 @@ class GroupQuantLinear(LinearBase):
 
     def native_matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out) with our CPU kernel
         return cpu_native.qgemm(x, self.qweight, self.bits, self.scales, self.mins, self.group_size).to(x.dtype)
+
+
+def gpu_matmul(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """On a GPU: the Triton kernels that dequantize inside the matmul (layers/triton_quant.py, outlier
+    columns included), or dequantize + matmul without Triton."""
+    from lmserve.layers import triton_quant  # imported on first GPU use only
+    return triton_quant.quant_matmul(x, layer) if triton_quant.available() else dequant_matmul(x, layer)
 
 
 def dequant_matmul(x: torch.Tensor, layer: Any) -> torch.Tensor:
@@ -352,7 +361,7 @@ class Fp8Linear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
         fp8_cores = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
         y = self.scaled_mm(x) if fp8_cores and self.in_features % 16 == 0 and self.out_features % 16 == 0 \
-            else dequant_matmul(x, self)
+            else gpu_matmul(x, self) if x.is_cuda else dequant_matmul(x, self)
         return y if self.bias is None else y + self.bias
 
     def scaled_mm(self, x: torch.Tensor) -> torch.Tensor:

@@ -364,11 +364,22 @@ def load_model(config: EngineConfig, num_layers: int | None = None
     return cfg, model, tokenizer
 
 
+def resolve_quantization(asked: str | None, kind: str, device: str) -> str | None:
+    """The weight scheme a load uses: `auto` keeps a GGUF file's blocks on the CPU when our CPU kernels
+    build (what llama.cpp does with the file: 4-8 bits read per weight instead of 32), and the
+    checkpoint's float otherwise; `none` is None (the checkpoint's float)."""
+    if asked == "auto":
+        from lmserve.layers import cpu_native
+        on_cpu = not str(device).startswith("cuda")
+        return "gguf" if kind == "gguf" and on_cpu and cpu_native.available() else None
+    return None if asked == "none" else asked
+
+
 def _quantize(model: nn.Module, cfg: ModelConfig, config: EngineConfig, src: ModelSource, g: GGUFFile | None
               ) -> Iterator[tuple[str, Any]]:
     """Swap in the (still empty) layers config.quantization asks for; returns the weight stream that
     fills them. An HF folder with AutoAWQ's quantization_config loads as awq, asked or not."""
-    scheme = config.quantization
+    scheme = resolve_quantization(config.quantization, src.kind, config.device)
     if src.kind == "hf" and scheme in (None, "awq"):
         from lmserve.quant.checkpoint import check_awq_config, group_awq_tensors, read_quantization_config
         qc = read_quantization_config(src.path)
