@@ -49,9 +49,10 @@ def test_dispatch_hands_float32_cpu_tensors_our_module():
         assert dispatch.fused_ops(torch.zeros(2)) is None
 
 
-def test_model_greedy_equals_the_unfused_path(tiny_models):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: q/k norms, rotary per tensor; llama: q and k at once
+def test_model_greedy_equals_the_unfused_path(tiny_models, family):  # type: ignore[no-untyped-def]
     from lmserve import LLM, SamplingParams
-    path = tiny_models["qwen3"][0]  # q/k norms on (N, heads, d) views too
+    path = tiny_models[family][0]
     prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     llm = LLM(str(path), kv_cache_memory="16MiB")

@@ -16,22 +16,29 @@ from lmserve.layers import cpu_native
 
 
 class CpuAttention(TorchAttention):
-    """TorchAttention with the decode part through cpu_native.paged_decode_attention."""
+    """TorchAttention with the decode part through cpu_native.paged_decode_attention; an all-decode step
+    (every sequence one new token) stores its K/V and attends in one call per layer."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV,
+                meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+        if _reads(q, kv_cache) and not meta.static_decode and meta.memo("all_decode", lambda: max(meta.query_lens_host) == 1):
+            o = cpu_native.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.block_size,
+                                                  scale, window, new_kv=(k, v, meta.slot_mapping))  # (B, H, d)
+            return o if o.dtype == q.dtype else o.to(q.dtype)
+        return super().forward(q, k, v, kv_cache, meta, scale, window)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV, meta: AttentionMetadata, dec: list[int],
                scale: float, window: int | None, out: torch.Tensor) -> None:
-        if isinstance(kv_cache, QuantizedKV) or kv_cache.dtype not in (torch.float32, torch.bfloat16) \
-                or q.device.type != "cpu":
+        if not _reads(q, kv_cache):
             return super().decode(q, kv_cache, meta, dec, scale, window, out)
-        tok, tables, lens = meta.memo("cpu_decode", lambda: _decode_rows(meta, dec))
-        o = cpu_native.paged_decode_attention(q.index_select(0, tok), kv_cache[0], kv_cache[1], tables, lens,
+        idx = torch.tensor(dec)
+        tok, tables, lens = meta.query_start_loc[idx], meta.block_tables[idx], meta.seq_lens[idx]
+        o = cpu_native.paged_decode_attention(q.index_select(0, tok), kv_cache, tables, lens,  # type: ignore[arg-type]
                                               meta.block_size, scale, window)  # (Bd, H, d)
         out.index_copy_(0, tok, o.to(out.dtype))
 
 
-def _decode_rows(meta: AttentionMetadata, dec: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token index (Bd,), block tables (Bd, T) and context lengths (Bd,) of the decode sequences."""
-    if len(dec) == meta.num_seqs:  # an all-decode step: every row, no copies
-        return meta.query_start_loc[:-1], meta.block_tables, meta.seq_lens
-    idx = torch.tensor(dec)
-    return meta.query_start_loc[idx], meta.block_tables[idx], meta.seq_lens[idx]
+def _reads(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV) -> bool:
+    """The kernel reads this cache: a float32 / bf16 tensor on the CPU (a quantized one: the reference)."""
+    return not isinstance(kv_cache, QuantizedKV) and kv_cache.dtype in (torch.float32, torch.bfloat16) \
+        and q.device.type == "cpu" and kv_cache.is_contiguous()

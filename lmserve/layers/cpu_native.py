@@ -75,7 +75,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_qgemm_vnni.argtypes = [p, i64, i64, p, i32, i64, p, p, i64, p, i32]
     lib.lm_qgemm_vnni.restype = None
     lib.lm_has_vnni.restype = i32
-    lib.lm_paged_decode_attn.argtypes = [p, p, p, i32, p, i64, p, i64, i32, i32, i32, i64, ctypes.c_float, i64, p, i32, i32]
+    lib.lm_paged_decode_attn.argtypes = [p, p, p, i32, p, i64, p, i64, i32, i32, i32, i64, ctypes.c_float, i64, p, i32, i32,
+                                         p, p, p]
     lib.lm_paged_decode_attn.restype = None
     lib.lm_attn_isa.restype = i32
     f32 = ctypes.c_float
@@ -162,24 +163,34 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, min
     return y
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, scale: float, window: int | None,
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            isa_name: str | None = None) -> torch.Tensor:
-    """One query token per sequence against its paged context, read in place: q (B, H, D) float32,
-    k_cache / v_cache (S, Hkv, D) float32 or bf16, block_tables (B, T) int64, seq_lens (B,) int64 ->
-    (B, H, D) float32. window: attend to the last `window` keys only (None: all)."""
+    """One query token per sequence against its paged context, read in place: q (B, H, D), kv_cache
+    (2, S, Hkv, D) float32 or bf16, block_tables (B, T) int64, seq_lens (B,) int64 -> (B, H, D) float32.
+    window: attend to the last `window` keys only (None: all). new_kv: (k, v (B, Hkv, D) in the cache's
+    dtype, slots (B,)) written into the cache first (a slot < 0 skipped)."""
     lib = _lib()
     assert lib is not None, "cpu_native.paged_decode_attention called without the library (check available())"
     B, H, D = q.shape
-    Hkv = k_cache.shape[1]
-    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"paged_decode_attention reads float32 or bfloat16 caches, not {k_cache.dtype}")
-    qc = q.to(torch.float32).contiguous()  # (B, H, D)
-    tables = block_tables.to(torch.int64).contiguous()  # (B, T)
-    lens = seq_lens.to(torch.int64).contiguous()  # (B,)
+    Hkv = kv_cache.shape[2]
+    if kv_cache.dtype not in (torch.float32, torch.bfloat16) or not kv_cache.is_contiguous():
+        raise ValueError(f"paged_decode_attention reads a contiguous float32 or bfloat16 cache, not {kv_cache.dtype}")
+    qc = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()  # (B, H, D)
+    tables = block_tables if block_tables.dtype == torch.int64 else block_tables.long()  # (B, T)
+    lens = seq_lens if seq_lens.dtype == torch.int64 else seq_lens.long()  # (B,)
     out = torch.empty(B, H, D, dtype=torch.float32)  # (B, H, D)
     simd = int(_level(lib, isa_name) >= 1 and lib.lm_attn_isa())
-    lib.lm_paged_decode_attn(qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-                             tables.data_ptr(), tables.shape[1], lens.data_ptr(), B, H, Hkv, D, block_size, scale,
-                             window or 0, out.data_ptr(), simd, torch.get_num_threads())
+    ptrs = (None, None, None)
+    if new_kv is not None:
+        nk, nv, slots = (t.contiguous() for t in new_kv)
+        if nk.dtype != kv_cache.dtype or nv.dtype != kv_cache.dtype or slots.dtype != torch.int64:
+            raise ValueError("new_kv: k / v in the cache's dtype, slots int64")
+        ptrs = (nk.data_ptr(), nv.data_ptr(), slots.data_ptr())
+    k_ptr = kv_cache.data_ptr()
+    v_ptr = k_ptr + kv_cache[0].numel() * kv_cache.element_size()
+    lib.lm_paged_decode_attn(qc.data_ptr(), k_ptr, v_ptr, int(kv_cache.dtype == torch.bfloat16),
+                             tables.contiguous().data_ptr(), tables.shape[1], lens.contiguous().data_ptr(), B, H, Hkv,
+                             D, block_size, scale, window or 0, out.data_ptr(), simd, torch.get_num_threads(), *ptrs)
     return out

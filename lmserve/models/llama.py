@@ -39,7 +39,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (N, H*d), (N, Hkv*d), (N, Hkv*d)
+        qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) d)
+        q, k, v = self.qkv_proj.split(qkv)  # (N, H*d), (N, Hkv*d), (N, Hkv*d)
         q = q.view(n, self.h, self.d)  # (N, H, d)
         k = k.view(n, self.hkv, self.d)  # (N, Hkv, d)
         v = v.view(n, self.hkv, self.d)  # (N, Hkv, d)
@@ -48,8 +49,11 @@ class Attention(nn.Module):
         cos_sin = meta.memo(("rope", id(self.rotary)), lambda: self.rotary.lookup(positions))
         fused = dispatch.fused_ops(q)
         if fused is not None:  # in place on the q/k views of the qkv output
-            cos, sin = cos_sin[0].squeeze(1), cos_sin[1].squeeze(1)  # (N, d) each
-            q, k = fused.rotary_(q, cos, sin), fused.rotary_(k, cos, sin)
+            cos, sin = meta.memo(("rope2d", id(self.rotary)), lambda: (cos_sin[0].squeeze(1), cos_sin[1].squeeze(1)))
+            if self.q_norm is None:  # q and k heads side by side in qkv: one call rotates both
+                fused.rotary_(qkv[:, :(self.h + self.hkv) * self.d].view(n, self.h + self.hkv, self.d), cos, sin)
+            else:
+                q, k = fused.rotary_(q, cos, sin), fused.rotary_(k, cos, sin)
         else:
             q, k = self.rotary(positions, q, k, cos_sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)  # (N, H, d)

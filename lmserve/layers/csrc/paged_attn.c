@@ -97,10 +97,21 @@ int lm_attn_isa(void) {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-void lm_paged_decode_attn(const float *q, const void *k, const void *v, int kv_bf16, const int64_t *tables,
+/* Before attending, new_k / new_v [B, Hkv, D] (the cache's element type; NULL: none) are written at
+ * cache slots `slots` [B] (a slot < 0 is skipped): the store and the attention in one call. */
+void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const int64_t *tables,
                           int64_t T, const int64_t *lens, int64_t B, int H, int Hkv, int D, int64_t block_size,
-                          float scale, int64_t window, float *out, int use_simd, int nthreads) {
+                          float scale, int64_t window, float *out, int use_simd, int nthreads,
+                          const void *new_k, const void *new_v, const int64_t *slots) {
   const int G = H / Hkv;
+  if (new_k) {
+    const size_t row = (size_t)Hkv * (size_t)D * (kv_bf16 ? 2 : 4); /* bytes of one slot */
+    for (int64_t b = 0; b < B; b++) {
+      if (slots[b] < 0) continue;
+      memcpy((char *)k + slots[b] * row, (const char *)new_k + b * row, row);
+      memcpy((char *)v + slots[b] * row, (const char *)new_v + b * row, row);
+    }
+  }
   int64_t maxlen = 0;
   for (int64_t b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
 #pragma omp parallel num_threads(nthreads)
