@@ -26,6 +26,8 @@
 #define RB 4 /* weight rows per pass */
 #define INLINE static inline __attribute__((always_inline))
 
+static float dot_avx512(const float *a, const float *b, int64_t n); /* sum a[i] b[i], AVX-512 */
+
 /* -------------------------------------------------------------------------------- scalar reference */
 
 static void rows_scalar1(const float *x, int64_t m0, int64_t mc, int64_t K, const void *qv, int bits,
@@ -241,7 +243,8 @@ void lm_qgemm(const float *x, int64_t M, int64_t K, const void *q, int bits, int
           for (int r = 0; r < R; r++) {
             float v = acc[m * R + r];
             if (mins)
-              for (int64_t g = 0; g < G; g++) v += mins[(n + r) * G + g] * xsum[(m0 + m) * G + g];
+              if (isa == 2) v += dot_avx512(mins + (n + r) * G, xsum + (m0 + m) * G, G);
+              else for (int64_t g = 0; g < G; g++) v += mins[(n + r) * G + g] * xsum[(m0 + m) * G + g];
             y[(m0 + m) * N + n + r] = v;
           }
       }
@@ -293,7 +296,7 @@ static void quant_x(const float *x, int64_t M, int64_t K, int perm, int64_t grou
 
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 INLINE void rows_vnni(const int8_t *xq, const float *xd, int64_t m0, const int mc, const int R, int64_t K,
-                      const void *qv, int bits, int64_t n, const float *scales, int64_t G, int64_t group,
+                      const void *qv, const int bits, int64_t n, const float *scales, int64_t G, int64_t group,
                       __m512i xidx, __m512i widx, __mmask16 wmask, float *acc) {
   __m512 a[MV * RV];
   for (int i = 0; i < mc * R; i++) a[i] = _mm512_setzero_ps();
@@ -329,28 +332,46 @@ INLINE void rows_vnni(const int8_t *xq, const float *xd, int64_t m0, const int m
   for (int i = 0; i < mc * R; i++) acc[i] = _mm512_reduce_add_ps(a[i]);
 }
 
-#define VCASES(R)                                                                                    \
+#define VCASES(R, BITS)                                                                              \
   switch (mc) {                                                                                      \
-    case 4: rows_vnni(xq, xd, m0, 4, R, K, qv, bits, n, scales, G, group, xidx, widx, wmask, acc); break; \
-    case 3: rows_vnni(xq, xd, m0, 3, R, K, qv, bits, n, scales, G, group, xidx, widx, wmask, acc); break; \
-    case 2: rows_vnni(xq, xd, m0, 2, R, K, qv, bits, n, scales, G, group, xidx, widx, wmask, acc); break; \
-    default: rows_vnni(xq, xd, m0, 1, R, K, qv, bits, n, scales, G, group, xidx, widx, wmask, acc); break; \
+    case 4: rows_vnni(xq, xd, m0, 4, R, K, qv, BITS, n, scales, G, group, xidx, widx, wmask, acc); break; \
+    case 3: rows_vnni(xq, xd, m0, 3, R, K, qv, BITS, n, scales, G, group, xidx, widx, wmask, acc); break; \
+    case 2: rows_vnni(xq, xd, m0, 2, R, K, qv, BITS, n, scales, G, group, xidx, widx, wmask, acc); break; \
+    default: rows_vnni(xq, xd, m0, 1, R, K, qv, BITS, n, scales, G, group, xidx, widx, wmask, acc); break; \
   }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 static void block_vnni(const int8_t *xq, const float *xd, int64_t m0, int64_t mc, int R, int64_t K, const void *qv,
-                       int bits, int64_t n, const float *scales, int64_t G, int64_t group, float *acc) {
-  /* lane j of a chunk's sum covers positions 4j..4j+3: which x block (of the chunk's 2) and which weight
-   * group (of the chunk's 64 / group) that is */
-  int xi[16], wi[16];
+                       int bits, int64_t n, const float *scales, int64_t G, int64_t group, const int *xi,
+                       const int *wi, float *acc) {
+  const __m512i xidx = _mm512_loadu_si512((const void *)xi), widx = _mm512_loadu_si512((const void *)wi);
+  const __mmask16 wmask = group >= 64 ? 0x1 : (__mmask16)((1u << (64 / group)) - 1);
+  if (bits == 8) { /* fixed counts and width: the accumulators stay in registers, no branch inside */
+    if (R == RV) { VCASES(RV, 8) } else { VCASES(1, 8) }
+  } else {
+    if (R == RV) { VCASES(RV, 4) } else { VCASES(1, 4) }
+  }
+}
+
+/* lane j of a chunk's vpdpbusd sum covers chunk positions 4j..4j+3: the x block (of the chunk's 2) and
+ * the weight group (of the chunk's 64 / group) those are */
+static void lane_tables(int bits, int64_t group, int *xi, int *wi) {
   for (int j = 0; j < 16; j++) {
     const int col = bits == 8 ? 4 * j : ((4 * j) % 32) * 2 + (j >= 8); /* a column the lane covers */
     xi[j] = col / 32;
     wi[j] = group >= 64 ? 0 : col / (int)group;
   }
-  const __m512i xidx = _mm512_loadu_si512((const void *)xi), widx = _mm512_loadu_si512((const void *)wi);
-  const __mmask16 wmask = group >= 64 ? 0x1 : (__mmask16)((1u << (64 / group)) - 1);
-  if (R == RV) { VCASES(RV) } else { VCASES(1) }
+}
+
+/* sum_g a[g] * b[g]: the min term of one output */
+__attribute__((target("avx512f,fma")))
+static float dot_avx512(const float *a, const float *b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 16 <= n; g += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + g), _mm512_loadu_ps(b + g), acc);
+  const __mmask16 rest = (__mmask16)((1u << (n - g)) - 1);
+  acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(rest, a + g), _mm512_maskz_loadu_ps(rest, b + g), acc);
+  return _mm512_reduce_add_ps(acc);
 }
 
 int lm_has_vnni(void) {
@@ -368,6 +389,8 @@ void lm_qgemm_vnni(const float *x, int64_t M, int64_t K, const void *q, int bits
   float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32)));
   float *xsum = mins ? (float *)malloc(sizeof(float) * (size_t)(M * G)) : NULL;
   quant_x(x, M, K, bits == 4, group, xq, xd, xsum);
+  int xi[16], wi[16];
+  lane_tables(bits, group, xi, wi);
   const int64_t NB = (N + RV - 1) / RV;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t nb = 0; nb < NB; nb++) {
@@ -377,14 +400,10 @@ void lm_qgemm_vnni(const float *x, int64_t M, int64_t K, const void *q, int bits
       float acc[MV * RV];
       for (int64_t m0 = 0; m0 < M; m0 += MV) {
         const int64_t mc = M - m0 < MV ? M - m0 : MV;
-        block_vnni(xq, xd, m0, mc, R, K, q, bits, n, scales, G, group, acc);
+        block_vnni(xq, xd, m0, mc, R, K, q, bits, n, scales, G, group, xi, wi, acc);
         for (int64_t m = 0; m < mc; m++)
-          for (int r = 0; r < R; r++) {
-            float v = acc[m * R + r];
-            if (mins)
-              for (int64_t g = 0; g < G; g++) v += mins[(n + r) * G + g] * xsum[(m0 + m) * G + g];
-            y[(m0 + m) * N + n + r] = v;
-          }
+          for (int r = 0; r < R; r++)
+            y[(m0 + m) * N + n + r] = acc[m * R + r] + (mins ? dot_avx512(mins + (n + r) * G, xsum + (m0 + m) * G, G) : 0.f);
       }
     }
   }
