@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compile
 
 
 @pytest.mark.parametrize("idx", range(len(KERNEL_CASES)))
-@pytest.mark.parametrize("isa", ["avx512", "c"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "c"])
 def test_cpu_backend_matches_float64(idx, isa, monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("LMSERVE_ISA", isa)
     window = KERNEL_CASES[idx][4]
@@ -33,7 +33,9 @@ def test_cpu_backend_matches_float64(idx, isa, monkeypatch):  # type: ignore[no-
 
 
 @pytest.mark.parametrize("idx", [1, 3, 5])  # decode-only cases, one with a window
-def test_bf16_cache_is_read_in_place(idx):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "c"])
+def test_bf16_cache_is_read_in_place(idx, isa, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("LMSERVE_ISA", isa)
     window = KERNEL_CASES[idx][4]
     meta, cache, tables, q, k, v = case_inputs(idx, hkv=2, d=64, device="cpu", dtype=torch.bfloat16, seed=3)
     scale = 64 ** -0.5

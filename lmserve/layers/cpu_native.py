@@ -79,6 +79,7 @@ def _lib() -> ctypes.CDLL | None:
                                          p, p, p]
     lib.lm_paged_decode_attn.restype = None
     lib.lm_attn_isa.restype = i32
+    lib.lm_attn_avx512.restype = i32
     f32 = ctypes.c_float
     lib.lm_add_rmsnorm.argtypes = [p, i64, p, i64, p, f32, i64, i64, p, p, i32]
     lib.lm_silu_and_mul.argtypes = [p, i64, i64, p, i32]
@@ -178,10 +179,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if kv_cache.dtype not in (torch.float32, torch.bfloat16) or not kv_cache.is_contiguous():
         raise ValueError(f"paged_decode_attention reads a contiguous float32 or bfloat16 cache, not {kv_cache.dtype}")
     qc = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()  # (B, H, D)
-    tables = block_tables if block_tables.dtype == torch.int64 else block_tables.long()  # (B, T)
-    lens = seq_lens if seq_lens.dtype == torch.int64 else seq_lens.long()  # (B,)
+    tables = block_tables.long().contiguous()  # (B, T); no copies when already so
+    lens = seq_lens.long().contiguous()  # (B,)
     out = torch.empty(B, H, D, dtype=torch.float32)  # (B, H, D)
-    simd = int(_level(lib, isa_name) >= 1 and lib.lm_attn_isa())
+    level = _level(lib, isa_name)  # 2: AVX-512 (head dim a multiple of 16), 1: AVX2, 0: plain C
+    simd = 2 if level >= 2 and lib.lm_attn_avx512() else int(level >= 1 and lib.lm_attn_isa())
     ptrs = (None, None, None)
     if new_kv is not None:
         nk, nv, slots = (t.contiguous() for t in new_kv)
@@ -189,8 +191,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
             raise ValueError("new_kv: k / v in the cache's dtype, slots int64")
         ptrs = (nk.data_ptr(), nv.data_ptr(), slots.data_ptr())
     k_ptr = kv_cache.data_ptr()
-    v_ptr = k_ptr + kv_cache[0].numel() * kv_cache.element_size()
+    v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
     lib.lm_paged_decode_attn(qc.data_ptr(), k_ptr, v_ptr, int(kv_cache.dtype == torch.bfloat16),
-                             tables.contiguous().data_ptr(), tables.shape[1], lens.contiguous().data_ptr(), B, H, Hkv,
+                             tables.data_ptr(), tables.shape[1], lens.data_ptr(), B, H, Hkv,
                              D, block_size, scale, window or 0, out.data_ptr(), simd, torch.get_num_threads(), *ptrs)
     return out

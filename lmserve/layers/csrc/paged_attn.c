@@ -11,6 +11,7 @@
  * head of the group, a max-subtracted softmax, then the weighted sum of values; fp32 throughout.
  * Parallel over (sequence, kv head) pairs with OpenMP.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -92,6 +93,58 @@ static void attend_c(const float *q, const void *k, const void *v, int bf16, con
   }
 }
 
+/* AVX-512, head dim a multiple of 16 (up to 256): K / V rows read straight from the cache (bf16 widened
+ * in registers), the group's queries converted once, dots and value sums 16 lanes at a time. */
+#define MAXC 16 /* 16-lane chunks of a head: D up to 256 */
+__attribute__((target("avx512f,fma")))
+static inline __m512 load16(const void *base, int64_t off, int bf16) {
+  if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))), 16));
+  return _mm512_loadu_ps((const float *)base + off);
+}
+
+__attribute__((target("avx512f,fma")))
+static void attend_avx512(const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len,
+                          int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores,
+                          float *out) {
+  const int64_t n = len - first;
+  const int C = D / 16;
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
+    const int64_t row = (slot * Hkv + kvh) * D;
+    __m512 kc[MAXC];
+    for (int c = 0; c < C; c++) kc[c] = load16(k, row + 16 * c, bf16);
+    for (int g = 0; g < G; g++) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kc[0]);
+      for (int c = 1; c < C; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), kc[c], acc);
+      scores[g * n + j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < n; j++) mx = scores[g * n + j] > mx ? scores[g * n + j] : mx;
+    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < n; j++) scores[g * n + j] *= inv;
+    for (int i = 0; i < D; i++) out[g * D + i] = 0.f;
+  }
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
+    const int64_t row = (slot * Hkv + kvh) * D;
+    for (int c = 0; c < C; c++) {
+      const __m512 vc = load16(v, row + 16 * c, bf16);
+      for (int g = 0; g < G; g++) {
+        float *o = out + g * D + 16 * c;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j]), vc, _mm512_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+int lm_attn_avx512(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
 int lm_attn_isa(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -114,7 +167,7 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const i
   }
   int64_t maxlen = 0;
   for (int64_t b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B * Hkv > 1)
   {
     float *scores = (float *)malloc(sizeof(float) * (size_t)(G * (maxlen > 0 ? maxlen : 1)));
     float *row = (float *)malloc(sizeof(float) * (size_t)D);
@@ -127,7 +180,9 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const i
       const float *qg = q + (b * H + (int64_t)kvh * G) * D;
       float *og = out + (b * H + (int64_t)kvh * G) * D;
       if (len <= 0) { memset(og, 0, sizeof(float) * (size_t)(G * D)); continue; }
-      if (use_simd) attend_avx2(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, row, og);
+      if (use_simd == 2 && D % 16 == 0 && D <= 16 * MAXC)
+        attend_avx512(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, og);
+      else if (use_simd) attend_avx2(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, row, og);
       else attend_c(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, row, og);
     }
     free(scores);
