@@ -129,10 +129,12 @@ def fits(bits: int, in_features: int, group_size: int) -> bool:
 
 
 def vnni_fits(bits: int, in_features: int, group_size: int) -> bool:
-    """The VNNI path's shape rules: 64-column chunks, each holding whole groups or inside one."""
+    """The VNNI path's shape rules: 64-column chunks; groups of a power of two columns (each chunk holds
+    whole groups or lies inside one), or one group a row."""
     chunk = 16 if bits == 8 else 32
+    power_of_two = group_size & (group_size - 1) == 0
     return in_features % 64 == 0 and group_size % chunk == 0 and in_features % group_size == 0 \
-        and (64 % group_size == 0 or group_size % 64 == 0)
+        and (power_of_two or group_size == in_features)
 
 
 def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, mins: torch.Tensor | None,

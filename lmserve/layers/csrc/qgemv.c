@@ -301,7 +301,11 @@ INLINE void rows_vnni(const int8_t *xq, const float *xd, int64_t m0, const int m
   __m512 a[MV * RV];
   for (int i = 0; i < mc * R; i++) a[i] = _mm512_setzero_ps();
   const int64_t KB = K / 32;
+  /* the chunk's first group: k >> gshift (groups are powers of two), or 0 with one group a row; no
+   * integer division in the loop */
+  const int gshift = group >= K ? 62 : __builtin_ctzll((unsigned long long)group);
   for (int64_t k = 0; k < K; k += 64) {
+    const int64_t g0 = k >> gshift;
     __m512i w[RV];
     __mmask64 neg[RV];
     __m512 ws[RV];
@@ -317,7 +321,7 @@ INLINE void rows_vnni(const int8_t *xq, const float *xd, int64_t m0, const int m
                                   _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4), 1);
       }
       /* each lane's weight scale: the chunk's groups, spread by widx */
-      ws[r] = _mm512_permutexvar_ps(widx, _mm512_maskz_loadu_ps(wmask, scales + (n + r) * G + k / group));
+      ws[r] = _mm512_permutexvar_ps(widx, _mm512_maskz_loadu_ps(wmask, scales + (n + r) * G + g0));
     }
     for (int m = 0; m < mc; m++) {
       const __m512i xv = _mm512_loadu_si512((const void *)(xq + (m0 + m) * K + k));
