@@ -266,12 +266,16 @@ void lm_qgemm(const float *x, int64_t M, int64_t K, const void *q, int bits, int
  * and weight group given by the index tables below. */
 
 #define RV 4 /* weight rows per pass */
+#ifndef PF_ROWS
+#define PF_ROWS 8 /* software prefetch distance, in weight rows */
+#endif
 #define MV 4 /* x rows per pass */
 
 /* x [M, K] -> xq int8 [M, K] (int4: in the permuted order above), xd [M, K / 32] block scales, and
  * xsum [M, G]: sums of the dequantized x over each weight group (original order), for the min term. */
 static void quant_x(const float *x, int64_t M, int64_t K, int perm, int64_t group, int8_t *xq, float *xd, float *xsum) {
   const int64_t G = K / group;
+  const int gshift = group >= K ? 62 : __builtin_ctzll((unsigned long long)group); /* col -> group: a shift */
   for (int64_t m = 0; m < M; m++) {
     const float *xr = x + m * K;
     for (int64_t g = 0; xsum && g < G; g++) xsum[m * G + g] = 0.f;
@@ -288,7 +292,7 @@ static void quant_x(const float *x, int64_t M, int64_t K, int perm, int64_t grou
         int64_t pos = col;
         if (perm) { const int64_t c = col & ~63, i = col & 63; pos = c + (i & 1) * 32 + i / 2; }
         xq[m * K + pos] = (int8_t)qi;
-        if (xsum) xsum[m * G + col / group] += (float)qi * d;
+        if (xsum) xsum[m * G + (col >> gshift)] += (float)qi * d;
       }
     }
   }
@@ -309,6 +313,12 @@ INLINE void rows_vnni(const int8_t *xq, const float *xd, int64_t m0, const int m
     __m512i w[RV];
     __mmask64 neg[RV];
     __m512 ws[RV];
+    { /* the same bytes PF_ROWS rows on: requested now, in cache when that block comes */
+      const int64_t row_bytes = bits == 8 ? K : K / 2;
+      const char *ahead = (const char *)qv + (n + PF_ROWS) * row_bytes + (bits == 8 ? k : k / 2);
+      for (int r = 0; r < R; r++) _mm_prefetch(ahead + r * row_bytes, _MM_HINT_T0);
+      if (k == 0) for (int r = 0; r < R; r++) _mm_prefetch((const char *)(scales + (n + PF_ROWS + r) * G), _MM_HINT_T0);
+    }
     for (int r = 0; r < R; r++) {
       if (bits == 8) {
         __m512i v = _mm512_loadu_si512((const void *)((const int8_t *)qv + (n + r) * K + k));
