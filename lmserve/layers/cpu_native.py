@@ -76,7 +76,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_qgemm_vnni.restype = None
     lib.lm_has_vnni.restype = i32
     lib.lm_paged_decode_attn.argtypes = [p, p, p, i32, p, i64, p, i64, i32, i32, i32, i64, ctypes.c_float, i64, p, i32, i32,
-                                         p, p, p]
+                                         p, p, p, i64, i64]
     lib.lm_paged_decode_attn.restype = None
     lib.lm_attn_isa.restype = i32
     lib.lm_attn_avx512.restype = i32
@@ -196,5 +196,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
     lib.lm_paged_decode_attn(qc.data_ptr(), k_ptr, v_ptr, int(kv_cache.dtype == torch.bfloat16),
                              tables.data_ptr(), tables.shape[1], lens.data_ptr(), B, H, Hkv,
-                             D, block_size, scale, window or 0, out.data_ptr(), simd, torch.get_num_threads(), *ptrs)
+                             D, block_size, scale, window or 0, out.data_ptr(), simd, torch.get_num_threads(), *ptrs,
+                             H * D, Hkv * D)
     return out

@@ -58,3 +58,9 @@ def use_fused(on: bool | None) -> Iterator[None]:
     finally:
         _forced = before
 
+
+
+def cpu_fast_allowed() -> bool:
+    """The CPU fast paths built on the fused ops (models/cpu_decode.py) may run: not forced either way
+    (use_fused(False) asks for the torch reference, use_fused(True) for the Triton kernels)."""
+    return _forced is None

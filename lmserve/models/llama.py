@@ -18,6 +18,7 @@ from lmserve.layers import dispatch
 from lmserve.layers.linear import Linear, LinearBase, MergedLinear
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryEmbedding
+from lmserve.models.cpu_decode import CpuDecodePlan
 
 
 class Attention(nn.Module):
@@ -121,11 +122,21 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (N,) -> final hidden states (N, hidden)."""
         x = self.embed_tokens(input_ids)  # (N, hidden)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, cache, meta)
+        plan = self.cpu_plan() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if plan is not None and plan.applies(x, kv_caches, meta):  # a decode step on the CPU: our kernels in a row
+            x, residual = plan.run(x, positions, kv_caches, meta)
+        else:
+            residual = None
+            for layer, cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, positions, cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def cpu_plan(self) -> CpuDecodePlan | None:
+        """The CPU decode plan (models/cpu_decode.py), built on first use; None where it does not apply."""
+        if not hasattr(self, "_cpu_plan"):
+            self._cpu_plan = CpuDecodePlan.build(self)
+        return self._cpu_plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, hidden) -> (B, vocab) in float32: the LM head, or the tied embedding table (a quantized

@@ -151,18 +151,21 @@ int lm_attn_isa(void) {
 }
 
 /* Before attending, new_k / new_v [B, Hkv, D] (the cache's element type; NULL: none) are written at
- * cache slots `slots` [B] (a slot < 0 is skipped): the store and the attention in one call. */
+ * cache slots `slots` [B] (a slot < 0 is skipped): the store and the attention in one call. q_stride /
+ * new_stride: elements between sequences' rows of q and of new_k / new_v (views of one qkv buffer). */
 void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const int64_t *tables,
                           int64_t T, const int64_t *lens, int64_t B, int H, int Hkv, int D, int64_t block_size,
                           float scale, int64_t window, float *out, int use_simd, int nthreads,
-                          const void *new_k, const void *new_v, const int64_t *slots) {
+                          const void *new_k, const void *new_v, const int64_t *slots, int64_t q_stride,
+                          int64_t new_stride) {
   const int G = H / Hkv;
   if (new_k) {
     const size_t row = (size_t)Hkv * (size_t)D * (kv_bf16 ? 2 : 4); /* bytes of one slot */
     for (int64_t b = 0; b < B; b++) {
       if (slots[b] < 0) continue;
-      memcpy((char *)k + slots[b] * row, (const char *)new_k + b * row, row);
-      memcpy((char *)v + slots[b] * row, (const char *)new_v + b * row, row);
+      const size_t from = (size_t)(b * new_stride) * (kv_bf16 ? 2 : 4);
+      memcpy((char *)k + slots[b] * row, (const char *)new_k + from, row);
+      memcpy((char *)v + slots[b] * row, (const char *)new_v + from, row);
     }
   }
   int64_t maxlen = 0;
@@ -177,7 +180,7 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const i
       const int kvh = (int)(t % Hkv);
       const int64_t len = lens[b];
       const int64_t first = window > 0 && len > window ? len - window : 0;
-      const float *qg = q + (b * H + (int64_t)kvh * G) * D;
+      const float *qg = q + b * q_stride + (int64_t)kvh * G * D;
       float *og = out + (b * H + (int64_t)kvh * G) * D;
       if (len <= 0) { memset(og, 0, sizeof(float) * (size_t)(G * D)); continue; }
       if (use_simd == 2 && D % 16 == 0 && D <= 16 * MAXC)

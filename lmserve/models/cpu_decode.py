@@ -1,0 +1,136 @@
+"""The CPU decode plan: a Llama-family decode step (every sequence one new token) as a short run of
+calls into our C kernels, with the layers' pointers and the step's buffers prepared once.
+
+Why: at batch 1 on two cores the default model's weights stream in ~8 ms, and the Python around ~300
+module calls, dispatch checks and tensor allocations per step cost as much again. The plan runs
+exactly the kernels the module path runs on the CPU (layers/cpu_native.py: add + RMSNorm, the
+quantized GEMV, rotary, store + paged attention, SiLU-and-mul), in the same order, so its hidden
+states equal the module path's; tests/test_cpu_decode.py holds it to that. It is what CUDA graphs are
+for the GPU path: the same math with the host work taken out, and the module path stays the reference.
+
+It applies (`CpuDecodePlan.build` returns None otherwise) to float32 Llama / Mistral / Qwen2-shaped
+models without q/k norms or biases whose four linears per layer are quantized layers our CPU kernel
+takes (the default GGUF model under quantization=auto), with float32 caches, when the fused CPU ops
+are not switched off (layers/dispatch.use_fused(False) keeps the torch reference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lmserve.attention.backend import AttentionMetadata
+from lmserve.layers import cpu_native, dispatch
+from lmserve.layers.quant import GroupQuantLinear, Int8Linear
+
+
+class _Linear:
+    """One quantized linear as the kernel takes it: pointers and sizes read once."""
+
+    def __init__(self, layer: GroupQuantLinear) -> None:
+        self.layer = layer
+        self.n, self.k, self.bits, self.group = layer.out_features, layer.in_features, layer.bits, layer.group_size
+        self.scales = layer.scales.float().contiguous()  # (N, G) float32: kept alive here
+        self.mins = None if layer.mins is None else layer.mins.float().contiguous()
+        self.args = (layer.qweight.data_ptr(), self.bits, self.n, self.scales.data_ptr(),
+                     None if self.mins is None else self.mins.data_ptr(), self.group)
+
+    def __call__(self, lib: Any, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+        """y (B, N) = x (B, K) @ W.T, both float32 contiguous."""
+        q, bits, n, sc, mn, group = self.args
+        lib.lm_qgemm_vnni(x.data_ptr(), x.shape[0], self.k, q, bits, n, sc, mn, group, y.data_ptr(), threads)
+
+
+class CpuDecodePlan:
+    """See the module docstring. `run` takes the model's forward arguments for an all-decode step."""
+
+    def __init__(self, model: Any) -> None:
+        cfg = model.cfg
+        self.model, self.lib = model, cpu_native.lib()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
+        self.layers = []
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((layer.input_layernorm.weight, _Linear(a.qkv_proj), _Linear(a.o_proj),
+                                layer.post_attention_layernorm.weight, _Linear(m.gate_up_proj),
+                                _Linear(m.down_proj), a.scale, a.window or 0))
+        self.rotary = model.layers[0].self_attn.rotary
+        self.simd = 2 if self.lib.lm_attn_avx512() else int(self.lib.lm_attn_isa())
+        self.ptrs = tuple(t.data_ptr() for t in self._tensors())  # the weights the plan read
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for entry in self.layers for t in (entry[0], entry[1].layer.qweight, entry[3])]
+
+    @staticmethod
+    def build(model: Any) -> CpuDecodePlan | None:
+        """The plan for `model`, or None where it does not apply (then the module path runs)."""
+        cfg = getattr(model, "cfg", None)
+        if cfg is None or cfg.qk_norm or cfg.qkv_bias or not cpu_native.available() \
+                or cpu_native.isa() != "vnni" or model.norm.weight.dtype != torch.float32 \
+                or model.norm.weight.device.type != "cpu":
+            return None
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+                if not isinstance(lin, GroupQuantLinear) or not lin.cpu_kernel or lin.bias is not None \
+                        or (isinstance(lin, Int8Linear) and lin.outlier_cols is not None) \
+                        or not cpu_native.vnni_fits(lin.bits, lin.in_features, lin.group_size):
+                    return None
+        return CpuDecodePlan(model)
+
+    def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
+        """This step can run here: all decode, few enough rows, float32 caches, fused ops not off."""
+        return (dispatch.cpu_fast_allowed() and not meta.static_decode and x.shape[0] <= cpu_native.MAX_ROWS
+                and meta.memo("all_decode", lambda: max(meta.query_lens_host) == 1)
+                and all(isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in kv_caches[:1])
+                and self.ptrs == tuple(t.data_ptr() for t in self._tensors()))
+
+    @torch.inference_mode()
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the embedded tokens (B, hidden) float32 -> (hidden states before the final norm, residual)."""
+        lib, threads = self.lib, torch.get_num_threads()
+        b, hd, h, hkv, d = x.shape[0], self.hidden, self.h, self.hkv, self.d
+        width = (h + 2 * hkv) * d
+        x = x.contiguous()
+        res = torch.empty(b, hd)  # (B, hidden): the residual stream
+        hbuf = torch.empty(b, hd)  # (B, hidden): normed input of each block
+        qkv = torch.empty(b, width)  # (B, (H + 2 Hkv) d)
+        att = torch.empty(b, h * d)  # (B, H d)
+        tmp = torch.empty(b, hd)  # (B, hidden)
+        cos, sin = meta.memo(("rope2d", id(self.rotary)), lambda: tuple(
+            t.squeeze(1) for t in self.rotary.lookup(positions)))  # (B, d) each
+        cos, sin = cos.contiguous(), sin.contiguous()
+        tables = meta.block_tables.long().contiguous()  # (B, T)
+        lens = meta.seq_lens.long().contiguous()  # (B,)
+        slots = meta.slot_mapping.long().contiguous()  # (B,)
+        first = True
+        for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm, scale, window), cache in zip(self.layers, kv_caches):
+            if first:  # residual = x; h = norm(x)
+                lib.lm_add_rmsnorm(x.data_ptr(), hd, None, 0, w_in.data_ptr(), self.eps, b, hd, hbuf.data_ptr(),
+                                   None, threads)
+                res.copy_(x)
+                first = False
+            else:  # residual += x; h = norm(residual)
+                lib.lm_add_rmsnorm(x.data_ptr(), x.shape[1], res.data_ptr(), hd, w_in.data_ptr(), self.eps, b, hd,
+                                   hbuf.data_ptr(), res.data_ptr(), threads)
+            qkv_mm(lib, hbuf, qkv, threads)
+            lib.lm_rotary(qkv.data_ptr(), b, h + hkv, d, width, d, cos.data_ptr(), sin.data_ptr())  # q and k heads
+            k_cache = cache.data_ptr()
+            v_cache = k_cache + cache.stride(0) * cache.element_size()
+            new_k = qkv.data_ptr() + h * d * 4
+            lib.lm_paged_decode_attn(qkv.data_ptr(), k_cache, v_cache, 0, tables.data_ptr(), tables.shape[1],
+                                     lens.data_ptr(), b, h, hkv, d, meta.block_size, scale, window, att.data_ptr(),
+                                     self.simd, threads, new_k, new_k + hkv * d * 4, slots.data_ptr(), width, width)
+            o_mm(lib, att, tmp, threads)
+            lib.lm_add_rmsnorm(tmp.data_ptr(), hd, res.data_ptr(), hd, w_post.data_ptr(), self.eps, b, hd,
+                               hbuf.data_ptr(), res.data_ptr(), threads)
+            gate_up = torch.empty(b, gu_mm.n)  # (B, 2I)
+            gu_mm(lib, hbuf, gate_up, threads)
+            act = torch.empty(b, gu_mm.n // 2)  # (B, I)
+            lib.lm_silu_and_mul(gate_up.data_ptr(), b, gu_mm.n // 2, act.data_ptr(), threads)
+            x = torch.empty(b, hd)  # (B, hidden)
+            down_mm(lib, act, x, threads)
+        return x, res
