@@ -16,9 +16,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--model-shape", default=None,
                    help="random-weight model of a named real shape (e.g. qwen3-0.6b), instead of --model")
-    p.add_argument("--compare", action="append", choices=["hf", "naive"], default=[],
-                   help="also run a baseline in the same process (repeatable)")
+    p.add_argument("--compare", action="append", choices=["hf", "naive", "llamacpp"], default=[],
+                   help="also run a baseline in the same process (repeatable); llamacpp: llama-cpp-python "
+                        "(optional) on the same GGUF file")
     p.add_argument("--hf-batch-size", type=int, default=None, help="static batch size of the HF baseline")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for lmserve (torch.set_num_threads) and llama.cpp (default: torch's)")
     p.add_argument("--output-json", default=None, help="where to write all figures (default bench_out/...)")
     p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
     p.add_argument("--no-progress", action="store_true")
@@ -61,7 +64,34 @@ def _llm(a: argparse.Namespace):  # type: ignore[no-untyped-def]
     from lmserve import LLM
     if a.model_shape:
         a.model = f"shape:{a.model_shape}"
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
     return LLM(a.model, **engine_kwargs(a))
+
+
+def _llamacpp(a: argparse.Namespace) -> tuple[Any, Path] | None:
+    """--compare llamacpp: (llama_cpp, GGUF path), checked before our engine loads; a clear error if the
+    model is not a GGUF file or the optional package is missing."""
+    if "llamacpp" not in a.compare:
+        return None
+    from lmserve.bench.llamacpp import check
+    return check(f"shape:{a.model_shape}" if a.model_shape else a.model)
+
+
+def _threads(a: argparse.Namespace) -> int:
+    import torch
+    return a.threads or torch.get_num_threads()
+
+
+def _llamacpp_line(x: dict[str, Any], a: argparse.Namespace) -> str:
+    """The llama.cpp row's head; records in x which weight scheme our engine ran (llama.cpp always reads
+    the GGUF file's own blocks)."""
+    from lmserve.models.loader import resolve_quantization
+    ours = x["lmserve_quantization"] = resolve_quantization(a.quantization, "gguf", a.device)
+    q = a.quantization if a.quantization == ours else f"{a.quantization} (= {ours or 'float'})"
+    return (f"llama.cpp (llama-cpp-python {x['llama_cpp_version']}, {x['n_threads']} threads, the same GGUF on its "
+            f"own kernels; lmserve ran --quantization {q}; {x['note']})")
 
 
 def _out_path(a: argparse.Namespace, kind: str) -> Path:
@@ -76,6 +106,7 @@ def _hf_model(a: argparse.Namespace, llm):  # type: ignore[no-untyped-def]
 def cmd_throughput(a: argparse.Namespace) -> int:
     from lmserve.bench.common import PRESETS, random_workload, run_metadata, write_json
     from lmserve.bench.offline import run_throughput
+    lc = _llamacpp(a)
     llm = _llm(a)
     preset = dict(PRESETS[a.preset or ("gpu" if a.device.startswith("cuda") else "cpu")])
     if a.num_requests:
@@ -104,12 +135,19 @@ def cmd_throughput(a: argparse.Namespace) -> int:
         lines.append(f"HF transformers generate (static batches of {bsz}): {theirs:,.1f} output tok/s "
                      f"-> lmserve is {ours / theirs:.2f}x")
         del hf
+    if lc:
+        from lmserve.bench.llamacpp import throughput
+        x = res["baselines"]["llamacpp"] = throughput(*lc, reqs, a.temperature, _threads(a), a.seed,
+                                                      progress=not a.no_progress)
+        x["lmserve_speedup"] = ours / x["output_tokens_per_s"]
+        lines.append(f"{_llamacpp_line(x, a)}: {x['output_tokens_per_s']:,.1f} output tok/s, "
+                     f"{x['total_tokens_per_s']:,.1f} total tok/s -> lmserve is {x['lmserve_speedup']:.2f}x")
     res["meta"] = run_metadata(vars(a) | {"func": None})
     path = write_json(_out_path(a, "throughput"), res)
     if a.plot:
         from lmserve.bench.plots import bars
-        vals = {"lmserve": ours} | ({"HF generate": res["baselines"]["hf"]["output_tokens_per_s"]}
-                                   if "hf" in res["baselines"] else {})
+        vals = {"lmserve": ours} | {label: res["baselines"][k]["output_tokens_per_s"] for k, label in
+                                    (("hf", "HF generate"), ("llamacpp", "llama.cpp")) if k in res["baselines"]}
         bars(f"Output tokens/s ({a.model}, {a.device})", vals, "output tokens / s", path.with_suffix(".png"))
     print("\n".join(lines))
     print(f"[figures written to {path}]", file=sys.stderr)
@@ -119,6 +157,7 @@ def cmd_throughput(a: argparse.Namespace) -> int:
 def cmd_latency(a: argparse.Namespace) -> int:
     from lmserve.bench.common import run_metadata, write_json
     from lmserve.bench.offline import run_latency, run_naive_vs_cached
+    lc = _llamacpp(a)
     llm = _llm(a)
     peak = a.peak_bandwidth_tbs * 1e12 if a.peak_bandwidth_tbs else None
     res: dict[str, Any] = {"bench": "latency", "baselines": {}}
@@ -141,6 +180,18 @@ def cmd_latency(a: argparse.Namespace) -> int:
         lines.append(f"HF transformers generate: TTFT {h['ttft_s'] * 1e3:.1f} ms, TPOT {h['tpot_s'] * 1e3:.2f} ms, "
                      f"{h['tokens_per_s']:,.1f} tok/s -> lmserve is {r['tokens_per_s'] / h['tokens_per_s']:.2f}x")
         del hf
+    if lc:
+        from lmserve.bench.common import latency_prompts
+        from lmserve.bench.llamacpp import latency
+        rounds = latency_prompts(llm.engine.vocab_size, a.batch_size, a.input_len, a.repeats, a.seed)
+        x = res["baselines"]["llamacpp"] = latency(*lc, rounds, a.output_len, _threads(a), a.seed)
+        x["lmserve_speedup_tokens_per_s"] = r["tokens_per_s"] / x["tokens_per_s"]
+        lines.append(f"{_llamacpp_line(x, a)}: load {x['load_time_s']:.1f} s; TTFT p50 "
+                     f"{x['ttft_s'] * 1e3:.1f} ms, TPOT p50 {x['tpot_s'] * 1e3:.2f} ms "
+                     f"(p90 {x['tpot_percentiles_s']['p90'] * 1e3:.2f}, "
+                     f"p99 {x['tpot_percentiles_s']['p99'] * 1e3:.2f}), "
+                     f"{x['tokens_per_s']:,.1f} tok/s end to end, {x['decode_tokens_per_s']:,.1f} tok/s decode "
+                     f"-> lmserve is {x['lmserve_speedup_tokens_per_s']:.2f}x")
     if "naive" in a.compare:
         n = res["baselines"]["naive"] = run_naive_vs_cached(llm, a.naive_max_len)
         lines.append("time per token vs length (ms), naive | cached: " + ", ".join(
@@ -152,8 +203,9 @@ def cmd_latency(a: argparse.Namespace) -> int:
         from lmserve.bench.plots import bars, naive_curve
         if "naive" in res["baselines"]:
             naive_curve(res["baselines"]["naive"], path.with_name(path.stem + "-naive.png"))
-        vals = {"lmserve": r["tokens_per_s"]} | ({"HF generate": res["baselines"]["hf"]["tokens_per_s"]}
-                                                 if "hf" in res["baselines"] else {})
+        vals = {"lmserve": r["tokens_per_s"]} | {label: res["baselines"][k]["tokens_per_s"] for k, label in
+                                                 (("hf", "HF generate"), ("llamacpp", "llama.cpp"))
+                                                 if k in res["baselines"]}
         bars(f"Batch-{a.batch_size} tokens/s ({a.model}, {a.device})", vals, "tokens / s", path.with_suffix(".png"))
     print("\n".join(lines))
     print(f"[figures written to {path}]", file=sys.stderr)

@@ -40,6 +40,15 @@ def random_workload(num_requests: int, input_len: tuple[int, int], output_len: t
                     rng.randint(*output_len)) for _ in range(num_requests)]
 
 
+def latency_prompts(vocab_size: int, batch_size: int, input_len: int, repeats: int, seed: int = 0
+                    ) -> list[list[list[int]]]:
+    """The prompts of `bench latency`: repeats + 1 rounds (the first warms up) of batch_size fresh random
+    prompts of input_len token ids each; every engine compared gets these same ids."""
+    rng = random.Random(seed)
+    return [[[rng.randrange(10, vocab_size) for _ in range(input_len)] for _ in range(batch_size)]
+            for _ in range(repeats + 1)]
+
+
 def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
     """Nearest-rank-interpolated percentiles plus the mean."""
     if not values:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lmserve.bench.common import Request, percentiles, sync
+from lmserve.bench.common import Request, latency_prompts, percentiles, sync
 from lmserve.kv.cache import KVCache
 from lmserve.llm import LLM
 from lmserve.sequence import SamplingParams
@@ -67,8 +67,7 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int, repe
     achieved by decode steps ((weight bytes + KV bytes read) / step time) over `repeats` runs."""
     eng = llm.engine
     dev = eng.config.device
-    rng = random.Random(seed)
-    vocab = eng.vocab_size
+    prompts = latency_prompts(eng.vocab_size, batch_size, input_len, repeats, seed)
     kv_tok = KVCache.bytes_per_block(eng.model_config, 1, eng.config.torch_dtype, eng.config.kv_cache_dtype)  # one token
     wbytes = weight_bytes(eng.model)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -80,8 +79,8 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int, repe
     for rep in range(repeats + 1):  # the first run warms up and is not counted
         ids = [f"lat-{rep}-{i}-{time.time_ns()}" for i in range(batch_size)]
         start = time.perf_counter()
-        for rid in ids:
-            eng.add_request(rid, [rng.randrange(10, vocab) for _ in range(input_len)], params)
+        for rid, prompt in zip(ids, prompts[rep]):
+            eng.add_request(rid, prompt, params)
         first: dict[str, float] = {}
         done: dict[str, float] = {}
         while eng.has_unfinished_requests():
