@@ -88,7 +88,9 @@ def test_kernel_equals_the_float64_oracle(kind, isa, monkeypatch):  # type: igno
 @needs_lib
 @pytest.mark.parametrize("kind", ["int8_row", "int4_g32"])
 def test_layers_use_the_kernel_for_few_rows_and_the_reference_for_many(kind, monkeypatch):  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("LMSERVE_ISA", "avx2" if "avx2" in runnable() else "c")  # float x: equal to the reference
+    if "avx2" not in runnable():
+        pytest.skip("the layers take the kernel on SIMD paths only")
+    monkeypatch.setenv("LMSERVE_ISA", "avx2")  # float x: equal to the reference
     torch.manual_seed(0)
     w = torch.randn(64, 128)
     layer = LAYERS[kind](w)
@@ -106,14 +108,19 @@ def test_layers_use_the_kernel_for_few_rows_and_the_reference_for_many(kind, mon
 
 @needs_lib
 def test_int8_outlier_columns_are_added_back_on_the_kernel_path(monkeypatch):  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("LMSERVE_ISA", "c")
+    if "avx2" not in runnable():
+        pytest.skip("the layers take the kernel on SIMD paths only")
+    monkeypatch.setenv("LMSERVE_ISA", "avx2")
+    calls: list[int] = []
+    real = cpu_native.qgemm
+    monkeypatch.setattr(cpu_native, "qgemm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     w = torch.randn(32, 64)
     w[:, [3, 40]] *= 50  # two outlier columns kept in float
     layer = Int8Linear.from_float(w, outlier_cols=torch.tensor([3, 40]))
     x = torch.randn(3, 64)
     ref = layer(x)  # the reference path (dequantize restores the float columns)
     layer.cpu_kernel = True
-    assert torch.allclose(layer(x), ref, atol=1e-4)
+    assert torch.allclose(layer(x), ref, atol=1e-4) and calls == [3]
     assert torch.allclose(ref, x @ w.T, rtol=0, atol=0.05 * (x @ w.T).abs().max())
 
 
@@ -126,6 +133,14 @@ def test_shape_rules():
 
 def test_auto_keeps_a_gguf_quantized_on_the_cpu_only():
     from lmserve.models.loader import resolve_quantization
-    assert resolve_quantization("auto", "gguf", "cpu") == ("gguf" if cpu_native.available() else None)
+    assert resolve_quantization("auto", "gguf", "cpu") == ("gguf" if cpu_native.fast() else None)
     assert resolve_quantization("auto", "hf", "cpu") is None and resolve_quantization("auto", "gguf", "cuda") is None
     assert resolve_quantization("none", "gguf", "cpu") is None and resolve_quantization("int8", "hf", "cpu") == "int8"
+
+
+def test_plain_c_is_never_the_layers_path(monkeypatch):  # type: ignore[no-untyped-def]
+    """Plain C is slower than dequantize + matmul: capped to it, the layers take the reference."""
+    monkeypatch.setenv("LMSERVE_ISA", "c")
+    layer = LAYERS["int4_g32"](torch.randn(64, 128))
+    layer.cpu_kernel = True
+    assert not cpu_native.fast() and not layer.native_fits()

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "paged_attn.c", "fused.c")]
 MAX_ROWS = 16  # up to this many rows of x the kernel beats dequantize + matmul (measured: docs/architecture.md)
 ISA_NAMES = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}  # vnni: AVX-512 VNNI with int8 activations
+_LEVEL_NAMES = {v: k for k, v in ISA_NAMES.items()}
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
 
 
@@ -107,6 +108,12 @@ def available() -> bool:
     return _lib() is not None
 
 
+def fast() -> bool:
+    """The library is built and has a SIMD path here (plain C is slower than dequantize + matmul:
+    230 ms against 30 ms for the default model's stack at one thread, BENCHMARKS.md)."""
+    return available() and isa() != "c"
+
+
 def lib() -> ctypes.CDLL:
     """The built library (callers check available() first)."""
     built = _lib()
@@ -115,11 +122,9 @@ def lib() -> ctypes.CDLL:
 
 
 def isa() -> str:
-    """The code path the kernels take on this CPU: avx512, avx2 or c."""
+    """The code path the kernels take on this CPU: vnni, avx512, avx2 or c ('none': not built)."""
     lib = _lib()
-    if lib is None:
-        return "none"
-    return {v: k for k, v in ISA_NAMES.items()}[_level(lib, None)]
+    return "none" if lib is None else _LEVEL_NAMES[_level(lib, None)]
 
 
 def fits(bits: int, in_features: int, group_size: int) -> bool:

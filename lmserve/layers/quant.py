@@ -239,8 +239,8 @@ class GroupQuantLinear(LinearBase):
         return dequant_matmul(x, self)
 
     def native_fits(self) -> bool:
-        """Our CPU kernel is built and takes this layer's shape."""
-        return cpu_native.available() and cpu_native.fits(self.bits, self.in_features, self.group_size)
+        """Our CPU kernel is built, has a SIMD path on this CPU, and takes this layer's shape."""
+        return cpu_native.fast() and cpu_native.fits(self.bits, self.in_features, self.group_size)
 
     def native_matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out) with our CPU kernel
         return cpu_native.qgemm(x, self.qweight, self.bits, self.scales, self.mins, self.group_size).to(x.dtype)
