@@ -154,7 +154,12 @@ class EngineConfig:
     # weights: auto (a GGUF on the CPU keeps its blocks, as llama.cpp runs it: gguf; else the checkpoint's
     # own) | none / None (the checkpoint's float; an AWQ folder stays AWQ) | int8 | int4 | awq | gguf | fp8
     quantization: str | None = "auto"
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: quantized KV, scales per token and head
+    # int8 / int4 quantized at load: a scale per group of this many input columns (halved, down to 32, until
+    # it divides a layer's width; else one per row). None: int8 one scale per output row, int4 128. On
+    # SmolLM2-135M int8 per row costs +2.0% perplexity, per group of 64 -0.7% (+5% weight bytes)
+    quantization_group_size: int | None = None
+    # auto (the model dtype) | int8 | fp8: quantized KV, a scale per token, head and 32 channels
+    kv_cache_dtype: str = "auto"
     # speculative decoding
     speculative_method: str | None = None  # None | "ngram" | "draft"
     num_speculative_tokens: int = 3
@@ -195,6 +200,9 @@ class EngineConfig:
         resolve_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")
+        if self.quantization_group_size is not None and self.quantization_group_size < 1:
+            raise ValueError(f"quantization_group_size must be a positive number of columns, "
+                             f"got {self.quantization_group_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 

@@ -2,8 +2,9 @@
 
 All figures are lower bounds from first principles:
   KV bytes / token   = 2 (K and V) x layers x kv_heads x head_dim x kv_bytes    (MLA: layers x (latent + rope) x kv_bytes)
-                       + with a quantized KV dtype (int8, fp8, int4): a float32 scale per token, head and K/V
-                       (2 x layers x kv_heads x 4; MLA: layers x 4), as lmserve's kv_cache_dtype int8 / fp8 stores them
+                       + with a quantized KV dtype (int8, fp8, int4): a float32 scale per token, head, 32 channels
+                       and K/V (2 x layers x kv_heads x head_dim / 32 x 4, one per head when head_dim is not a
+                       multiple of 32; MLA: layers x 4), as lmserve's kv_cache_dtype int8 / fp8 stores them
   decode step time  >= max(bytes moved / bandwidth, FLOPs / peak)
                        bytes = weight bytes + batch x context x KV bytes/token; FLOPs = 2 x params x batch + attention
   ridge point        = peak FLOP/s / bandwidth  (a kernel below it is memory-bound)
@@ -20,7 +21,8 @@ from typing import Any
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "fp8": 1, "int8": 1, "int4": 0.5}
-KV_SCALE_BYTES = 4  # a quantized KV cache's float32 scale per token, head and K/V (absmax per row)
+KV_SCALE_BYTES = 4  # a quantized KV cache's float32 scale per token, head, group of channels and K/V (absmax)
+KV_SCALE_GROUP = 32  # channels per scale (lmserve.kv.cache.KV_GROUP)
 
 # name -> (memory GB, bandwidth TB/s, dense bf16 TFLOP/s), vendor spec-sheet figures;
 # "cpu" is this project's 2-core CI machine as measured (fp32 matmul, memcpy).
@@ -70,8 +72,12 @@ class PlanModel:
 
     @property
     def kv_scales_per_token(self) -> int:
-        """Scales a quantized cache keeps per token: one per K/V row (head) of each layer."""
-        return self.layers if self.mla_latent is not None else 2 * self.layers * self.kv_heads
+        """Scales a quantized cache keeps per token: one per KV_SCALE_GROUP channels of each K/V row
+        (head) of each layer, one per row when head_dim is not a multiple of it."""
+        if self.mla_latent is not None:
+            return self.layers
+        groups = self.head_dim // KV_SCALE_GROUP if self.head_dim % KV_SCALE_GROUP == 0 else 1
+        return 2 * self.layers * self.kv_heads * groups
 
     @property
     def mha_kv_elems_per_token(self) -> int:

@@ -5,7 +5,7 @@ down explicitly (no global context). Tokens are flattened: the batch is `[num_to
 `query_start_loc` marks where each sequence's new tokens begin. A sequence's keys live in the paged
 cache at the slots its block table names; the new tokens' K/V are written at `slot_mapping` first,
 so attention always reads the whole context from the cache. With kv_cache_dtype int8 / fp8 a layer's
-cache is a `lmserve.kv.cache.QuantizedKV` (elements + a float32 scale per slot and head): the store
+cache is a `lmserve.kv.cache.QuantizedKV` (elements + a float32 scale per slot, head and 32 channels): the store
 quantizes, every reader dequantizes (see the backends).
 """
 

@@ -3,7 +3,7 @@
 Runs on any device and is the oracle every fast kernel is tested against. Decodes (one new token)
 are batched into one padded SDPA call; prefill chunks run one sequence at a time, each attending
 causally over its cached prefix plus its own new tokens. A quantized cache (QuantizedKV: int8 / fp8
-elements and a scale per slot and head) is written quantized and read by gathering the elements and
+elements and a scale per slot, head and group of channels) is written quantized and read by gathering the elements and
 scales of the needed slots, then dequantizing them to the model dtype.
 """
 

@@ -7,9 +7,10 @@ Layouts (as in the reference): q (N, H, d); k/v cache (num_slots, Hkv, d) with s
 offset; block_tables (B, M); query_start_loc (B+1,); seq_lens (B,) = context length after the step.
 
 Quantized cache (kv_cache_dtype int8 / fp8, a QuantizedKV): `store_kv_quant` quantizes each new
-token's heads (absmax per head, the same float32 arithmetic as the torch reference, so the bytes
-match), and the prefill and decode kernels load the elements with their per-slot scales and
-dequantize in registers (QUANT), before the dots.
+token's heads (absmax per group of GROUP channels of a head, kv/cache.kv_group_size; the same float32
+arithmetic as the torch reference, so the bytes match), and the prefill and decode kernels load the
+elements with their scales (one per slot, head and group) and dequantize in registers (QUANT),
+before the dots.
 
 GQA: a program owns one KV head and all G = H / Hkv query heads that read it, so each K/V tile is
 loaded once per query group: the query tile is BLOCK_M tokens x G heads, flattened into rows.
@@ -90,17 +91,19 @@ def _quantize_rows(x, QMAX: tl.constexpr, FP8: tl.constexpr):
 
 @triton.jit(do_not_specialize=["slot_ptr"])
 def _store_kv_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, row_stride, cache_stride,
-                           scale_stride, HKV: tl.constexpr, D: tl.constexpr, HKV_P2: tl.constexpr,
-                           BLOCK_D: tl.constexpr, QMAX: tl.constexpr, FP8: tl.constexpr):
-    """One program per new token: quantize its K and V (Hkv, d), absmax per head, and write elements
-    and scales at its slot. Slot -1 (a padding row of a CUDA-graph batch): nothing is written."""
+                           scale_stride, ROWS: tl.constexpr, GROUP: tl.constexpr, ROWS_P2: tl.constexpr,
+                           BLOCK_G: tl.constexpr, QMAX: tl.constexpr, FP8: tl.constexpr):
+    """One program per new token: quantize its K and V (Hkv, d) as ROWS = Hkv * d / GROUP rows of GROUP
+    channels (head-major, as they lie in memory), absmax per row, and write elements and scales (one
+    per row, in the same order) at its slot. Slot -1 (a padding row of a CUDA-graph batch): nothing
+    is written."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
-    hh = tl.arange(0, HKV_P2)
-    dd = tl.arange(0, BLOCK_D)
-    h_ok = hh < HKV
-    m = h_ok[:, None] & (dd < D)[None, :]
-    offs = hh[:, None] * D + dd[None, :]  # (HKV_P2, BLOCK_D)
+    hh = tl.arange(0, ROWS_P2)
+    dd = tl.arange(0, BLOCK_G)
+    h_ok = hh < ROWS
+    m = h_ok[:, None] & (dd < GROUP)[None, :]
+    offs = hh[:, None] * GROUP + dd[None, :]  # (ROWS_P2, BLOCK_G)
     if slot >= 0:
         k, ks = _quantize_rows(tl.load(k_ptr + t * row_stride + offs, mask=m, other=0.0).to(tl.float32), QMAX, FP8)
         v, vs = _quantize_rows(tl.load(v_ptr + t * row_stride + offs, mask=m, other=0.0).to(tl.float32), QMAX, FP8)
@@ -113,25 +116,27 @@ def _store_kv_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_pt
 def store_kv_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v: (N, Hkv, d) contiguous; caches: (S, Hkv, d) int8 / float8_e4m3fn, contiguous per slot;
-    scales: (S, Hkv) float32, contiguous per slot."""
+    scales: (S, Hkv, G) float32, contiguous per slot: one per d / G channels."""
     n, hkv, d = k.shape
     if n == 0:
         return
     fp8 = k_cache.dtype != torch.int8
+    rows, group = hkv * k_scale.shape[-1], d // k_scale.shape[-1]  # a scale per (head, group of channels)
     _store_kv_quant_kernel[(n,)](k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, hkv * d,
-                                 k_cache.stride(0), k_scale.stride(0), HKV=hkv, D=d,
-                                 HKV_P2=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+                                 k_cache.stride(0), k_scale.stride(0), ROWS=rows, GROUP=group,
+                                 ROWS_P2=triton.next_power_of_2(rows), BLOCK_G=triton.next_power_of_2(group),
                                  QMAX=448.0 if fp8 else 127.0, FP8=fp8)
 
 
 @triton.jit
 def _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row_ptr, j, end_page, lo_key, ctx, kvh, stride_cs, stride_ch,
-                   stride_ss, dd, d_ok, BS: tl.constexpr, PAGES: tl.constexpr, QUANT: tl.constexpr):
+                   stride_ss, dd, d_ok, BS: tl.constexpr, PAGES: tl.constexpr, QUANT: tl.constexpr,
+                   GROUP: tl.constexpr, NGROUPS: tl.constexpr):
     """Pages [j, j + PAGES) of one sequence (those below end_page), KV head kvh: K and V (T, BLOCK_D)
     with T = PAGES * BS, their key positions (T,), and which keys are real (inside [lo_key, ctx)).
     Each key's block id is gathered from the block table row, so a tile spans several pages.
-    QUANT: the elements are int8 / fp8 with a float32 scale per (slot, head) (scale rows stride_ss
-    apart, heads adjacent): K and V come back dequantized, in float32."""
+    QUANT: the elements are int8 / fp8 with a float32 scale per (slot, head, group of GROUP channels)
+    (scale rows stride_ss apart, then NGROUPS per head): K and V come back dequantized, in float32."""
     kk = tl.arange(0, PAGES * BS)
     page = j + kk // BS  # (T,)
     page_ok = page < end_page
@@ -143,10 +148,11 @@ def _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row_ptr, j, end_page, lo_k
     k = tl.load(kc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :], mask=mask, other=0.0)
     v = tl.load(vc_ptr + slots[:, None] * stride_cs + kvh * stride_ch + dd[None, :], mask=mask, other=0.0)
     if QUANT:
-        ks = tl.load(ks_ptr + slots * stride_ss + kvh, mask=kv_ok, other=0.0)  # (T,)
-        vs = tl.load(vs_ptr + slots * stride_ss + kvh, mask=kv_ok, other=0.0)
-        k = k.to(tl.float32) * ks[:, None]
-        v = v.to(tl.float32) * vs[:, None]
+        sc = slots[:, None] * stride_ss + kvh * NGROUPS + (dd // GROUP)[None, :]  # (T, BLOCK_D): each channel's scale
+        ks = tl.load(ks_ptr + sc, mask=mask, other=0.0)
+        vs = tl.load(vs_ptr + sc, mask=mask, other=0.0)
+        k = k.to(tl.float32) * ks
+        v = v.to(tl.float32) * vs
     return k, v, k_pos, kv_ok
 
 
@@ -156,7 +162,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, o_ptr, bt_ptr, qsl_pt
                     stride_qn, stride_qh, stride_cs, stride_ch, stride_ss, stride_btb,
                     G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, NGROUPS: tl.constexpr):
     """Causal attention of BLOCK_M new tokens (x G heads) over the sequence's whole paged context,
     PAGES pages (PAGES * BS keys) per iteration. DOT_PRECISION: tl.dot's input_precision, which
     matters for float32 inputs only ("tf32" rounds them to 10 mantissa bits, "ieee" does not)."""
@@ -193,7 +199,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, o_ptr, bt_ptr, qsl_pt
     for j in range(n_lo, n_hi, PAGES):  # PAGES pages per iteration; keys below lo are outside every row's window
         k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_btb, j, n_hi, lo,
                                             ctx, kvh, stride_cs, stride_ch, stride_ss, dd, d_ok, BS, PAGES,
-                                            QUANT)  # (T, BLOCK_D) x2, (T,) x2
+                                            QUANT, GROUP, NGROUPS)  # (T, BLOCK_D) x2, (T,) x2
         k, v = k.to(q.dtype), v.to(q.dtype)  # dequantized tiles to the model dtype (else no-ops)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # (R, T)
         ok = (k_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
@@ -219,7 +225,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, op_ptr, lse_ptr, bt_pt
                    stride_qn, stride_qh, stride_cs, stride_ch, stride_ss, stride_btb,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr):
+                   BS: tl.constexpr, PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr,
+                   GROUP: tl.constexpr, NGROUPS: tl.constexpr):
     """One decode query (x G heads) over one split of its pages, PAGES pages per iteration; writes a
     partial output and its LSE.
 
@@ -255,7 +262,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, op_ptr, lse_ptr, bt_pt
     for j in range(p_start, p_end, PAGES):  # PAGES pages per iteration
         k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_btb, j, p_end,
                                             lo_key, ctx, kvh, stride_cs, stride_ch, stride_ss, dd, d_ok, BS, PAGES,
-                                            QUANT)
+                                            QUANT, GROUP, NGROUPS)
         k, v = k.to(tl.float32), v.to(tl.float32)  # (T, BLOCK_D) each
         s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, T)
         s = tl.where(kv_ok[None, :], s, float("-inf"))
@@ -352,7 +359,7 @@ class TritonAttention:
         quant = isinstance(kv_cache, QuantizedKV)
         if quant:
             k_cache, v_cache = kv_cache.data[0], kv_cache.data[1]
-            k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]  # (S, Hkv) each
+            k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]  # (S, Hkv, G) each
             store_kv_quant(k.contiguous(), v.contiguous(), k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
         else:
             k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -367,7 +374,9 @@ class TritonAttention:
         plan = meta.memo(("triton_plan", hkv, g), lambda: self._plan(meta, hkv, g))
         bt = meta.block_tables
         g_p2, bs = triton.next_power_of_2(g), meta.block_size
-        common = dict(G=g, G_P2=g_p2, D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs, HAS_WINDOW=window is not None)
+        ng = k_scale.shape[-1] if quant else 1  # scales per head (groups of d / ng channels)
+        common = dict(G=g, G_P2=g_p2, D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs, HAS_WINDOW=window is not None,
+                      GROUP=d // ng, NGROUPS=ng)
         win = window or 0
         if plan["work_seq"] is not None:
             work_seq, work_q = plan["work_seq"], plan["work_q"]

@@ -83,6 +83,9 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     ref_kw = {**kw, "quantization": None if a.reference_quantization == "none" else a.reference_quantization,
               "kv_cache_dtype": a.reference_kv_cache_dtype, "dtype": a.reference_dtype or kw["dtype"]}
     ref_model = a.reference_model or a.model
+    from lmserve.models.loader import resolve_model, resolve_quantization
+    for m, k in ((a.model, kw), (ref_model, ref_kw)):  # `auto` as it resolves for that model: labels, sameness
+        k["quantization"] = resolve_quantization(k["quantization"], resolve_model(m).kind, k["device"])
     t0 = time.perf_counter()
     ref = LLM(ref_model, **ref_kw)
     same = ref_model == a.model and ref_kw == kw

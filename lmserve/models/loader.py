@@ -366,12 +366,13 @@ def load_model(config: EngineConfig, num_layers: int | None = None
 
 def resolve_quantization(asked: str | None, kind: str, device: str) -> str | None:
     """The weight scheme a load uses: `auto` keeps a GGUF file's blocks on the CPU when our CPU kernels
-    build (what llama.cpp does with the file: 4-8 bits read per weight instead of 32), and the
+    build with a SIMD path (what llama.cpp does with the file: 4-8 bits read per weight instead of 32;
+    measured faster than fp32 on the VNNI, AVX-512 and AVX2 paths, BENCHMARKS.md), and the
     checkpoint's float otherwise; `none` is None (the checkpoint's float)."""
     if asked == "auto":
         from lmserve.layers import cpu_native
         on_cpu = not str(device).startswith("cuda")
-        return "gguf" if kind == "gguf" and on_cpu and cpu_native.available() else None
+        return "gguf" if kind == "gguf" and on_cpu and cpu_native.fast() else None
     return None if asked == "none" else asked
 
 
@@ -391,7 +392,7 @@ def _quantize(model: nn.Module, cfg: ModelConfig, config: EngineConfig, src: Mod
         raise ValueError(f"quantization={scheme!r} needs {'an AutoAWQ HF folder' if scheme == 'awq' else 'a .gguf file'}")
     native = gguf_layers(model, g) if scheme == "gguf" else frozenset()
     if scheme in SCHEMES:
-        quantize_model(model, scheme, copy=False)
+        quantize_model(model, scheme, config.quantization_group_size, copy=False)
     if g is not None:
         return g.weights(cfg, native)
     return random_weights(cfg, config.seed) if src.kind == "shape" else hf_weights(src.path)

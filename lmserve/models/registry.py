@@ -66,11 +66,15 @@ def default_group_size(in_features: int, preferred: int = 128) -> int:
 
 def make_quantized(scheme: str, in_features: int, sizes: int | Sequence[int], bias: bool = False,
                    group_size: int | None = None, outlier_cols: torch.Tensor | None = None) -> LinearBase:
-    """An empty layer of `scheme` (int8, int4, fp8) with this shape; load() fills it."""
+    """An empty layer of `scheme` (int8, int4, fp8) with this shape; load() fills it. group_size: int8 /
+    int4 scales per group of that many input columns, halved (down to 32) until it divides in_features
+    (default_group_size), so that one value serves every layer; None: int8 one scale per output row
+    (symmetric per channel), int4 groups of 128; -1: one group per row."""
     if scheme == "int8":
-        return Int8Linear(in_features, sizes, bias, group_size, outlier_cols=outlier_cols)
+        group = None if group_size in (None, -1) else default_group_size(in_features, group_size)
+        return Int8Linear(in_features, sizes, bias, group, outlier_cols=outlier_cols)
     if scheme == "int4":
-        group = in_features if group_size == -1 else group_size or default_group_size(in_features)  # -1: per row
+        group = in_features if group_size == -1 else default_group_size(in_features, group_size or 128)
         return Int4Linear(in_features, sizes, bias, group)
     if scheme == "fp8":
         return Fp8Linear(in_features, sizes, bias)
@@ -82,7 +86,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
                    act_absmax: dict[str, torch.Tensor] | None = None, threshold: float = 6.0,
                    copy: bool = True) -> nn.Module:
     """Swap every float Linear of `model` for a `scheme` layer of the same shape, in place; the LM head
-    (`lm_head`, or a tied `embed_tokens` table) gets `head` instead (None: it stays float).
+    (`lm_head`, or a tied `embed_tokens` table) gets `head` instead (None: it stays float). group_size
+    (make_quantized) applies to every layer of `scheme`, the head included when it has the same scheme.
 
     act_absmax (int8): per-linear max |input| per column (`input_absmax`); columns above `threshold`
     stay float. copy: quantize the weights the float layers hold; False: leave the new layers empty,
@@ -103,7 +108,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
         setattr(model.get_submodule(parent), leaf, layer.to(m.weight.device, m.weight.dtype))
     emb = getattr(model, "embed_tokens", None)
     if head is not None and getattr(model, "lm_head", 0) is None and isinstance(emb, nn.Embedding):
-        table = make_quantized(head, emb.embedding_dim, [emb.num_embeddings])
+        group = group_size if head == scheme else None
+        table = make_quantized(head, emb.embedding_dim, [emb.num_embeddings], group_size=group)
         if copy:
             table.load(emb.weight.detach().float().cpu())
         model.embed_tokens = QuantEmbedding(table.to(emb.weight.device, emb.weight.dtype))
