@@ -13,8 +13,12 @@ LC=()
 # batch 1, prompt 128 + 128: default, float reference, HF, llama.cpp
 $B bench latency --batch-size 1 --input-len 128 --output-len 128 --repeats 2 --compare hf "${LC[@]}" \
   --no-progress --output-json "$out/latency-b1.json"
-$B bench latency --batch-size 1 --input-len 128 --output-len 128 --repeats 2 --quantization none \
-  --attention-backend torch --no-progress --output-json "$out/latency-b1-float.json"
+for dt in float32 bfloat16; do  # the float weights (the dtype policy's inputs)
+  $B bench latency --batch-size 1 --input-len 128 --output-len 128 --repeats 2 --quantization none --dtype $dt \
+    --no-progress --output-json "$out/latency-b1-none-$dt.json"
+done
+LMSERVE_ISA=avx512 $B bench latency --batch-size 1 --input-len 128 --output-len 128 --repeats 2 \
+  --no-progress --output-json "$out/latency-b1-avx512.json"  # our kernels with float x (no VNNI)
 # TTFT of a 1,024-token prompt
 $B bench latency --batch-size 1 --input-len 1024 --output-len 8 --repeats 1 --compare hf "${LC[@]}" \
   --no-progress --output-json "$out/latency-ttft1024.json"
@@ -23,6 +27,8 @@ for b in 1 2 4 5 8 16; do
   $B bench latency --batch-size $b --input-len 64 --output-len 32 --repeats 1 --no-progress \
     --output-json "$out/rows-$b.json"
 done
+# cold start: process start to first token
+/usr/bin/time -f "cold start %e s" $B generate "Hi" --max-tokens 1 > /dev/null
 # 32 ragged requests (the CPU preset)
 $B bench throughput --preset cpu --compare hf --hf-batch-size 8 "${LC[@]}" --no-progress \
   --output-json "$out/throughput.json"
