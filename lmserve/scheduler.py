@@ -59,6 +59,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the tail is preempted first
         self.stats = SchedulerStats()
+        # copy-on-write sources of the step being run, held until its copies are done: a victim
+        # preempted later in the same schedule() must not free (and the pool hand out) a source
+        self._pinned: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -93,7 +96,8 @@ class Scheduler:
                 scheduled[seq] = n
                 copies[seq] = cow
                 budget -= n
-
+                if cow:
+                    self._pinned += self.bm.fork([src for src, _ in cow])
         while self.waiting and budget > 0 and not preempted:
             gang = self._family(self.waiting[0], self.waiting)
             if len(self.running) + len(gang) > self.max_num_seqs:
@@ -162,7 +166,17 @@ class Scheduler:
         return end - computed
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
-        """Insert a forked child right after its parent (it already holds its blocks)."""
+        """Insert a forked child right after its parent (it already holds its blocks); an n / best_of
+        child with max_num_seqs already running waits at the front instead, its blocks let go
+        (recomputed, or found again in the prefix cache, when it is admitted). A beam clone always
+        runs: the beam step prunes as many beams as it clones before the next schedule()."""
+        if len(self.running) >= self.max_num_seqs and not seq.params.use_beam_search:
+            self.bm.free(seq.block_table)
+            seq.block_table.clear()
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+            return
         seq.status = Status.RUNNING
         self.running.insert(self.running.index(after) + 1, seq)
 
@@ -180,7 +194,8 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, list[int]],
                            rejected: dict[Sequence, int] | None = None) -> dict[Sequence, list[int]]:
         """Advance progress, append sampled tokens, register filled blocks, finish sequences that hit a
-        token-level stop (EOS, stop_token_ids, max_tokens).
+        token-level stop (EOS, stop_token_ids, max_tokens). The step's copies are done: their sources
+        are let go.
 
         A speculating sequence ran its last token plus its drafts (which the speculation policy has
         taken back off its token list); `rejected[seq]` of those drafts were wrong: their KV slots
@@ -190,6 +205,9 @@ class Scheduler:
         hashed only after the tokens they hold are back in the token list. Returns the tokens each
         sequence received.
         """
+        if self._pinned:
+            self.bm.free(self._pinned)
+            self._pinned = []
         rejected = rejected or {}
         bs = self.bm.block_size
         now = time.time()

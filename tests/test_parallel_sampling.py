@@ -131,3 +131,22 @@ def test_families_never_leak(tiny_models):  # type: ignore[no-untyped-def]
 
     run()
     assert llm.stats().num_preemptions > 0
+
+
+def test_forked_children_never_exceed_max_num_seqs(tiny_models):  # type: ignore[no-untyped-def]
+    """n children forked while other requests run: the running set stays within max_num_seqs (the
+    children past it wait, then run), and every child finishes its tokens."""
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), max_num_seqs=3, kv_cache_memory="16MiB", block_size=4)
+    eng = llm.engine
+    eng.add_request("solo", [7, 8, 9], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    eng.add_request("fan", [5, 9, 2, 7, 1, 3], SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3,
+                                                               ignore_eos=True))
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        assert len(eng.scheduler.running) <= 3
+    assert len(done["fan"].outputs) == 4 and all(len(c.token_ids) == 6 for c in done["fan"].outputs)
+    assert llm.stats().used_blocks == 0  # the children that waited let their references go
