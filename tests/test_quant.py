@@ -330,3 +330,15 @@ def test_smollm2_gguf_keeps_its_4bit_blocks(smol):  # type: ignore[no-untyped-de
                                       "that they are endowed by their Creator with certain unalienable Rights.")
     ref, got = smol.score(ids, decode_from=4), llm.score(ids, decode_from=4)  # (T, V) each
     assert (ref[4:].argmax(-1) == got[4:].argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_a_truncated_gguf_draft_keeps_its_blocks():  # type: ignore[no-untyped-def]
+    """A draft made of the GGUF's first layers (speculative_method=draft) loads with quantization auto /
+    gguf: the file's tensors of the layers it does not have are skipped (they raised before)."""
+    llm = LLM(kv_cache_memory="256MiB", speculative_method="draft", draft_num_layers=4, num_speculative_tokens=3)
+    draft = llm.engine.spec.proposer.model
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
+    assert len(out) == 8
+    assert len(draft.layers) == 4 and type(draft.layers[0].mlp.down_proj) is Int4Linear

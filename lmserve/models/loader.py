@@ -310,7 +310,10 @@ def gguf_layers(model: nn.Module, g: GGUFFile) -> frozenset[str]:
         shards.setdefault(path, []).append((t.name, GGUF_NATIVE.get(t.tensor_type.name)))
     native: set[str] = set()
     for path, tensors in shards.items():
-        module = model.get_submodule(path)
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:  # a layer a truncated copy (the draft model's num_layers) does not have
+            continue
         specs = [spec for _, spec in tensors]
         if None in specs or not isinstance(module, (Linear, nn.Embedding)):
             continue
