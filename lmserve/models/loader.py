@@ -368,10 +368,9 @@ def load_model(config: EngineConfig, num_layers: int | None = None
 
 
 def resolve_quantization(asked: str | None, kind: str, device: str) -> str | None:
-    """The weight scheme a load uses: `auto` keeps a GGUF file's blocks on the CPU when our CPU kernels
-    build with a SIMD path (what llama.cpp does with the file: 4-8 bits read per weight instead of 32;
-    measured faster than fp32 on the VNNI, AVX-512 and AVX2 paths, BENCHMARKS.md), and the
-    checkpoint's float otherwise; `none` is None (the checkpoint's float)."""
+    """The weight scheme a load uses: `auto` keeps a GGUF file's blocks on the CPU when our kernels have a
+    SIMD path (as llama.cpp runs the file; faster than fp32 on VNNI, AVX-512 and AVX2, BENCHMARKS.md),
+    else the checkpoint's float; `none` is None (the checkpoint's float)."""
     if asked == "auto":
         from lmserve.layers import cpu_native
         on_cpu = not str(device).startswith("cuda")
