@@ -30,11 +30,11 @@ static inline float bf16_to_f32(uint16_t b) {
   }
 ROW(kv)
 
-__attribute__((target("avx2,fma")))
-static void attend_avx2(const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len,
-                        int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores,
-                        float *row, float *out) {
-  /* scores [G, len - first]; q, out: the group's G heads [G, D] */
+/* scores [G, len - first]; q, out: the group's G heads [G, D]. Plain C, inlined into a plain and an
+ * AVX2 + FMA copy below (the compiler vectorises the `omp simd` loops for each target). */
+static inline __attribute__((always_inline)) void attend_body(
+    const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t first,
+    int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores, float *row, float *out) {
   const int64_t n = len - first;
   for (int64_t j = 0; j < n; j++) {
     const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
@@ -65,32 +65,13 @@ static void attend_avx2(const float *q, const void *k, const void *v, int bf16, 
   }
 }
 
-static void attend_c(const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len,
-                     int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores,
-                     float *row, float *out) {
-  const int64_t n = len - first;
-  for (int64_t j = 0; j < n; j++) {
-    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
-    row_kv(k, slot * Hkv + kvh, bf16, D, row);
-    for (int g = 0; g < G; g++) {
-      float s = 0.f;
-      for (int i = 0; i < D; i++) s += q[g * D + i] * row[i];
-      scores[g * n + j] = s * scale;
-    }
-  }
-  for (int g = 0; g < G; g++) {
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t j = 0; j < n; j++) mx = scores[g * n + j] > mx ? scores[g * n + j] : mx;
-    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
-    for (int64_t j = 0; j < n; j++) scores[g * n + j] /= sum;
-    for (int i = 0; i < D; i++) out[g * D + i] = 0.f;
-  }
-  for (int64_t j = 0; j < n; j++) {
-    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
-    row_kv(v, slot * Hkv + kvh, bf16, D, row);
-    for (int g = 0; g < G; g++)
-      for (int i = 0; i < D; i++) out[g * D + i] += scores[g * n + j] * row[i];
-  }
+#define ATTEND_ARGS const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, \
+    int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores, float *row, float *out
+__attribute__((target("avx2,fma"))) static void attend_avx2(ATTEND_ARGS) {
+  attend_body(q, k, v, bf16, table, len, first, bs, Hkv, kvh, G, D, scale, scores, row, out);
+}
+static void attend_c(ATTEND_ARGS) {
+  attend_body(q, k, v, bf16, table, len, first, bs, Hkv, kvh, G, D, scale, scores, row, out);
 }
 
 /* AVX-512, head dim a multiple of 16 (up to 256): K / V rows read straight from the cache (bf16 widened
