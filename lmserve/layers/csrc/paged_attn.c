@@ -30,6 +30,18 @@ static inline float bf16_to_f32(uint16_t b) {
   }
 ROW(kv)
 
+/* Each of the G rows of scores [G, n] to its softmax (max subtracted), and out [G, D] zeroed. */
+static inline void softmax_rows(float *scores, int G, int64_t n, float *out, int D) {
+  for (int g = 0; g < G; g++) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < n; j++) mx = scores[g * n + j] > mx ? scores[g * n + j] : mx;
+    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < n; j++) scores[g * n + j] *= inv;
+    for (int i = 0; i < D; i++) out[g * D + i] = 0.f;
+  }
+}
+
 /* scores [G, len - first]; q, out: the group's G heads [G, D]. Plain C, inlined into a plain and an
  * AVX2 + FMA copy below (the compiler vectorises the `omp simd` loops for each target). */
 static inline __attribute__((always_inline)) void attend_body(
@@ -46,14 +58,7 @@ static inline __attribute__((always_inline)) void attend_body(
       scores[g * n + j] = s * scale;
     }
   }
-  for (int g = 0; g < G; g++) {
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t j = 0; j < n; j++) mx = scores[g * n + j] > mx ? scores[g * n + j] : mx;
-    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < n; j++) scores[g * n + j] *= inv;
-    for (int i = 0; i < D; i++) out[g * D + i] = 0.f;
-  }
+  softmax_rows(scores, G, n, out, D);
   for (int64_t j = 0; j < n; j++) {
     const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
     row_kv(v, slot * Hkv + kvh, bf16, D, row);
@@ -100,14 +105,7 @@ static void attend_avx512(const float *q, const void *k, const void *v, int bf16
       scores[g * n + j] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-  for (int g = 0; g < G; g++) {
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t j = 0; j < n; j++) mx = scores[g * n + j] > mx ? scores[g * n + j] : mx;
-    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < n; j++) scores[g * n + j] *= inv;
-    for (int i = 0; i < D; i++) out[g * D + i] = 0.f;
-  }
+  softmax_rows(scores, G, n, out, D);
   for (int64_t j = 0; j < n; j++) {
     const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
     const int64_t row = (slot * Hkv + kvh) * D;
