@@ -110,7 +110,7 @@ def available() -> bool:
 
 def fast() -> bool:
     """The library is built and has a SIMD path here (plain C is slower than dequantize + matmul:
-    230 ms against 30 ms for the default model's stack at one thread, BENCHMARKS.md)."""
+    221 ms against 30 ms for fp32 on the default model's linears at one thread: scripts/bench_cpu_kernels.py)."""
     return available() and isa() != "c"
 
 
