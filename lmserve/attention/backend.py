@@ -58,6 +58,11 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
+    @property
+    def all_decode(self) -> bool:
+        """Every sequence of the step has one new token (no prefill chunk)."""
+        return self.memo("all_decode", lambda: max(self.query_lens_host, default=0) == 1)
+
     def memo(self, key: object, build):  # type: ignore[no-untyped-def]
         """Per-step memo for derived tensors (gather indices, masks) shared by all layers."""
         if key not in self._cache:

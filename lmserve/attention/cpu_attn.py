@@ -21,7 +21,7 @@ class CpuAttention(TorchAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-        if _reads(q, kv_cache) and not meta.static_decode and meta.memo("all_decode", lambda: max(meta.query_lens_host) == 1):
+        if _reads(q, kv_cache) and not meta.static_decode and meta.all_decode:
             o = cpu_native.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.block_size,
                                                   scale, window, new_kv=(k, v, meta.slot_mapping))  # (B, H, d)
             return o if o.dtype == q.dtype else o.to(q.dtype)

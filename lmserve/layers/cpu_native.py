@@ -171,6 +171,14 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, min
     return y
 
 
+def attn_simd(isa_name: str | None = None) -> int:
+    """The attention kernel's code path here (capped by isa_name / LMSERVE_ISA): 2 AVX-512 (for a head
+    dim a multiple of 16), 1 AVX2, 0 plain C."""
+    lib, level = _lib(), _level(_lib(), isa_name)  # type: ignore[arg-type]
+    assert lib is not None
+    return 2 if level >= 2 and lib.lm_attn_avx512() else int(level >= 1 and lib.lm_attn_isa())
+
+
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, scale: float, window: int | None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -189,8 +197,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     tables = block_tables.long().contiguous()  # (B, T); no copies when already so
     lens = seq_lens.long().contiguous()  # (B,)
     out = torch.empty(B, H, D, dtype=torch.float32)  # (B, H, D)
-    level = _level(lib, isa_name)  # 2: AVX-512 (head dim a multiple of 16), 1: AVX2, 0: plain C
-    simd = 2 if level >= 2 and lib.lm_attn_avx512() else int(level >= 1 and lib.lm_attn_isa())
+    simd = attn_simd(isa_name)
     ptrs = (None, None, None)
     if new_kv is not None:
         nk, nv, slots = (t.contiguous() for t in new_kv)

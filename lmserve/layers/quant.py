@@ -20,7 +20,8 @@ Forward, the fp32 reference: dequantize a tile of rows at a time on the CPU (the
 then matmul. On CUDA the Triton kernels of layers/triton_quant.py dequantize inside the matmul. With
 cpu_kernel (load_model sets it) int8 / int4 multiply a few rows (decode, verification) with our CPU
 kernel (layers/cpu_native.py: the packed bytes read once per call; on AVX-512 VNNI CPUs with x
-quantized per 32 columns, as llama.cpp does); more rows (prefill) take the reference path. fp8 uses torch._scaled_mm on GPUs with fp8 tensor cores.
+quantized per 32 columns, as llama.cpp does); more rows (prefill) take the reference path. fp8 uses
+torch._scaled_mm on GPUs with fp8 tensor cores.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class CpuDecodePlan:
                                 layer.post_attention_layernorm.weight, _Linear(m.gate_up_proj),
                                 _Linear(m.down_proj), a.scale, a.window or 0))
         self.rotary = model.layers[0].self_attn.rotary
-        self.simd = 2 if self.lib.lm_attn_avx512() else int(self.lib.lm_attn_isa())
+        self.simd = cpu_native.attn_simd()
         self.ptrs = tuple(t.data_ptr() for t in self._tensors())  # the weights the plan read
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -83,7 +83,7 @@ class CpuDecodePlan:
     def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """This step can run here: all decode, few enough rows, float32 caches, fused ops not off."""
         return (dispatch.cpu_fast_allowed() and not meta.static_decode and x.shape[0] <= cpu_native.MAX_ROWS
-                and meta.memo("all_decode", lambda: max(meta.query_lens_host) == 1)
+                and meta.all_decode
                 and all(isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in kv_caches[:1])
                 and self.ptrs == tuple(t.data_ptr() for t in self._tensors()))
 
