@@ -71,7 +71,7 @@ def test_kernel_equals_the_float64_oracle(kind, isa, monkeypatch):  # type: igno
     w = torch.randn(203, 256, generator=g)  # an odd row count: the kernel's short last block
     layer = LAYERS[kind](w)
     W = layer.dequantize().double()  # (203, 256)
-    for m in (1, 2, 3, 4, 5, 8, 9, 16):
+    for m in (1, 2, 3, 4, 5, 8, 9, 16) + ((70,) if isa == "vnni" else ()):  # 70: the tile kernel's row chunks
         x = torch.randn(m, 256, generator=g) * torch.linspace(0.1, 3, 256)  # columns of different scales
         y = cpu_native.qgemm(x, layer.qweight, layer.bits, layer.scales, layer.mins, layer.group_size)  # (m, 203)
         xs = x_blocks_dequantized(x) if isa == "vnni" else x.double()
@@ -107,6 +107,28 @@ def test_layers_use_the_kernel_for_few_rows_and_the_reference_for_many(kind, mon
 
 
 @needs_lib
+@pytest.mark.parametrize("kind", ["int8_g16_mins", "int4_g32"])
+def test_on_vnni_layers_take_the_tile_kernel_for_any_rows_and_repack_when_the_weight_changes(kind, monkeypatch):  # type: ignore[no-untyped-def]
+    if "vnni" not in runnable():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    monkeypatch.setenv("LMSERVE_ISA", "vnni")
+    calls: list[int] = []
+    monkeypatch.setattr(quant, "dequant_matmul", lambda x, lay: calls.append(x.shape[0]))
+    g = torch.Generator().manual_seed(1)
+    layer = LAYERS[kind](torch.randn(40, 96, generator=g))
+    layer.cpu_kernel = True
+    x = torch.randn(100, 96, generator=g)  # prefill-sized: still the kernel
+    want = x_blocks_dequantized(x) @ layer.dequantize().double().T
+    assert (layer(x).double() - want).abs().max() <= 2e-5 * want.abs().max() and calls == []
+    first = layer.tiles()
+    assert layer.tiles() is first  # repacked once, not per call
+    with torch.no_grad():
+        layer.qweight[:5] = layer.qweight[5:10].clone()  # an in-place change: the tiles are rebuilt
+    want = x_blocks_dequantized(x) @ layer.dequantize().double().T
+    assert layer.tiles() is not first and (layer(x).double() - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+@needs_lib
 def test_int8_outlier_columns_are_added_back_on_the_kernel_path(monkeypatch):  # type: ignore[no-untyped-def]
     if "avx2" not in runnable():
         pytest.skip("the layers take the kernel on SIMD paths only")
@@ -127,8 +149,9 @@ def test_int8_outlier_columns_are_added_back_on_the_kernel_path(monkeypatch):  #
 def test_shape_rules():
     assert cpu_native.fits(8, 576, 576) and cpu_native.fits(8, 256, 16) and cpu_native.fits(4, 576, 32)
     assert not cpu_native.fits(4, 576, 16) and not cpu_native.fits(8, 100, 100) and not cpu_native.fits(4, 96, 64)
-    assert cpu_native.vnni_fits(4, 576, 32) and cpu_native.vnni_fits(8, 576, 576)
-    assert not cpu_native.vnni_fits(4, 544, 32)  # 544 is not a whole number of 64-column chunks
+    assert cpu_native.tiles_fit(4, 576, 32) and cpu_native.tiles_fit(8, 576, 576) and cpu_native.tiles_fit(8, 96, 16)
+    assert cpu_native.tiles_fit(4, 544, 32) and not cpu_native.tiles_fit(4, 560, 16 * 5)  # groups of 80 columns
+    assert not cpu_native.tiles_fit(4, 520, 8)  # 520 is not a whole number of 32-column blocks
 
 
 def test_auto_keeps_a_gguf_quantized_on_the_cpu_only():

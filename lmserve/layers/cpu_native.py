@@ -25,13 +25,16 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "paged_attn.c", "fused.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "qtile.c", "paged_attn.c", "fused.c")]
 MAX_ROWS = 16  # up to this many rows of x the kernel beats dequantize + matmul (measured: docs/architecture.md)
+HEADERS = [Path(__file__).with_name("csrc") / "vmath.h"]  # included by the sources (part of the build's key)
 ISA_NAMES = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}  # vnni: AVX-512 VNNI with int8 activations
 _LEVEL_NAMES = {v: k for k, v in ISA_NAMES.items()}
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
@@ -54,7 +57,7 @@ def _lib() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: quantized layers use the torch path on the CPU")
         return None
-    src = b"".join(f.read_bytes() for f in SOURCES)
+    src = b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])
     key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
     path = cache_dir() / f"qgemv-{key}.so"
     if not path.exists():
@@ -73,8 +76,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_permute_x4.argtypes = [p, i64, i64, p]
     lib.lm_isa.argtypes = [i32]
     lib.lm_isa.restype = i32
-    lib.lm_qgemm_vnni.argtypes = [p, i64, i64, p, i32, i64, p, p, i64, p, i32]
-    lib.lm_qgemm_vnni.restype = None
+    lib.lm_qgemm_tiles.argtypes = [p, i64, i64, p, i32, i64, p, p, i64, p, i32]
+    lib.lm_qgemm_tiles.restype = None
     lib.lm_has_vnni.restype = i32
     lib.lm_paged_decode_attn.argtypes = [p, p, p, i32, p, i64, p, i64, i32, i32, i32, i64, ctypes.c_float, i64, p, i32, i32,
                                          p, p, p, i64, i64]
@@ -133,13 +136,57 @@ def fits(bits: int, in_features: int, group_size: int) -> bool:
     return group_size % chunk == 0 and in_features % group_size == 0
 
 
-def vnni_fits(bits: int, in_features: int, group_size: int) -> bool:
-    """The VNNI path's shape rules: 64-column chunks; groups of a power of two columns (each chunk holds
-    whole groups or lies inside one), or one group a row."""
-    chunk = 16 if bits == 8 else 32
-    power_of_two = group_size & (group_size - 1) == 0
-    return in_features % 64 == 0 and group_size % chunk == 0 and in_features % group_size == 0 \
-        and (power_of_two or group_size == in_features)
+def tiles_fit(bits: int, in_features: int, group_size: int) -> bool:
+    """The VNNI tile kernel's shape rules (csrc/qtile.c): 32-column blocks; groups of 16 columns or of
+    whole blocks."""
+    return bits in (4, 8) and in_features % 32 == 0 and in_features % group_size == 0 \
+        and (group_size == 16 or group_size % 32 == 0)
+
+
+class Tiles(NamedTuple):
+    """A quantized weight [n, k] repacked for the VNNI tile kernel (csrc/qtile.c): q uint8 [n16 / 16,
+    k / 4, 16, 4] (int8, stored + 128) or [n16 / 16, k / 8, 16, 4] (int4, two columns a byte); scales,
+    mins float32 [n16 / 16, k / group, 16]; n16: n rounded up to 16 (padding rows are zero)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bits: int
+    n: int
+    k: int
+    group: int
+
+
+def pack_tiles(values: torch.Tensor, bits: int, scales: torch.Tensor, mins: torch.Tensor | None,
+               group_size: int) -> Tiles:
+    """Integer values [n, k] (int8 in -128..127, or 0..15 for bits 4), scales / mins float [n, k / group]
+    -> the tile layout (see Tiles)."""
+    n, k = values.shape
+    if not tiles_fit(bits, k, group_size):
+        raise ValueError(f"the tile kernel takes in_features % 32 == 0 and groups of 16 or 32s, not {k} / {group_size}")
+    pad = -n % 16
+    t = (n + pad) // 16
+    v = F.pad(values.to(torch.int16), (0, 0, 0, pad))  # (n16, k)
+    if bits == 8:
+        u = (v + 128).to(torch.uint8).view(t, 16, k // 4, 4).permute(0, 2, 1, 3)  # (T, k/4, 16, 4)
+    else:
+        v = v.to(torch.uint8).view(t, 16, k // 8, 2, 4)  # column 8j + 4h + b
+        u = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # (T, k/8, 16, 4)
+
+    def per_tile(a: torch.Tensor) -> torch.Tensor:  # (n, G) -> (T, G, 16)
+        return F.pad(a.float(), (0, 0, 0, pad)).view(t, 16, -1).transpose(1, 2).contiguous()
+
+    return Tiles(u.contiguous(), per_tile(scales), None if mins is None else per_tile(mins), bits, n, k, group_size)
+
+
+def qgemm_tiles(x: torch.Tensor, w: Tiles, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, k) @ W.T -> (M, n) float32 with the VNNI tile kernel (needs isa() == 'vnni'): x quantized
+    per 32 columns to int8, as llama.cpp does."""
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()  # (M, k)
+    y = torch.empty(x.shape[0], w.n, dtype=torch.float32) if out is None else out  # (M, n)
+    lib().lm_qgemm_tiles(xf.data_ptr(), xf.shape[0], w.k, w.q.data_ptr(), w.bits, w.n, w.scales.data_ptr(),
+                         None if w.mins is None else w.mins.data_ptr(), w.group, y.data_ptr(), torch.get_num_threads())
+    return y
 
 
 def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, mins: torch.Tensor | None,
@@ -158,10 +205,9 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, min
     mn = None if mins is None or mins.dtype == torch.float32 else mins.float()
     mn = mins if mn is None else mn
     level = _level(lib, isa_name)
-    if level == 3 and vnni_fits(bits, K, group_size):
-        lib.lm_qgemm_vnni(xf.data_ptr(), M, K, q.data_ptr(), bits, N, sc.data_ptr(),
-                          None if mn is None else mn.data_ptr(), group_size, y.data_ptr(), torch.get_num_threads())
-        return y
+    if level == 3 and tiles_fit(bits, K, group_size):  # repacked per call here; layers keep theirs
+        values = q if bits == 8 else torch.stack([q & 15, q >> 4], dim=-1).reshape(N, K)  # (N, K)
+        return qgemm_tiles(xf, pack_tiles(values, bits, sc, mn, group_size))
     if bits == 4:
         xp = torch.empty_like(xf)  # (M, K), each 32-column chunk as evens then odds
         lib.lm_permute_x4(xf.data_ptr(), M, K, xp.data_ptr())

@@ -235,7 +235,7 @@ class GroupQuantLinear(LinearBase):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out), no bias
         if x.is_cuda:
             return gpu_matmul(x, self)
-        if self.cpu_kernel and x.shape[0] <= cpu_native.MAX_ROWS and self.native_fits():
+        if self.cpu_kernel and self.native_fits() and (x.shape[0] <= cpu_native.MAX_ROWS or self.tiled()):
             return self.native_matmul(x)
         return dequant_matmul(x, self)
 
@@ -243,7 +243,23 @@ class GroupQuantLinear(LinearBase):
         """Our CPU kernel is built, has a SIMD path on this CPU, and takes this layer's shape."""
         return cpu_native.fast() and cpu_native.fits(self.bits, self.in_features, self.group_size)
 
+    def tiled(self) -> bool:
+        """The VNNI tile kernel takes this layer here (any number of rows: prefill too)."""
+        return cpu_native.isa() == "vnni" and cpu_native.tiles_fit(self.bits, self.in_features, self.group_size)
+
+    def tiles(self) -> cpu_native.Tiles:
+        """The weight repacked for the VNNI tile kernel: built on first use, again whenever qweight,
+        scales or mins changed (a derived copy: the buffers stay the layer's state)."""
+        key = tuple((t.data_ptr(), t._version) for t in (self.qweight, self.scales, self.mins) if t is not None)
+        if getattr(self, "_tiles_key", None) != key:
+            self._tiles = cpu_native.pack_tiles(self.values(slice(None)), self.bits, self.scales, self.mins,
+                                                self.group_size)
+            self._tiles_key = key
+        return self._tiles
+
     def native_matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out) with our CPU kernel
+        if self.tiled():
+            return cpu_native.qgemm_tiles(x, self.tiles()).to(x.dtype)
         return cpu_native.qgemm(x, self.qweight, self.bits, self.scales, self.mins, self.group_size).to(x.dtype)
 
 

@@ -26,20 +26,19 @@ from lmserve.layers.quant import GroupQuantLinear, Int8Linear
 
 
 class _Linear:
-    """One quantized linear as the kernel takes it: pointers and sizes read once."""
+    """One quantized linear as the tile kernel takes it (its repacked weight): pointers read once."""
 
     def __init__(self, layer: GroupQuantLinear) -> None:
         self.layer = layer
-        self.n, self.k, self.bits, self.group = layer.out_features, layer.in_features, layer.bits, layer.group_size
-        self.scales = layer.scales.float().contiguous()  # (N, G) float32: kept alive here
-        self.mins = None if layer.mins is None else layer.mins.float().contiguous()
-        self.args = (layer.qweight.data_ptr(), self.bits, self.n, self.scales.data_ptr(),
-                     None if self.mins is None else self.mins.data_ptr(), self.group)
+        self.tiles = t = layer.tiles()  # kept alive here
+        self.n, self.k = t.n, t.k
+        self.args = (t.q.data_ptr(), t.bits, t.n, t.scales.data_ptr(), None if t.mins is None else t.mins.data_ptr(),
+                     t.group)
 
     def __call__(self, lib: Any, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
         """y (B, N) = x (B, K) @ W.T, both float32 contiguous."""
         q, bits, n, sc, mn, group = self.args
-        lib.lm_qgemm_vnni(x.data_ptr(), x.shape[0], self.k, q, bits, n, sc, mn, group, y.data_ptr(), threads)
+        lib.lm_qgemm_tiles(x.data_ptr(), x.shape[0], self.k, q, bits, n, sc, mn, group, y.data_ptr(), threads)
 
 
 class CpuDecodePlan:
@@ -58,10 +57,12 @@ class CpuDecodePlan:
                                 _Linear(m.down_proj), a.scale, a.window or 0))
         self.rotary = model.layers[0].self_attn.rotary
         self.simd = cpu_native.attn_simd()
-        self.ptrs = tuple(t.data_ptr() for t in self._tensors())  # the weights the plan read
+        self.ptrs = self._weights_key()  # the weights the plan read, as they were
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [t for entry in self.layers for t in (entry[0], entry[1].layer.qweight, entry[3])]
+    def _weights_key(self) -> tuple[tuple[int, int], ...]:
+        """Where the weights are and their in-place version counts (a change means the plan is stale)."""
+        return tuple((t.data_ptr(), t._version) for entry in self.layers
+                     for t in (entry[0], entry[1].layer.qweight, entry[3]))
 
     @staticmethod
     def build(model: Any) -> CpuDecodePlan | None:
@@ -76,16 +77,15 @@ class CpuDecodePlan:
             for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
                 if not isinstance(lin, GroupQuantLinear) or not lin.cpu_kernel or lin.bias is not None \
                         or (isinstance(lin, Int8Linear) and lin.outlier_cols is not None) \
-                        or not cpu_native.vnni_fits(lin.bits, lin.in_features, lin.group_size):
+                        or not lin.tiled():
                     return None
         return CpuDecodePlan(model)
 
     def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        """This step can run here: all decode, few enough rows, float32 caches, fused ops not off."""
-        return (dispatch.cpu_fast_allowed() and not meta.static_decode and x.shape[0] <= cpu_native.MAX_ROWS
-                and meta.all_decode
+        """This step can run here: all decode (any number of rows), float32 caches, fused ops not off."""
+        return (dispatch.cpu_fast_allowed() and not meta.static_decode and meta.all_decode
                 and all(isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in kv_caches[:1])
-                and self.ptrs == tuple(t.data_ptr() for t in self._tensors()))
+                and self.ptrs == self._weights_key())
 
     @torch.inference_mode()
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -4,9 +4,14 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vmath.h"
+
+/* each entry point compiled for AVX-512, AVX2 and the baseline, picked at load time (ifunc) */
+#define CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+
 /* out = rmsnorm(x + res) * w; new_res = x + res (res may be NULL: then no new_res). x, res: [n, d],
  * row strides sx / sr (elements). */
-void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t sr, const float *w, float eps,
+CLONES void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t sr, const float *w, float eps,
                     int64_t n, int64_t d, float *out, float *new_res, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (n > 4)
   for (int64_t i = 0; i < n; i++) {
@@ -27,17 +32,19 @@ void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t sr, co
 }
 
 /* [n, 2i] gate | up -> [n, i] silu(gate) * up */
-void lm_silu_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * i > 65536)
-  for (int64_t r = 0; r < n; r++)
+CLONES void lm_silu_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * i > 262144)
+  for (int64_t r = 0; r < n; r++) {
+#pragma omp simd
     for (int64_t j = 0; j < i; j++) {
       const float g = gu[r * 2 * i + j], u = gu[r * 2 * i + i + j];
-      out[r * i + j] = g / (1.f + expf(-g)) * u;
+      out[r * i + j] = g / (1.f + lm_expf(-g)) * u;
     }
+  }
 }
 
 /* In place, rotate-half: x [n, h, d] with strides (sn, sh, 1); cos / sin [n, d] (halves equal). */
-void lm_rotary(float *x, int64_t n, int64_t h, int64_t d, int64_t sn, int64_t sh, const float *cos_,
+CLONES void lm_rotary(float *x, int64_t n, int64_t h, int64_t d, int64_t sn, int64_t sh, const float *cos_,
                const float *sin_) {
   const int64_t half = d / 2;
   for (int64_t t = 0; t < n; t++)

@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vmath.h"
+
 static inline float bf16_to_f32(uint16_t b) {
   union { uint32_t u; float f; } c;
   c.u = (uint32_t)b << 16;
@@ -35,7 +37,8 @@ static inline void softmax_rows(float *scores, int G, int64_t n, float *out, int
   for (int g = 0; g < G; g++) {
     float mx = -INFINITY, sum = 0.f;
     for (int64_t j = 0; j < n; j++) mx = scores[g * n + j] > mx ? scores[g * n + j] : mx;
-    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = lm_expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
     const float inv = 1.f / sum;
     for (int64_t j = 0; j < n; j++) scores[g * n + j] *= inv;
     for (int i = 0; i < D; i++) out[g * D + i] = 0.f;
@@ -82,6 +85,7 @@ static void attend_c(ATTEND_ARGS) {
 /* AVX-512, head dim a multiple of 16 (up to 256): K / V rows read straight from the cache (bf16 widened
  * in registers), the group's queries converted once, dots and value sums 16 lanes at a time. */
 #define MAXC 16 /* 16-lane chunks of a head: D up to 256 */
+#define PF_KEYS 8 /* software prefetch distance, in keys */
 __attribute__((target("avx512f,fma")))
 static inline __m512 load16(const void *base, int64_t off, int bf16) {
   if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))), 16));
@@ -94,9 +98,18 @@ static void attend_avx512(const float *q, const void *k, const void *v, int bf16
                           float *out) {
   const int64_t n = len - first;
   const int C = D / 16;
+  const int esize = bf16 ? 2 : 4;
   for (int64_t j = 0; j < n; j++) {
     const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
     const int64_t row = (slot * Hkv + kvh) * D;
+    if (j + PF_KEYS < n) { /* the rows PF_KEYS keys on (K for this pass, V for the next) requested now:
+                              blocks lie anywhere in the pool, so the hardware prefetcher cannot follow */
+      const int64_t p2 = pos + PF_KEYS, ahead = ((table[p2 / bs] * bs + p2 % bs) * Hkv + kvh) * D * esize;
+      for (int64_t b = 0; b < (int64_t)D * esize; b += 64) {
+        _mm_prefetch((const char *)k + ahead + b, _MM_HINT_T0);
+        _mm_prefetch((const char *)v + ahead + b, _MM_HINT_T1);
+      }
+    }
     __m512 kc[MAXC];
     for (int c = 0; c < C; c++) kc[c] = load16(k, row + 16 * c, bf16);
     for (int g = 0; g < G; g++) {

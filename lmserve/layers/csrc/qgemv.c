@@ -2,9 +2,10 @@
  * with W kept as int8 or 4-bit integers, a float scale (and optionally a float min) per group of
  * `group` input columns:  W[n, k] = q[n, k] * scales[n, k / group] (+ mins[n, k / group]).
  *
- * Decode is memory-bound: every weight byte is read from DRAM once per call, whatever M is (rows of
- * x are blocked inside the loop over one weight row, which stays in L1), so a step of 1..16 rows costs
- * about what one row costs. Integer products are summed per group in fp32 and scaled once per group;
+ * The float-x paths, for CPUs without AVX-512 VNNI (those take qtile.c's int8-x tile kernel): every
+ * weight byte is read from DRAM once per call, whatever M is (rows of x are blocked inside the loop
+ * over one weight row, which stays in L1); each extra row of x costs its multiply-adds (about 1.3x
+ * the one-row call at 2 rows, 2.5x at 8 on the default model's linears). Integer products are summed per group in fp32 and scaled once per group;
  * the min term is sum_g mins[n, g] * sum_{k in g} x[m, k], with the group sums of x computed once.
  *
  * Layouts (what layers/quant.py stores, no repacking):
@@ -253,130 +254,6 @@ void lm_qgemm(const float *x, int64_t M, int64_t K, const void *q, int bits, int
   free(xsum);
 }
 
-/* -------------------------------------------------------------------------------- AVX-512 VNNI, int8 x
- * The llama.cpp way: x is quantized per block of 32 columns (int8, a float scale each: xq * xd), and
- * integer products are summed by vpdpbusd (64 per instruction: unsigned bytes times signed bytes,
- * 4 a lane), then each lane's int32 sum is scaled by its x block's and weight group's scales. This
- * result is x's blocks dequantized times the weight, exactly (up to fp32 summation order).
- *
- * A 64-column chunk is one vpdpbusd per (x row, weight row). int8 weights (signed) take their absolute
- * value as the unsigned operand and pass their sign to x. int4 weights: 32 bytes hold the chunk, the
- * low nibbles being the even columns; x is quantized in the same order (each 64-chunk as its 32 even
- * columns, then its 32 odd ones), so lane j of the sum covers chunk positions 4j..4j+3, i.e. x block
- * and weight group given by the index tables below. */
-
-#define RV 4 /* weight rows per pass */
-#ifndef PF_ROWS
-#define PF_ROWS 8 /* software prefetch distance, in weight rows */
-#endif
-#define MV 4 /* x rows per pass */
-
-/* x [M, K] -> xq int8 [M, K] (int4: in the permuted order above), xd [M, K / 32] block scales, and
- * xsum [M, G]: sums of the dequantized x over each weight group (original order), for the min term. */
-static void quant_x(const float *x, int64_t M, int64_t K, int perm, int64_t group, int8_t *xq, float *xd, float *xsum) {
-  const int64_t G = K / group;
-  const int gshift = group >= K ? 62 : __builtin_ctzll((unsigned long long)group); /* col -> group: a shift */
-  for (int64_t m = 0; m < M; m++) {
-    const float *xr = x + m * K;
-    for (int64_t g = 0; xsum && g < G; g++) xsum[m * G + g] = 0.f;
-    for (int64_t b = 0; b < K / 32; b++) {
-      float amax = 0.f;
-      for (int j = 0; j < 32; j++) { float a = xr[b * 32 + j] < 0 ? -xr[b * 32 + j] : xr[b * 32 + j]; amax = a > amax ? a : amax; }
-      const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
-      xd[m * (K / 32) + b] = d;
-      for (int j = 0; j < 32; j++) {
-        const int64_t col = b * 32 + j;
-        float v = xr[col] * id;
-        int qi = (int)(v < 0 ? v - 0.5f : v + 0.5f); /* round half away from zero */
-        qi = qi > 127 ? 127 : qi < -127 ? -127 : qi;
-        int64_t pos = col;
-        if (perm) { const int64_t c = col & ~63, i = col & 63; pos = c + (i & 1) * 32 + i / 2; }
-        xq[m * K + pos] = (int8_t)qi;
-        if (xsum) xsum[m * G + (col >> gshift)] += (float)qi * d;
-      }
-    }
-  }
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
-INLINE void rows_vnni(const int8_t *xq, const float *xd, int64_t m0, const int mc, const int R, int64_t K,
-                      const void *qv, const int bits, int64_t n, const float *scales, int64_t G, int64_t group,
-                      __m512i xidx, __m512i widx, __mmask16 wmask, float *acc) {
-  __m512 a[MV * RV];
-  for (int i = 0; i < mc * R; i++) a[i] = _mm512_setzero_ps();
-  const int64_t KB = K / 32;
-  /* the chunk's first group: k >> gshift (groups are powers of two), or 0 with one group a row; no
-   * integer division in the loop */
-  const int gshift = group >= K ? 62 : __builtin_ctzll((unsigned long long)group);
-  for (int64_t k = 0; k < K; k += 64) {
-    const int64_t g0 = k >> gshift;
-    __m512i w[RV];
-    __mmask64 neg[RV];
-    __m512 ws[RV];
-    { /* the same bytes PF_ROWS rows on: requested now, in cache when that block comes */
-      const int64_t row_bytes = bits == 8 ? K : K / 2;
-      const char *ahead = (const char *)qv + (n + PF_ROWS) * row_bytes + (bits == 8 ? k : k / 2);
-      for (int r = 0; r < R; r++) _mm_prefetch(ahead + r * row_bytes, _MM_HINT_T0);
-      if (k == 0) for (int r = 0; r < R; r++) _mm_prefetch((const char *)(scales + (n + PF_ROWS + r) * G), _MM_HINT_T0);
-    }
-    for (int r = 0; r < R; r++) {
-      if (bits == 8) {
-        __m512i v = _mm512_loadu_si512((const void *)((const int8_t *)qv + (n + r) * K + k));
-        neg[r] = _mm512_movepi8_mask(v);
-        w[r] = _mm512_abs_epi8(v);
-      } else {
-        __m256i b = _mm256_loadu_si256((const __m256i *)((const uint8_t *)qv + (n + r) * (K / 2) + k / 2));
-        const __m256i lo4 = _mm256_set1_epi8(15);
-        w[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, lo4)),
-                                  _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4), 1);
-      }
-      /* each lane's weight scale: the chunk's groups, spread by widx */
-      ws[r] = _mm512_permutexvar_ps(widx, _mm512_maskz_loadu_ps(wmask, scales + (n + r) * G + g0));
-    }
-    for (int m = 0; m < mc; m++) {
-      const __m512i xv = _mm512_loadu_si512((const void *)(xq + (m0 + m) * K + k));
-      const __m512 xs = _mm512_permutexvar_ps(xidx, _mm512_maskz_loadu_ps(0x3, xd + (m0 + m) * KB + k / 32));
-      for (int r = 0; r < R; r++) {
-        const __m512i xr = bits == 8 ? _mm512_mask_sub_epi8(xv, neg[r], _mm512_setzero_si512(), xv) : xv;
-        const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], xr);
-        a[m * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(xs, ws[r]), a[m * R + r]);
-      }
-    }
-  }
-  for (int i = 0; i < mc * R; i++) acc[i] = _mm512_reduce_add_ps(a[i]);
-}
-
-#define VCASES(R, BITS)                                                                              \
-  switch (mc) {                                                                                      \
-    case 4: rows_vnni(xq, xd, m0, 4, R, K, qv, BITS, n, scales, G, group, xidx, widx, wmask, acc); break; \
-    case 3: rows_vnni(xq, xd, m0, 3, R, K, qv, BITS, n, scales, G, group, xidx, widx, wmask, acc); break; \
-    case 2: rows_vnni(xq, xd, m0, 2, R, K, qv, BITS, n, scales, G, group, xidx, widx, wmask, acc); break; \
-    default: rows_vnni(xq, xd, m0, 1, R, K, qv, BITS, n, scales, G, group, xidx, widx, wmask, acc); break; \
-  }
-
-__attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
-static void block_vnni(const int8_t *xq, const float *xd, int64_t m0, int64_t mc, int R, int64_t K, const void *qv,
-                       int bits, int64_t n, const float *scales, int64_t G, int64_t group, const int *xi,
-                       const int *wi, float *acc) {
-  const __m512i xidx = _mm512_loadu_si512((const void *)xi), widx = _mm512_loadu_si512((const void *)wi);
-  const __mmask16 wmask = group >= 64 ? 0x1 : (__mmask16)((1u << (64 / group)) - 1);
-  if (bits == 8) { /* fixed counts and width: the accumulators stay in registers, no branch inside */
-    if (R == RV) { VCASES(RV, 8) } else { VCASES(1, 8) }
-  } else {
-    if (R == RV) { VCASES(RV, 4) } else { VCASES(1, 4) }
-  }
-}
-
-/* lane j of a chunk's vpdpbusd sum covers chunk positions 4j..4j+3: the x block (of the chunk's 2) and
- * the weight group (of the chunk's 64 / group) those are */
-static void lane_tables(int bits, int64_t group, int *xi, int *wi) {
-  for (int j = 0; j < 16; j++) {
-    const int col = bits == 8 ? 4 * j : ((4 * j) % 32) * 2 + (j >= 8); /* a column the lane covers */
-    xi[j] = col / 32;
-    wi[j] = group >= 64 ? 0 : col / (int)group;
-  }
-}
-
 /* sum_g a[g] * b[g]: the min term of one output */
 __attribute__((target("avx512f,fma")))
 static float dot_avx512(const float *a, const float *b, int64_t n) {
@@ -386,40 +263,4 @@ static float dot_avx512(const float *a, const float *b, int64_t n) {
   const __mmask16 rest = (__mmask16)((1u << (n - g)) - 1);
   acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(rest, a + g), _mm512_maskz_loadu_ps(rest, b + g), acc);
   return _mm512_reduce_add_ps(acc);
-}
-
-int lm_has_vnni(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-}
-
-/* y [M, N] = dequant(quant(x)) @ W^T, x quantized per 32 columns (see above). x in its natural order
- * (no lm_permute_x4). K a multiple of 64; group: a multiple of 16 (int8) or 32 (int4) dividing K, with
- * whole groups per 64-chunk or whole chunks per group. Needs lm_has_vnni(). */
-void lm_qgemm_vnni(const float *x, int64_t M, int64_t K, const void *q, int bits, int64_t N, const float *scales,
-                   const float *mins, int64_t group, float *y, int nthreads) {
-  const int64_t G = K / group;
-  int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-  float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32)));
-  float *xsum = mins ? (float *)malloc(sizeof(float) * (size_t)(M * G)) : NULL;
-  quant_x(x, M, K, bits == 4, group, xq, xd, xsum);
-  int xi[16], wi[16];
-  lane_tables(bits, group, xi, wi);
-  const int64_t NB = (N + RV - 1) / RV;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t nb = 0; nb < NB; nb++) {
-    const int64_t n0 = nb * RV;
-    const int R = N - n0 >= RV ? RV : 1;
-    for (int64_t n = n0; n < n0 + RV && n < N; n += R) {
-      float acc[MV * RV];
-      for (int64_t m0 = 0; m0 < M; m0 += MV) {
-        const int64_t mc = M - m0 < MV ? M - m0 : MV;
-        block_vnni(xq, xd, m0, mc, R, K, q, bits, n, scales, G, group, xi, wi, acc);
-        for (int64_t m = 0; m < mc; m++)
-          for (int r = 0; r < R; r++)
-            y[(m0 + m) * N + n + r] = acc[m * R + r] + (mins ? dot_avx512(mins + (n + r) * G, xsum + (m0 + m) * G, G) : 0.f);
-      }
-    }
-  }
-  free(xq); free(xd); free(xsum);
 }

@@ -1,0 +1,163 @@
+/* Weight-only quantized GEMM for AVX-512 VNNI CPUs on weights repacked in tiles of 16 output rows
+ * (issue #15): y[M, N] = dequant(quant(x)) @ W^T, W[n, k] = q[n, k] * scales[n, g] (+ mins[n, g]),
+ * g = k / group.
+ *
+ * Why a second layout: with a weight row per vector (qgemv.c) every 64 columns of every (x row, weight
+ * row) pair cost a vpdpbusd, a conversion and two float ops, so each extra row of x cost almost as much
+ * as the first. Here one vector holds 4 columns of 16 weight rows (a lane a row), so x's 4 bytes are
+ * a broadcast, and a lane's int32 sum runs over a whole sub-block (32 columns, 16 for groups of 16)
+ * before one conversion and one scaling per x row for all 16 outputs: 8 vpdpbusd + 3 float ops per
+ * 512 products per x row (llama.cpp's repacked "Q4_0x8" layouts do the same).
+ *
+ * x is quantized per block of 32 columns (int8, scale max|x| / 127, round half away from zero), so the result equals x's dequantized blocks times the weight up to fp32 summation order.
+ *
+ * Packed layout (cpu_native.pack_tiles builds it; N padded to a multiple of 16 with zero rows):
+ *   int8: uint8 [N / 16, K / 4, 16, 4]   q + 128 (vpdpbusd multiplies unsigned by signed bytes; the
+ *         128 * sum(x) this adds is subtracted by starting each sum at -128 * sum(xq) of the sub-block)
+ *   int4: uint8 [N / 16, K / 8, 16, 4]   byte b of row i: column 8j + b in the low nibble, 8j + 4 + b
+ *         in the high one (one 64-byte load gives two vpdpbusd operands: & 15, and >> 4 & 15)
+ *   scales, mins: float32 [N / 16, G, 16]
+ * Shape rules: K % 32 == 0; group == 16 or a multiple of 32 dividing K.
+ * Threads: OpenMP over tiles of 16 output rows, x rows 8 at a time inside a tile (the tile's bytes
+ * stay in L1 for the next 8), and x in chunks of 64 rows (they stay in L2) for long inputs.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MT 8    /* x rows per pass over a tile */
+#define MCH 64  /* x rows per chunk (prefill): xq of a chunk stays in cache across the tiles */
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+int lm_has_vnni(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+/* x [M, K] -> xq int8 [M, K], xd [M, K / 32] block scales, and per sub-block of sb columns: xis
+ * [M, K / sb] (the sum of xq, for int8's +128) and xfs [M, K / sb] (the sum of dequantized x, for the
+ * mins term). Rounding: half away from zero, as llama.cpp's quantize_row_q8_0. */
+TARGET static void quant_x_tiles(const float *x, int64_t M, int64_t K, int sb, int8_t *xq, float *xd, int32_t *xis,
+                                 float *xfs, int nthreads) {
+  const int64_t KB = K / 32, NS = K / sb;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 4)
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t b = 0; b < KB; b++) {
+      const float *xr = x + m * K + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+      xd[m * KB + b] = d;
+      const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f);
+      const __m512i sign = _mm512_set1_epi32((int)0x80000000);
+      __m512i q[2];
+      for (int h = 0; h < 2; h++) { /* round half away from zero: trunc(v + copysign(0.5, v)) */
+        const __m512 v = _mm512_mul_ps(h ? v1 : v0, vid);
+        const __m512 hv = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(half),
+                                                              _mm512_and_si512(_mm512_castps_si512(v), sign)));
+        __m512i qi = _mm512_cvttps_epi32(_mm512_add_ps(v, hv));
+        qi = _mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        q[h] = qi;
+        _mm_storeu_si128((__m128i *)(xq + m * K + b * 32 + 16 * h), _mm512_cvtepi32_epi8(qi));
+      }
+      if (sb == 32) {
+        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        xis[m * NS + b] = s;
+        xfs[m * NS + b] = (float)s * d;
+      } else {
+        for (int h = 0; h < 2; h++) {
+          const int32_t s = _mm512_reduce_add_epi32(q[h]);
+          xis[m * NS + 2 * b + h] = s;
+          xfs[m * NS + 2 * b + h] = (float)s * d;
+        }
+      }
+    }
+  }
+}
+
+/* One tile (16 output rows) against mc rows of x: out[m, 0..nvalid) for m < mc. BITS, SB, mc fixed
+ * at compile time (the accumulators stay in registers). */
+TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, const float *xfs, const int mc,
+                        int64_t K, const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn,
+                        int64_t spg, float *y, int64_t ldy, int nvalid) {
+  __m512 acc[MT];
+  for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
+  const int64_t NS = K / SB, KB = K / 32;
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  for (int64_t s = 0; s < NS; s++) {
+    const int64_t k0 = s * SB, g = s / spg;
+    __m512i wv[SB / 4]; /* operand j: columns k0 + 4j .. k0 + 4j + 3 of the 16 rows */
+    if (BITS == 8) {
+      for (int j = 0; j < SB / 4; j++) wv[j] = _mm512_loadu_si512((const void *)(w + (k0 / 4 + j) * 64));
+    } else {
+      for (int j = 0; j < SB / 8; j++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(w + (k0 / 8 + j) * 64));
+        wv[2 * j] = _mm512_and_si512(v, lo4);
+        wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      }
+    }
+    const __m512 ws = _mm512_loadu_ps(sc + g * 16);
+    for (int m = 0; m < mc; m++) {
+      const int32_t *xr = (const int32_t *)(xq + m * K + k0);
+      __m512i ia = BITS == 8 ? _mm512_set1_epi32(-128 * xis[m * NS + s]) : _mm512_setzero_si512();
+      for (int j = 0; j < SB / 4; j++) ia = _mm512_dpbusd_epi32(ia, wv[j], _mm512_set1_epi32(xr[j]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(ws, _mm512_set1_ps(xd[m * KB + k0 / 32])), acc[m]);
+    }
+    if (mn) {
+      const __m512 wm = _mm512_loadu_ps(mn + g * 16);
+      for (int m = 0; m < mc; m++) acc[m] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xfs[m * NS + s]), acc[m]);
+    }
+  }
+  const __mmask16 keep = (__mmask16)(nvalid >= 16 ? 0xFFFF : (1u << nvalid) - 1);
+  for (int m = 0; m < mc; m++) _mm512_mask_storeu_ps(y + m * ldy, keep, acc[m]);
+}
+
+#define TILE_MC(BITS, SB)                                                                               \
+  switch (mc) {                                                                                         \
+    case 8: tile(xq, xd, xis, xfs, 8, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
+    case 7: tile(xq, xd, xis, xfs, 7, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
+    case 6: tile(xq, xd, xis, xfs, 6, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
+    case 5: tile(xq, xd, xis, xfs, 5, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
+    case 4: tile(xq, xd, xis, xfs, 4, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
+    case 3: tile(xq, xd, xis, xfs, 3, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
+    case 2: tile(xq, xd, xis, xfs, 2, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
+    default: tile(xq, xd, xis, xfs, 1, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;             \
+  }
+
+TARGET static void tile_any(const int8_t *xq, const float *xd, const int32_t *xis, const float *xfs, int mc, int64_t K,
+                            const uint8_t *w, int bits, int sb, const float *sc, const float *mn, int64_t spg,
+                            float *y, int64_t ldy, int nvalid) {
+  if (bits == 8 && sb == 32) { TILE_MC(8, 32) }
+  else if (bits == 8) { TILE_MC(8, 16) }
+  else if (sb == 32) { TILE_MC(4, 32) }
+  else { TILE_MC(4, 16) }
+}
+
+/* y [M, N] = x [M, K] @ W^T with W packed as above (wq: the tiles, sc / mn: [N / 16, G, 16], mn may be
+ * NULL). Needs lm_has_vnni(). */
+void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const float *sc,
+                    const float *mn, int64_t group, float *y, int nthreads) {
+  const int sb = group == 16 ? 16 : 32;
+  const int64_t NS = K / sb, G = K / group, T = (N + 15) / 16, spg = group / sb;
+  const int64_t tile_bytes = bits == 8 ? 16 * K : 8 * K;
+  int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+  float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32)));
+  int32_t *xis = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * NS));
+  float *xfs = (float *)malloc(sizeof(float) * (size_t)(M * NS));
+  quant_x_tiles(x, M, K, sb, xq, xd, xis, xfs, nthreads);
+#pragma omp parallel num_threads(nthreads)
+  for (int64_t c0 = 0; c0 < M; c0 += MCH) {
+    const int64_t c1 = M - c0 < MCH ? M : c0 + MCH;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+      const int nvalid = N - t * 16 >= 16 ? 16 : (int)(N - t * 16);
+      for (int64_t m0 = c0; m0 < c1; m0 += MT) {
+        const int mc = c1 - m0 < MT ? (int)(c1 - m0) : MT;
+        tile_any(xq + m0 * K, xd + m0 * (K / 32), xis + m0 * NS, xfs + m0 * NS, mc, K, wq + t * tile_bytes, bits, sb,
+                 sc + t * G * 16, mn ? mn + t * G * 16 : NULL, spg, y + m0 * N + t * 16, N, nvalid);
+      }
+    }
+  }
+  free(xq); free(xd); free(xis); free(xfs);
+}
