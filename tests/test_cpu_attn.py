@@ -48,3 +48,24 @@ def test_bf16_cache_is_read_in_place(idx, isa, monkeypatch):  # type: ignore[no-
 def test_the_cpu_backend_is_the_cpu_default():
     assert type(get_backend("auto", "cpu")) is CpuAttention
     assert type(get_backend("torch", "cpu")) is TorchAttention
+
+
+@pytest.mark.parametrize("qlens, ctx, kernel", [([1, 9], [40, 33], True), ([4, 16, 2], [60, 45, 9], True),
+                                                ([1, 17], [40, 33], False)])
+def test_steps_of_few_tokens_a_sequence_are_kernel_rows(qlens, ctx, kernel, monkeypatch):  # type: ignore[no-untyped-def]
+    """A verification-like step (up to ROWS_PER_SEQ new tokens a sequence): every token one row of the
+    kernel, causal within the step, windows too; longer chunks take the reference."""
+    from lmserve.attention.testing import random_step
+    rows: list[int] = []
+    real = cpu_native.paged_decode_attention
+    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda q, *a, **kw: rows.append(q.shape[0]) or real(q, *a, **kw))
+    for window in (None, 12):
+        meta, cache, tables = random_step(ctx, qlens, 16, 2, 64, seed=11)
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(sum(qlens), h, 64, generator=g) for h in (6, 2, 2))
+        ref_cache = cache.clone()
+        TorchAttention().forward(q, k, v, ref_cache, meta, 0.125, window)
+        got = CpuAttention().forward(q, k, v, cache, meta, 0.125, window)
+        assert torch.equal(cache, ref_cache)
+        assert (got.double() - float64_attention(q, cache, meta, tables, 0.125, window)).abs().max() < 2e-5
+    assert rows == ([sum(qlens)] * 2 if kernel else [1, 1])  # (the reference's decode rows go through it too)

@@ -11,7 +11,7 @@ from lmserve import LLM, SamplingParams
 from lmserve.layers import cpu_native, dispatch
 from lmserve.models.cpu_decode import CpuDecodePlan
 
-pytestmark = pytest.mark.skipif(not cpu_native.available() or cpu_native.isa() != "vnni",
+pytestmark = pytest.mark.skipif(not cpu_native.available() or not cpu_native.int8_x(),
                                 reason="the plan runs where our CPU kernels take the VNNI path")
 
 
@@ -28,8 +28,8 @@ def test_plan_equals_the_module_path(tiny_models, monkeypatch):  # type: ignore[
     real = plan.run
     monkeypatch.setattr(plan, "run", lambda x, *a: runs.append(x.shape[0]) or real(x, *a))
     ids = [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 11, 2, 9]
-    with_plan = llm.score(ids, decode_from=3)  # (T, V): 10 decode steps through the plan
-    assert runs == [1] * 10
+    with_plan = llm.score(ids, decode_from=3)  # (T, V): the 3-token prompt and 10 decode steps through the plan
+    assert runs == [3] + [1] * 10
     model._cpu_plan = None  # the module path (same kernels, one module at a time)
     without = llm.score(ids, decode_from=3)
     assert torch.equal(with_plan, without)
@@ -55,4 +55,25 @@ def test_plan_steps_aside(tiny_models):  # type: ignore[no-untyped-def]
     with dispatch.use_fused(False):  # the torch reference asked for
         assert not plan.applies(x, caches, meta)
     meta2, _, _ = random_step([5, 9], [1, 3], 4, 2, 16, seed=0)
-    assert not plan.applies(torch.zeros(4, 64), caches, meta2)  # a prefill chunk in the step
+    assert plan.applies(torch.zeros(4, 64), caches, meta2)  # a few tokens a sequence: a verification
+    meta3, _, _ = random_step([5, 30], [1, 17], 4, 2, 16, seed=0)
+    assert not plan.applies(torch.zeros(18, 64), caches, meta3)  # a prefill chunk in the step
+
+
+def test_verification_steps_run_in_the_plan_with_the_module_paths_tokens(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+    """n-gram speculation verifies k + 1 tokens a sequence a step: through the plan (a token a row of
+    the attention kernel) the greedy tokens equal the module path's and speculation's absence."""
+    prompts = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9], [4, 4, 8, 4, 4, 8, 4, 4]]  # repeats: the n-gram drafter proposes
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in _llm(tiny_models["llama"][0]).generate(prompts, params)]
+    llm = _llm(tiny_models["llama"][0], speculative_method="ngram", num_speculative_tokens=3)
+    model = llm.engine.model
+    plan = model.cpu_plan()
+    runs: list[tuple[int, int]] = []
+    real = plan.run
+    monkeypatch.setattr(plan, "run", lambda x, p, c, meta: runs.append((x.shape[0], meta.num_seqs)) or real(x, p, c, meta))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert any(n > seqs for n, seqs in runs)  # multi-token verification steps ran in the plan
+    model._cpu_plan = None
+    module = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == module == plain

@@ -13,6 +13,7 @@ from lmserve.layers import cpu_native, quant
 from lmserve.layers.quant import Int4Linear, Int8Linear
 
 LEVELS = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}
+INT8_X = ("vnni",)  # the tile kernel's path: x quantized to int8 per 32 columns
 
 
 def runnable() -> list[str]:
@@ -71,14 +72,14 @@ def test_kernel_equals_the_float64_oracle(kind, isa, monkeypatch):  # type: igno
     w = torch.randn(203, 256, generator=g)  # an odd row count: the kernel's short last block
     layer = LAYERS[kind](w)
     W = layer.dequantize().double()  # (203, 256)
-    for m in (1, 2, 3, 4, 5, 8, 9, 16) + ((70,) if isa == "vnni" else ()):  # 70: the tile kernel's row chunks
+    for m in (1, 2, 3, 4, 5, 8, 9, 16) + ((17, 70) if isa in INT8_X else ()):  # the tile kernel's row chunks
         x = torch.randn(m, 256, generator=g) * torch.linspace(0.1, 3, 256)  # columns of different scales
         y = cpu_native.qgemm(x, layer.qweight, layer.bits, layer.scales, layer.mins, layer.group_size)  # (m, 203)
-        xs = x_blocks_dequantized(x) if isa == "vnni" else x.double()
+        xs = x_blocks_dequantized(x) if isa in INT8_X else x.double()
         want = xs @ W.T  # (m, 203)
         assert y.shape == (m, 203)
         assert (y.double() - want).abs().max() <= 2e-5 * want.abs().max(), (kind, isa, m)
-        if isa == "vnni":  # and it really quantized x: within, not at, the float result
+        if isa in INT8_X:  # and it really quantized x: within, not at, the float result
             exact = x.double() @ W.T
             bound = (x.double() - xs).abs() @ W.abs().T + 1e-4 * exact.abs().max()  # |dx| . |w| per output
             assert ((y.double() - exact).abs() <= bound).all()
@@ -108,10 +109,11 @@ def test_layers_use_the_kernel_for_few_rows_and_the_reference_for_many(kind, mon
 
 @needs_lib
 @pytest.mark.parametrize("kind", ["int8_g16_mins", "int4_g32"])
-def test_on_vnni_layers_take_the_tile_kernel_for_any_rows_and_repack_when_the_weight_changes(kind, monkeypatch):  # type: ignore[no-untyped-def]
-    if "vnni" not in runnable():
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    monkeypatch.setenv("LMSERVE_ISA", "vnni")
+@pytest.mark.parametrize("isa", INT8_X)
+def test_layers_take_the_tile_kernel_for_any_rows_and_repack_when_the_weight_changes(kind, isa, monkeypatch):  # type: ignore[no-untyped-def]
+    if isa not in runnable():
+        pytest.skip(f"this CPU has no {isa}")
+    monkeypatch.setenv("LMSERVE_ISA", isa)
     calls: list[int] = []
     monkeypatch.setattr(quant, "dequant_matmul", lambda x, lay: calls.append(x.shape[0]))
     g = torch.Generator().manual_seed(1)

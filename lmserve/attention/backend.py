@@ -63,6 +63,26 @@ class AttentionMetadata:
         """Every sequence of the step has one new token (no prefill chunk)."""
         return self.memo("all_decode", lambda: max(self.query_lens_host, default=0) == 1)
 
+    @property
+    def max_query_len(self) -> int:
+        """The most new tokens any sequence has in this step."""
+        return self.memo("max_query_len", lambda: max(self.query_lens_host, default=0))
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each new token as its own attention row, as a decode token is: its sequence's block table
+        (N, M) and the number of keys it sees (N,): the sequence's earlier tokens and the new ones up
+        to itself (causal within the step). All-decode steps: block_tables and seq_lens as they are."""
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            if self.all_decode:
+                return self.block_tables, self.seq_lens
+            q = np.asarray(self.query_lens_host, dtype=np.int64)  # (B,)
+            seq = np.repeat(np.arange(len(q)), q)  # (N,) each token's sequence
+            first = np.repeat(np.cumsum(q) - q, q)  # (N,) flat index of its sequence's first new token
+            lens = np.asarray(self.seq_lens_host, dtype=np.int64)[seq] - q[seq] + np.arange(len(seq)) - first + 1
+            dev = self.block_tables.device
+            return self.block_tables[torch.from_numpy(seq).to(dev)], torch.from_numpy(lens).to(dev)
+        return self.memo("token_rows", build)
+
     def memo(self, key: object, build):  # type: ignore[no-untyped-def]
         """Per-step memo for derived tensors (gather indices, masks) shared by all layers."""
         if key not in self._cache:

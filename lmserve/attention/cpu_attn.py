@@ -1,7 +1,8 @@
 """The CPU attention backend: decode tokens read the paged cache in place with our C kernel
-(layers/csrc/paged_attn.c: no gather of every page into a dense copy per layer per step), prefill
-chunks go through the torch reference (SDPA over the gathered pages: compute-bound, where the gather
-is a small share). A quantized cache (QuantizedKV) or an unusual cache dtype takes the reference path
+(layers/csrc/paged_attn.c: no gather of every page into a dense copy per layer per step), and so do
+steps of a few new tokens a sequence (speculative verification, short chunks: each token a row of its
+own, AttentionMetadata.token_rows); longer prefill chunks go through the torch reference (SDPA over the
+gathered pages: compute-bound, where the gather is a small share). A quantized cache (QuantizedKV) or an unusual cache dtype takes the reference path
 whole; tests/test_cpu_attn.py holds the kernel to the float64 oracle.
 """
 
@@ -14,16 +15,19 @@ from lmserve.attention.torch_ref import TorchAttention
 from lmserve.kv.cache import QuantizedKV
 from lmserve.layers import cpu_native
 
+ROWS_PER_SEQ = 16  # up to this many new tokens a sequence, a step's tokens are all kernel rows
 
 class CpuAttention(TorchAttention):
-    """TorchAttention with the decode part through cpu_native.paged_decode_attention; an all-decode step
-    (every sequence one new token) stores its K/V and attends in one call per layer."""
+    """TorchAttention with the decode part through cpu_native.paged_decode_attention; a step of at most
+    ROWS_PER_SEQ new tokens a sequence (decode, verification) stores its K/V and attends in one call
+    per layer, a token a row."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-        if _reads(q, kv_cache) and not meta.static_decode and meta.all_decode:
-            o = cpu_native.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.block_size,
-                                                  scale, window, new_kv=(k, v, meta.slot_mapping))  # (B, H, d)
+        if _reads(q, kv_cache) and not meta.static_decode and meta.max_query_len <= ROWS_PER_SEQ:
+            tables, lens = meta.token_rows()  # (N, M), (N,)
+            o = cpu_native.paged_decode_attention(q, kv_cache, tables, lens, meta.block_size,
+                                                  scale, window, new_kv=(k, v, meta.slot_mapping))  # (N, H, d)
             return o if o.dtype == q.dtype else o.to(q.dtype)
         return super().forward(q, k, v, kv_cache, meta, scale, window)
 

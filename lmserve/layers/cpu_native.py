@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "qtile.c", "paged_attn.c", "fused.c")]
 MAX_ROWS = 16  # up to this many rows of x the kernel beats dequantize + matmul (measured: docs/architecture.md)
 HEADERS = [Path(__file__).with_name("csrc") / "vmath.h"]  # included by the sources (part of the build's key)
-ISA_NAMES = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}  # vnni: AVX-512 VNNI with int8 activations
+# vnni: AVX-512 VNNI with int8 activations (qtile.c); avx512 / avx2 / c: float activations (qgemv.c)
+ISA_NAMES = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}
 _LEVEL_NAMES = {v: k for k, v in ISA_NAMES.items()}
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
 
@@ -124,6 +125,11 @@ def lib() -> ctypes.CDLL:
     return built
 
 
+def int8_x() -> bool:
+    """The tile kernel (csrc/qtile.c: int8 activations on AVX-512 VNNI) is this CPU's path."""
+    return isa() == "vnni"
+
+
 def isa() -> str:
     """The code path the kernels take on this CPU: vnni, avx512, avx2 or c ('none': not built)."""
     lib = _lib()
@@ -205,7 +211,7 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, min
     mn = None if mins is None or mins.dtype == torch.float32 else mins.float()
     mn = mins if mn is None else mn
     level = _level(lib, isa_name)
-    if level == 3 and tiles_fit(bits, K, group_size):  # repacked per call here; layers keep theirs
+    if level >= 3 and tiles_fit(bits, K, group_size):  # repacked per call here; layers keep theirs
         values = q if bits == 8 else torch.stack([q & 15, q >> 4], dim=-1).reshape(N, K)  # (N, K)
         return qgemm_tiles(xf, pack_tiles(values, bits, sc, mn, group_size))
     if bits == 4:

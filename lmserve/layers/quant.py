@@ -245,7 +245,7 @@ class GroupQuantLinear(LinearBase):
 
     def tiled(self) -> bool:
         """The VNNI tile kernel takes this layer here (any number of rows: prefill too)."""
-        return cpu_native.isa() == "vnni" and cpu_native.tiles_fit(self.bits, self.in_features, self.group_size)
+        return cpu_native.int8_x() and cpu_native.tiles_fit(self.bits, self.in_features, self.group_size)
 
     def tiles(self) -> cpu_native.Tiles:
         """The weight repacked for the VNNI tile kernel: built on first use, again whenever qweight,

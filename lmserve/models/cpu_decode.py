@@ -1,5 +1,6 @@
-"""The CPU decode plan: a Llama-family decode step (every sequence one new token) as a short run of
-calls into our C kernels, with the layers' pointers and the step's buffers prepared once.
+"""The CPU decode plan: a Llama-family decode step (every sequence one new token, or a few: a
+speculative verification) as a short run of calls into our C kernels, with the layers' pointers and
+the step's buffers prepared once.
 
 Why: at batch 1 on two cores the default model's weights stream in ~8 ms, and the Python around ~300
 module calls, dispatch checks and tensor allocations per step cost as much again. The plan runs
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from lmserve.attention.backend import AttentionMetadata
+from lmserve.attention.cpu_attn import ROWS_PER_SEQ
 from lmserve.layers import cpu_native, dispatch
 from lmserve.layers.quant import GroupQuantLinear, Int8Linear
 
@@ -42,7 +44,7 @@ class _Linear:
 
 
 class CpuDecodePlan:
-    """See the module docstring. `run` takes the model's forward arguments for an all-decode step."""
+    """See the module docstring. `run` takes the model's forward arguments for a step `applies` accepts."""
 
     def __init__(self, model: Any) -> None:
         cfg = model.cfg
@@ -69,7 +71,7 @@ class CpuDecodePlan:
         """The plan for `model`, or None where it does not apply (then the module path runs)."""
         cfg = getattr(model, "cfg", None)
         if cfg is None or cfg.qk_norm or cfg.qkv_bias or not cpu_native.available() \
-                or cpu_native.isa() != "vnni" or model.norm.weight.dtype != torch.float32 \
+                or not cpu_native.int8_x() or model.norm.weight.dtype != torch.float32 \
                 or model.norm.weight.device.type != "cpu":
             return None
         for layer in model.layers:
@@ -82,8 +84,9 @@ class CpuDecodePlan:
         return CpuDecodePlan(model)
 
     def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        """This step can run here: all decode (any number of rows), float32 caches, fused ops not off."""
-        return (dispatch.cpu_fast_allowed() and not meta.static_decode and meta.all_decode
+        """This step can run here: at most ROWS_PER_SEQ new tokens a sequence (decode, verification; any
+        number of sequences), float32 caches, fused ops not off."""
+        return (dispatch.cpu_fast_allowed() and not meta.static_decode and meta.max_query_len <= ROWS_PER_SEQ
                 and all(isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in kv_caches[:1])
                 and self.ptrs == self._weights_key())
 
@@ -103,8 +106,7 @@ class CpuDecodePlan:
         cos, sin = meta.memo(("rope2d", id(self.rotary)), lambda: tuple(
             t.squeeze(1) for t in self.rotary.lookup(positions)))  # (B, d) each
         cos, sin = cos.contiguous(), sin.contiguous()
-        tables = meta.block_tables.long().contiguous()  # (B, T)
-        lens = meta.seq_lens.long().contiguous()  # (B,)
+        tables, lens = (t.long().contiguous() for t in meta.token_rows())  # (B, T), (B,): a row per token
         slots = meta.slot_mapping.long().contiguous()  # (B,)
         first = True
         for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm, scale, window), cache in zip(self.layers, kv_caches):

@@ -27,6 +27,9 @@
 
 #define MT 8    /* x rows per pass over a tile */
 #define MCH 64  /* x rows per chunk (prefill): xq of a chunk stays in cache across the tiles */
+#ifndef PF_TILES
+#define PF_TILES 2 /* software prefetch distance, in tiles */
+#endif
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 #define INLINE static inline __attribute__((always_inline))
 
@@ -80,13 +83,22 @@ TARGET static void quant_x_tiles(const float *x, int64_t M, int64_t K, int sb, i
  * at compile time (the accumulators stay in registers). */
 TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, const float *xfs, const int mc,
                         int64_t K, const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn,
-                        int64_t spg, float *y, int64_t ldy, int nvalid) {
+                        int64_t spg, float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
   __m512 acc[MT];
   for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
   const int64_t NS = K / SB, KB = K / 32;
   const __m512i lo4 = _mm512_set1_epi8(15);
   for (int64_t s = 0; s < NS; s++) {
     const int64_t k0 = s * SB, g = s / spg;
+    { /* this sub-block's bytes PF_TILES tiles on, requested now: in cache when that tile comes, so the
+         stream from memory overlaps the multiply-adds of several x rows */
+      const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
+      for (int j = 0; j < (BITS == 8 ? SB / 4 : SB / 8); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
+      if (s % spg == 0) {
+        _mm_prefetch((const char *)(sc + g * 16) + sahead, _MM_HINT_T0);
+        if (mn) _mm_prefetch((const char *)(mn + g * 16) + sahead, _MM_HINT_T0);
+      }
+    }
     __m512i wv[SB / 4]; /* operand j: columns k0 + 4j .. k0 + 4j + 3 of the 16 rows */
     if (BITS == 8) {
       for (int j = 0; j < SB / 4; j++) wv[j] = _mm512_loadu_si512((const void *)(w + (k0 / 4 + j) * 64));
@@ -115,19 +127,19 @@ TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, c
 
 #define TILE_MC(BITS, SB)                                                                               \
   switch (mc) {                                                                                         \
-    case 8: tile(xq, xd, xis, xfs, 8, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
-    case 7: tile(xq, xd, xis, xfs, 7, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
-    case 6: tile(xq, xd, xis, xfs, 6, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
-    case 5: tile(xq, xd, xis, xfs, 5, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
-    case 4: tile(xq, xd, xis, xfs, 4, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
-    case 3: tile(xq, xd, xis, xfs, 3, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
-    case 2: tile(xq, xd, xis, xfs, 2, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;              \
-    default: tile(xq, xd, xis, xfs, 1, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid); break;             \
+    case 8: tile(xq, xd, xis, xfs, 8, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 7: tile(xq, xd, xis, xfs, 7, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 6: tile(xq, xd, xis, xfs, 6, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 5: tile(xq, xd, xis, xfs, 5, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 4: tile(xq, xd, xis, xfs, 4, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 3: tile(xq, xd, xis, xfs, 3, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 2: tile(xq, xd, xis, xfs, 2, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    default: tile(xq, xd, xis, xfs, 1, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;             \
   }
 
 TARGET static void tile_any(const int8_t *xq, const float *xd, const int32_t *xis, const float *xfs, int mc, int64_t K,
                             const uint8_t *w, int bits, int sb, const float *sc, const float *mn, int64_t spg,
-                            float *y, int64_t ldy, int nvalid) {
+                            float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
   if (bits == 8 && sb == 32) { TILE_MC(8, 32) }
   else if (bits == 8) { TILE_MC(8, 16) }
   else if (sb == 32) { TILE_MC(4, 32) }
@@ -155,7 +167,8 @@ void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int
       for (int64_t m0 = c0; m0 < c1; m0 += MT) {
         const int mc = c1 - m0 < MT ? (int)(c1 - m0) : MT;
         tile_any(xq + m0 * K, xd + m0 * (K / 32), xis + m0 * NS, xfs + m0 * NS, mc, K, wq + t * tile_bytes, bits, sb,
-                 sc + t * G * 16, mn ? mn + t * G * 16 : NULL, spg, y + m0 * N + t * 16, N, nvalid);
+                 sc + t * G * 16, mn ? mn + t * G * 16 : NULL, spg, y + m0 * N + t * 16, N, nvalid,
+                 PF_TILES * tile_bytes, PF_TILES * G * 16 * (int64_t)sizeof(float));
       }
     }
   }
