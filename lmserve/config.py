@@ -162,13 +162,15 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # speculative decoding
     speculative_method: str | None = None  # None | "ngram" | "draft"
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 5  # measured best of 3 / 5 / 7 for n-gram on the CPU fast path (BENCHMARKS.md)
     draft_model: str | None = None  # path or known name; defaults to the target itself (with draft_num_layers)
     draft_num_layers: int | None = None  # keep only the first N layers of the draft (a truncated copy)
     ngram_min: int = 1
     ngram_max: int = 3
     spec_max_batch: int = 8  # no speculation when more sequences than this are running
-    spec_min_acceptance: float = 0.25  # pause a request's speculation below this running acceptance rate
+    # pause a request's speculation below this running acceptance rate: verification of k + 1 tokens costs
+    # about 1.2-1.4x a decode step on the CPU fast path (was 2x at 0.25, BENCHMARKS.md), so drafting pays lower
+    spec_min_acceptance: float = 0.1
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -42,6 +42,7 @@ def add_parser(bs: Any) -> None:
     s.add_argument("--methods", default="none,ngram,draft", help="comma list of none, ngram, draft")
     s.add_argument("--batch-sizes", default="1,8")
     s.add_argument("--max-tokens", type=int, default=96)
+    s.add_argument("--repeats", type=int, default=1, help="timed runs per row; the median's tokens/s is reported")
     s.add_argument("--output-json", default=None)
     s.set_defaults(func=cmd_spec)
 
@@ -65,15 +66,19 @@ def cmd_spec(a: argparse.Namespace) -> int:
             params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
             llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
             before = llm.stats().spec or {}
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - t0
+            walls = []
+            for _ in range(max(1, a.repeats)):  # greedy: every run the same tokens, proposals and acceptance
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                walls.append(time.perf_counter() - t0)
+            wall = sorted(walls)[len(walls) // 2]
             after = llm.stats().spec or {}
             toks = sum(len(o.outputs[0].token_ids) for o in outs)
-            prop = after.get("proposed", 0) - before.get("proposed", 0)
-            acc = after.get("accepted", 0) - before.get("accepted", 0)
-            ver = after.get("verifications", 0) - before.get("verifications", 0)
-            rows.append({"method": method, "batch": b, "output_tokens": toks, "wall_s": wall,
+            runs = len(walls)  # counts per run (the runs are identical)
+            prop = (after.get("proposed", 0) - before.get("proposed", 0)) / runs
+            acc = (after.get("accepted", 0) - before.get("accepted", 0)) / runs
+            ver = (after.get("verifications", 0) - before.get("verifications", 0)) / runs
+            rows.append({"method": method, "batch": b, "output_tokens": toks, "wall_s": wall, "walls_s": walls,
                          "tokens_per_s": toks / wall, "proposed": prop, "accepted": acc,
                          "acceptance_rate": acc / prop if prop else None,
                          "mean_accepted_length": 1 + acc / ver if ver else None,

@@ -1,17 +1,19 @@
 """Our own CPU kernels (layers/csrc/*.c), built with the system C compiler on first use and called
-through ctypes: the weight-only int8 / int4 matmul the quantized layers use for decode-sized inputs
-(qgemv.c), paged decode attention reading the KV cache in place (paged_attn.c; the CPU attention
-backend, attention/cpu_attn.py), and fused elementwise ops (fused.c; layers/cpu_fused.py).
+through ctypes: the weight-only int8 / int4 matmul of the quantized layers (qtile.c on AVX-512 VNNI
+CPUs, any number of rows, weights repacked in tiles of 16 output rows; qgemv.c elsewhere, up to
+MAX_ROWS rows in the layers' own layouts), paged attention for one query token a row reading the KV
+cache in place (paged_attn.c; the CPU attention backend, attention/cpu_attn.py), and fused elementwise
+ops (fused.c; layers/cpu_fused.py).
 
 Why our own: PyTorch's weight-only CPU kernels lost to plain bf16 when measured at DRAM scale (issue
-#14), and an fp32 matmul over dequantized weights reads the float bytes. This one reads the packed
-bytes once per call whatever the number of rows (up to MAX_ROWS), with fp32 activations.
+#14), and an fp32 matmul over dequantized weights reads the float bytes. These read the packed bytes
+once per call whatever the number of rows.
 
 The library is compiled once per source text and compiler into LMSERVE_CACHE (default
-~/.cache/lmserve) / kernels, picking its code path (AVX-512, AVX2, plain C) at run time from what the
-CPU has; with no compiler, or LMSERVE_NATIVE=0, `available()` is False and callers keep their torch
-path. LMSERVE_ISA=avx2|c caps the path (to compare them). Threads: torch's intra-op thread count, on
-the same OpenMP runtime torch uses (the process has one libgomp).
+~/.cache/lmserve) / kernels, picking its code path (AVX-512 VNNI, AVX-512, AVX2, plain C) at run time
+from what the CPU has; with no compiler, or LMSERVE_NATIVE=0, `available()` is False and callers keep
+their torch path. LMSERVE_ISA=vnni|avx512|avx2|c caps the path (to compare them). Threads: torch's
+intra-op thread count, on the same OpenMP runtime torch uses (the process has one libgomp).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "qtile.c", "paged_attn.c", "fused.c")]
-MAX_ROWS = 16  # up to this many rows of x the kernel beats dequantize + matmul (measured: docs/architecture.md)
+MAX_ROWS = 16  # qgemv.c: up to this many rows of x it beats dequantize + matmul (measured: docs/architecture.md)
 HEADERS = [Path(__file__).with_name("csrc") / "vmath.h"]  # included by the sources (part of the build's key)
 # vnni: AVX-512 VNNI with int8 activations (qtile.c); avx512 / avx2 / c: float activations (qgemv.c)
 ISA_NAMES = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}
