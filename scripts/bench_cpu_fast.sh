@@ -24,7 +24,7 @@ $B bench latency --batch-size 1 --input-len 1024 --output-len 8 --repeats 1 --co
   --no-progress --output-json "$out/latency-ttft1024.json"
 # step cost against rows: B sequences decoding together = B rows a step
 for b in 1 2 4 5 8 16; do
-  $B bench latency --batch-size $b --input-len 64 --output-len 32 --repeats 1 --no-progress \
+  $B bench latency --batch-size $b --input-len 64 --output-len 64 --repeats 3 --no-progress \
     --output-json "$out/rows-$b.json"
 done
 # cold start: process start to first token
@@ -33,4 +33,4 @@ done
 $B bench throughput --preset cpu --compare hf --hf-batch-size 8 "${LC[@]}" --no-progress \
   --output-json "$out/throughput.json"
 # speculation at batch 1 on the fast path
-$B bench spec --methods none,ngram,draft --batch-sizes 1 --max-tokens 96 --output-json "$out/spec.json"
+$B bench spec --methods none,ngram,draft --batch-sizes 1 --max-tokens 96 --repeats 5 --output-json "$out/spec.json"
