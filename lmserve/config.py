@@ -61,6 +61,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    # Gemma 3: which layers attend locally (sliding_window) and which globally; the local layers' rope
+    # base; the attention scale query_pre_attn_scalar ** -0.5 (else head_dim ** -0.5); a soft cap
+    # on the final logits (tanh(x / cap) * cap)
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -69,6 +76,14 @@ class ModelConfig:
                 raise ValueError(f"model config: {name} must be positive")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("model config: num_heads must be a multiple of num_kv_heads")
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"model config: layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i (None: it attends to the whole context)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
     @property
     def kv_elems_per_token(self) -> int:
@@ -91,7 +106,22 @@ class ModelConfig:
         if scaling is None and rope_params.get("rope_type", "default") != "default":
             scaling = rope_params
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        return cls(
+        extra: dict[str, Any] = {}
+        if arch.startswith("Gemma3"):  # local / global layers with their own rope bases (Gemma3TextConfig)
+            types = cfg.get("layer_types") or [
+                "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
+                for i in range(cfg["num_hidden_layers"])]
+            per_type = rope_params if "full_attention" in rope_params else {}
+            full, local = per_type.get("full_attention") or {}, per_type.get("sliding_attention") or {}
+            rope_theta = full.get("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
+            scaling = full if full.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
+            extra = dict(layer_types=tuple(types), rope_local_theta=float(local.get("rope_theta", cfg.get(
+                "rope_local_base_freq", 10_000.0))), query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+                final_logit_softcapping=cfg.get("final_logit_softcapping"))
+            if cfg.get("attn_logit_softcapping") is not None:
+                raise ValueError("attn_logit_softcapping is not supported (Gemma 2's attention soft cap)")
+            window = cfg.get("sliding_window")
+        return cls(**extra,
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -105,12 +135,12 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("attention_bias", arch.startswith("Qwen2")),
-            qk_norm=arch.startswith("Qwen3"),
+            qk_norm=arch.startswith(("Qwen3", "Gemma3")),
             sliding_window=window,
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
         )
 
 

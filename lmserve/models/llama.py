@@ -24,7 +24,10 @@ from lmserve.models.cpu_decode import CpuDecodePlan
 class Attention(nn.Module):
     """Self-attention with GQA/MQA over the paged cache."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 window: int | None = None, scale: float | None = None) -> None:
+        """window: this layer's sliding window (default cfg.sliding_window); scale: the attention scale
+        (default head_dim ** -0.5)."""
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.h * self.d, self.hkv * self.d, self.hkv * self.d],
@@ -34,8 +37,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         self.backend = backend
-        self.window = cfg.sliding_window
-        self.scale = self.d ** -0.5
+        self.window = cfg.sliding_window if window is None else window
+        self.scale = self.d ** -0.5 if scale is None else scale
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -61,23 +64,29 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(n, self.h * self.d))  # (N, hidden)
 
 
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu,  # gated: down(act(gate(x)) * up(x))
+               "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh"),  # GeGLU (Gemma)
+               "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """SwiGLU (or GeGLU): down(act(gate(x)) * up(x)), gate and up fused into one matmul."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        self.act, self.silu = ACTIVATIONS[cfg.hidden_act], cfg.hidden_act in ("silu", "swish")
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (N, 2I)
-        fused = dispatch.fused_ops(gate_up)
+        fused = dispatch.fused_ops(gate_up) if self.silu else None
         if fused is not None:
             return self.down_proj(fused.silu_and_mul(gate_up))  # (N, hidden)
         gate, up = self.gate_up_proj.split(gate_up)  # (N, I) each
-        return self.down_proj(F.silu(gate) * up)  # (N, hidden)
+        return self.down_proj(self.act(gate) * up)  # (N, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -113,10 +122,13 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = self.make_layers(cfg, backend)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def make_layers(self, cfg: ModelConfig, backend: AttentionBackend) -> nn.ModuleList:
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        return nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -13,6 +13,7 @@ from lmserve.attention import AttentionBackend
 from lmserve.config import ModelConfig
 from lmserve.layers.linear import Linear, LinearBase
 from lmserve.layers.quant import SCHEMES, Fp8Linear, GroupQuantLinear, Int4Linear, Int8Linear
+from lmserve.models.gemma3 import Gemma3ForCausalLM
 from lmserve.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
@@ -20,6 +21,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 # GGUF `general.architecture` -> HF architectures name
