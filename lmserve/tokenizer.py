@@ -69,6 +69,8 @@ class Tokenizer:
                    add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template,
                    eos_token_ids=eos_token_ids)
 
+    GGUF_MODELS = ("gpt2",)  # the `tokenizer.ggml.model` kinds from_gguf builds
+
     @classmethod
     def from_gguf(cls, g: Any, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
         """Build from a parsed GGUFFile's `tokenizer.ggml.*` metadata."""

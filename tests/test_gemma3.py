@@ -87,3 +87,37 @@ def test_greedy_matches_hf_past_the_window(gemma, mode):  # type: ignore[no-unty
     if mode == "prefix":
         assert st.prefix_hit_tokens >= 40 * len(PROMPTS) // 4 * 4
     assert st.used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def gemma_270m():  # type: ignore[no-untyped-def]
+    """The real gemma-3-270m GGUF (joined from its part packages on first use) and HF transformers
+    loading the same file (~50 s: shared by the tests below)."""
+    from transformers import AutoModelForCausalLM
+
+    from lmserve.models.loader import resolve_model
+    path = resolve_model("gemma-3-270m").path
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return path, hf
+
+
+LONG = [2, 818, 5279, 529, 7001, 563, 236743, 108, 9259, 1902, 531, 1345, 496, 1161, 236761] + list(range(1000, 1600))
+
+
+def test_real_gemma_270m_matches_hf_past_its_window(gemma_270m):  # type: ignore[no-untyped-def]
+    """615 tokens (the local layers' window is 512): float weights give HF's logits; greedy decoding
+    gives HF's tokens; the default (the GGUF's own blocks, int8 activations) stays close."""
+    path, hf = gemma_270m
+    with torch.no_grad():
+        ref = hf(torch.tensor([LONG])).logits[0].float()  # (615, 262144)
+        want = hf.generate(torch.tensor([LONG]), max_new_tokens=12, do_sample=False)[0, len(LONG):].tolist()
+        want_short = hf.generate(torch.tensor([LONG[:15]]), max_new_tokens=12, do_sample=False)[0, 15:].tolist()
+    llm = LLM("gemma-3-270m", quantization="none", kv_cache_memory="256MiB")
+    assert (llm.score(LONG) - ref).abs().max() < 2e-4
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([LONG, LONG[:15]], params, use_tqdm=False)]
+    assert got == [want, want_short]
+    del llm
+    default = LLM("gemma-3-270m", kv_cache_memory="256MiB")  # quantization auto
+    agree = (default.score(LONG).argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree > 0.9, agree  # measured 0.95 (Q4_K / Q5_0 / Q6_K blocks, int8 activations)

@@ -188,7 +188,7 @@ def gguf_raw(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     with finite f16 scales (Q4_K / Q6_K have no Python quantizer)."""
     from gguf import GGMLQuantizationType, quants
     rng = np.random.default_rng(seed)
-    if kind in ("Q8_0", "Q4_0", "Q4_1"):
+    if kind in ("Q8_0", "Q4_0", "Q4_1", "Q5_0"):
         return quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), GGMLQuantizationType[kind])
     size, f16_at = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}[kind]
     raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)

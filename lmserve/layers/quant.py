@@ -107,7 +107,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 # GGUF block types kept as they are with quantization="gguf": type -> (bits of the layer, group size)
-GGUF_NATIVE = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q8_0": (8, 32), "Q6_K": (8, 16)}
+GGUF_NATIVE = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q8_0": (8, 32), "Q6_K": (8, 16), "Q5_0": (8, 32)}
 
 
 def gguf_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
@@ -115,7 +115,8 @@ def gguf_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np
     in // group], group) with w = q * scale + min, the same float ops gguf.quants.dequantize does: the
     integers come out of the bytes as they are. Blocks (ggml-common.h): Q8_0: f16 d, 32 int8 (q d);
     Q4_0: f16 d, 16 bytes (q d - 8 d); Q4_1: f16 d, f16 m, 16 bytes (q d + m), byte j holding value j
-    in its low nibble and j + 16 in its high; Q4_K (256 values): f16 d, f16 dmin, 12 bytes of 6-bit
+    in its low nibble and j + 16 in its high; Q5_0: f16 d, 4 bytes of fifth bits (bit j: value j), 16
+    bytes of nibbles as Q4_0's ((q - 16) d, kept as int8 in -16..15); Q4_K (256 values): f16 d, f16 dmin, 12 bytes of 6-bit
     scales and mins, 128 bytes of nibbles (q (d sc) - dmin m per 32); Q6_K (256 values): 128 bytes of
     low 4 bits, 64 of high 2 bits, an int8 scale per 16, f16 d ((q - 32) (d sc))."""
     from gguf import quants
@@ -130,6 +131,11 @@ def gguf_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np
     if kind == "Q8_0":
         b = data.reshape(rows, -1, 34)
         return b[..., 2:].view(np.int8).reshape(rows, -1), f16(b[..., :2]), None, 32
+    if kind == "Q5_0":
+        b = data.reshape(rows, -1, 22)
+        high = (b[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # (rows, nb, 32): bit 4 of value j
+        q = (nibbles(b[..., 6:]).reshape(rows, -1, 32) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        return q.reshape(rows, -1), f16(b[..., :2]), None, 32
     if kind in ("Q4_0", "Q4_1"):
         head = 2 if kind == "Q4_0" else 4
         b = data.reshape(rows, -1, head + 16)

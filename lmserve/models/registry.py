@@ -26,7 +26,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
 
 # GGUF `general.architecture` -> HF architectures name
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
