@@ -116,7 +116,8 @@ def model_from_name(name: str) -> PlanModel:
 
 
 def _config_from_path(name: str):  # type: ignore[no-untyped-def]
-    from lmserve.models.loader import GGUFFile, hf_config, resolve_model
+    from lmserve.models.gguf_file import GGUFFile
+    from lmserve.models.loader import hf_config, resolve_model
     p = Path(name)
     if p.is_file() and p.name.endswith(".json"):
         from lmserve.config import ModelConfig

@@ -24,7 +24,7 @@ from lmserve.attention import AttentionBackend, AttentionMetadata
 from lmserve.config import ModelConfig
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryEmbedding
-from lmserve.models.llama import MLP, Attention, LlamaForCausalLM
+from lmserve.models.llama import MLP, Attention, LlamaForCausalLM, norm_into_stream
 
 # norms whose Gemma weight w means (1 + w): the HF names' last two parts
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
@@ -50,10 +50,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)  # (N, hidden) each
+        h, residual = norm_into_stream(self.input_layernorm, x, residual)  # (N, hidden) each
         h = self.post_attention_layernorm(self.self_attn(h, positions, kv_cache, meta))
         h, residual = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual

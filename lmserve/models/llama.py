@@ -89,6 +89,14 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)  # (N, hidden)
 
 
+def norm_into_stream(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's input norm in the fused residual form: x (the previous block's output) joins the
+    residual stream (the first block starts it) -> (normed, stream), both (N, hidden)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
@@ -99,10 +107,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = norm_into_stream(self.input_layernorm, x, residual)
         h = self.self_attn(h, positions, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
