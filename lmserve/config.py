@@ -66,6 +66,15 @@ class ModelConfig:
     # on the final logits (tanh(x / cap) * cap)
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
+    # mixture of experts (Mixtral, Qwen3-MoE): experts per sparse layer, k per token, each expert's
+    # width, whether the k router weights are renormalised; which layers are sparse (every
+    # decoder_sparse_step-th, except mlp_only_layers)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
 
@@ -78,6 +87,10 @@ class ModelConfig:
             raise ValueError("model config: num_heads must be a multiple of num_kv_heads")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"model config: layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Layer i's MLP is a routed mixture of experts."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer i (None: it attends to the whole context)."""
@@ -121,6 +134,15 @@ class ModelConfig:
             if cfg.get("attn_logit_softcapping") is not None:
                 raise ValueError("attn_logit_softcapping is not supported (Gemma 2's attention soft cap)")
             window = cfg.get("sliding_window")
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        if experts:
+            if cfg.get("shared_expert_intermediate_size") or cfg.get("n_shared_experts"):
+                raise ValueError("MoE with shared experts is not supported yet")
+            extra.update(num_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                         moe_intermediate_size=cfg.get("moe_intermediate_size"),
+                         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),  # Mixtral: always renormalised
+                         decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
         return cls(**extra,
             architecture=arch,
             vocab_size=cfg["vocab_size"],

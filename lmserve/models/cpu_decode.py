@@ -76,6 +76,8 @@ class CpuDecodePlan:
             return None
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
+            if not hasattr(m, "gate_up_proj"):  # a mixture of experts: the module path
+                return None
             for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
                 if not isinstance(lin, GroupQuantLinear) or not lin.cpu_kernel or lin.bias is not None \
                         or (isinstance(lin, Int8Linear) and lin.outlier_cols is not None) \

@@ -19,6 +19,7 @@ from lmserve.layers.linear import Linear, LinearBase, MergedLinear
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.cpu_decode import CpuDecodePlan
+from lmserve.models.moe import SparseMoE
 
 
 class Attention(nn.Module):
@@ -98,12 +99,12 @@ def norm_into_stream(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | No
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, i: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = SparseMoE(cfg) if cfg.layer_is_moe(i) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,12 +115,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 causal LM over flattened tokens."""
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over flattened tokens; Mixtral / Qwen3-MoE with routed
+    experts in their sparse layers (models/moe.py)."""
 
     # checkpoint suffix -> (our module path suffix, shard index or None)
     stacked = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),  # Mixtral's experts
     }
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
@@ -133,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layers(self, cfg: ModelConfig, backend: AttentionBackend) -> nn.ModuleList:
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        return nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        return nn.ModuleList(DecoderLayer(cfg, rotary, backend, i) for i in range(cfg.num_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -171,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            name = name.removeprefix("model.")
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
             if name == "embed_tokens.weight":
                 if isinstance(self.embed_tokens, nn.Embedding):
                     self.embed_tokens.weight.data.copy_(tensor)

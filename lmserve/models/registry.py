@@ -15,6 +15,7 @@ from lmserve.layers.linear import Linear, LinearBase
 from lmserve.layers.quant import SCHEMES, Fp8Linear, GroupQuantLinear, Int4Linear, Int8Linear
 from lmserve.models.gemma3 import Gemma3ForCausalLM
 from lmserve.models.llama import LlamaForCausalLM
+from lmserve.models.moe import SparseMoE
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +23,8 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 
 # GGUF `general.architecture` -> HF architectures name
@@ -94,9 +97,10 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
     act_absmax (int8): per-linear max |input| per column (`input_absmax`); columns above `threshold`
     stay float. copy: quantize the weights the float layers hold; False: leave the new layers empty,
     for load_weights to quantize each checkpoint tensor as it arrives."""
+    routers = {f"{n}.gate" for n, m in model.named_modules() if isinstance(m, SparseMoE)}
     for name, m in list(model.named_modules()):
         s = head if name == "lm_head" else scheme
-        if not isinstance(m, Linear) or s is None:
+        if not isinstance(m, Linear) or s is None or name in routers:  # routers stay float (as vLLM keeps them)
             continue
         cols = None
         if act_absmax is not None and s == "int8" and name in act_absmax:
