@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
-from tests.test_models_vs_hf import hf_greedy
+from tests.test_models_vs_hf import CONFIGS, greedy_matches_hf
 
 WINDOW = 8
 PROMPTS = [[5, 17, 33, 9, 100, 3], list(range(20, 61)), [11, 12], list(range(64, 127)) + [1, 2, 3]]
@@ -59,34 +59,9 @@ def test_logits_match_hf(gemma):  # type: ignore[no-untyped-def]
         assert (decoded - hf(torch.tensor([PROMPTS[3]])).logits[0]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["default", "chunked", "prefix", "preempt"])
+@pytest.mark.parametrize("mode", list(CONFIGS))
 def test_greedy_matches_hf_past_the_window(gemma, mode):  # type: ignore[no-untyped-def]
-    path, hf = gemma
-    opts = {"default": {}, "chunked": dict(max_num_batched_tokens=7),
-            "prefix": dict(enable_prefix_caching=True, block_size=4),
-            "preempt": dict(block_size=4, max_num_batched_tokens=16)}[mode]
-    n_new = 30  # every sequence ends several windows past its start
-    if mode == "preempt":  # room for about two of the four at once
-        from lmserve.kv.cache import KVCache
-        from lmserve.models.loader import hf_config
-        per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
-        opts["kv_cache_memory"] = per_block * (-(-(max(map(len, PROMPTS)) + n_new) // 4) + 12)
-    llm = LLM(str(path), **opts)
-    params = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
-    prompts = PROMPTS
-    if mode == "prefix":  # a 40-token shared prefix (5 windows) cached by a first request
-        shared = list(range(30, 70))
-        llm.generate([shared + [3, 4]], params, use_tqdm=False)
-        prompts = [shared + p for p in PROMPTS]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n_new), (mode, len(prompt))
-    st = llm.stats()
-    if mode == "preempt":
-        assert st.num_preemptions > 0
-    if mode == "prefix":
-        assert st.prefix_hit_tokens >= 40 * len(PROMPTS) // 4 * 4
-    assert st.used_blocks == 0
+    greedy_matches_hf(*gemma, mode, n_new=30)  # every sequence ends several windows past its start
 
 
 @pytest.fixture(scope="module")

@@ -39,33 +39,37 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mode", list(CONFIGS))
-def test_greedy_matches_hf_generate(tiny_models, family, mode):  # type: ignore[no-untyped-def]
-    path, hf = tiny_models[family]
+def greedy_matches_hf(path, hf, mode: str, n_new: int) -> None:  # type: ignore[no-untyped-def]
+    """Our greedy tokens equal HF generate's for PROMPTS under CONFIGS[mode] (preempt: a pool with room
+    for ~2.5 of the 4 requests, so someone is preempted and recomputed; prefix: the prompts share a
+    40-token prefix a first request cached); every block free afterwards."""
     opts = dict(CONFIGS[mode])
-    n_new = 24
     if mode == "preempt":
-        # room for ~2.5 of the 4 requests at once: someone must be preempted and recomputed
         from lmserve.kv.cache import KVCache
         from lmserve.models.loader import hf_config
-        cfg = hf_config(path)
-        per_block = KVCache.bytes_per_block(cfg, 4, torch.float32)
+        per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
         longest = max(len(p) for p in PROMPTS) + n_new
         opts["kv_cache_memory"] = per_block * (-(-longest // 4) + 12)
     llm = LLM(str(path), **opts)
     params = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     prompts = PROMPTS
-    if mode == "prefix":  # the later prompts share a 40-token prefix with the first run's
+    if mode == "prefix":
         shared = list(range(30, 70))
         llm.generate([shared + [3, 4]], params, use_tqdm=False)
         prompts = [shared + p for p in PROMPTS]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n_new), (family, mode, prompt)
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n_new), (mode, prompt)
     st = llm.stats()
     if mode == "preempt":
         assert st.num_preemptions > 0
     if mode == "prefix":
         assert st.prefix_hit_tokens >= 40 * len(PROMPTS) // 4 * 4
     assert st.used_blocks == 0 and st.free_blocks == st.num_blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", list(CONFIGS))
+def test_greedy_matches_hf_generate(tiny_models, family, mode):  # type: ignore[no-untyped-def]
+    path, hf = tiny_models[family]
+    greedy_matches_hf(path, hf, mode, n_new=24)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve import LLM, SamplingParams
+from lmserve import LLM
 from lmserve.models.moe import SparseMoE
-from tests.test_models_vs_hf import PROMPTS, hf_greedy
+from tests.test_models_vs_hf import CONFIGS, PROMPTS, greedy_matches_hf
 
 
 def _config(family: str):  # type: ignore[no-untyped-def]
@@ -67,33 +67,10 @@ def test_logits_match_hf(moe_model):  # type: ignore[no-untyped-def]
         assert (llm.score(prompt) - ref).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["chunked", "prefix", "preempt"])
+@pytest.mark.parametrize("mode", list(CONFIGS))
 def test_greedy_matches_hf(moe_model, mode):  # type: ignore[no-untyped-def]
     _, path, hf = moe_model
-    opts = {"chunked": dict(max_num_batched_tokens=7), "prefix": dict(enable_prefix_caching=True, block_size=4),
-            "preempt": dict(block_size=4, max_num_batched_tokens=16)}[mode]
-    n_new = 16
-    if mode == "preempt":
-        from lmserve.kv.cache import KVCache
-        from lmserve.models.loader import hf_config
-        per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
-        opts["kv_cache_memory"] = per_block * (-(-(max(map(len, PROMPTS)) + n_new) // 4) + 12)
-    llm = LLM(str(path), **opts)
-    params = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
-    prompts = PROMPTS
-    if mode == "prefix":
-        shared = list(range(30, 70))
-        llm.generate([shared + [3, 4]], params, use_tqdm=False)
-        prompts = [shared + p for p in PROMPTS]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n_new), (mode, len(prompt))
-    st = llm.stats()
-    if mode == "preempt":
-        assert st.num_preemptions > 0
-    if mode == "prefix":
-        assert st.prefix_hit_tokens > 0
-    assert st.used_blocks == 0
+    greedy_matches_hf(path, hf, mode, n_new=16)
 
 
 def test_int8_keeps_the_router_float(moe_model):  # type: ignore[no-untyped-def]
