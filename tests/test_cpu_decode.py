@@ -77,3 +77,39 @@ def test_verification_steps_run_in_the_plan_with_the_module_paths_tokens(tiny_mo
     model._cpu_plan = None
     module = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == module == plain
+
+
+def test_gemma_plan_equals_the_module_path(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """Gemma 3's plan (q / k norms per head, sandwich norms, GeGLU, local and global layers) gives the
+    module path's logits bit for bit, and its tokens, decode and verification steps alike."""
+    import transformers as tf
+
+    from lmserve.models.cpu_decode import GemmaDecodePlan
+    torch.manual_seed(0)
+    cfg = tf.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              max_position_embeddings=256)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    hf = tf.Gemma3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.3 if "norm" in name else 0.08)
+    hf.save_pretrained(tmp_path)
+    llm = _llm(tmp_path)
+    model = llm.engine.model
+    plan = model.cpu_plan()
+    assert isinstance(plan, GemmaDecodePlan)
+    runs: list[int] = []
+    real = plan.run
+    monkeypatch.setattr(plan, "run", lambda x, *a: runs.append(x.shape[0]) or real(x, *a))
+    ids = [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 11, 2, 9, 30, 31, 32]
+    with_plan = llm.score(ids, decode_from=3)  # the 3-token prompt, then 13 decode steps (past the window)
+    assert runs == [3] + [1] * 13
+    model._cpu_plan = None
+    assert torch.equal(with_plan, llm.score(ids, decode_from=3))
+    prompts = [[5, 9, 2, 7], [4, 4, 8, 4, 4, 8, 4, 4]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    model._cpu_plan = plan
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref

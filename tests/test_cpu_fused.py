@@ -71,3 +71,12 @@ def test_model_greedy_equals_the_unfused_path(tiny_models, family):  # type: ign
     with dispatch.use_fused(False):
         ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert fast == ref
+
+
+def test_gelu_tanh_and_mul_against_float64():
+    """GeGLU (Gemma's MLP) in C: tanh through our exp; against float64 over a wide range."""
+    gate = torch.cat([torch.linspace(-30, 30, 3001), torch.randn(1095) * 2])  # (4096,)
+    gu = torch.stack([torch.cat([gate, torch.ones_like(gate)]), torch.cat([gate, 0.5 * torch.ones_like(gate)])])
+    got = cpu_fused.gelu_tanh_and_mul(gu).double()  # (2, 4096)
+    want = F.gelu(gate.double(), approximate="tanh")
+    assert ((got - torch.stack([want, 0.5 * want])).abs() <= 1e-6 * want.abs() + 1e-7).all()

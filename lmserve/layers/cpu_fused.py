@@ -38,6 +38,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(N, 2I) with gate | up halves -> gelu(gate, approximate='tanh') * up, (N, I) (GeGLU)."""
+    gate_up = gate_up.contiguous()
+    n, two_i = gate_up.shape
+    out = torch.empty(n, two_i // 2, dtype=torch.float32)  # (N, I)
+    cpu_native.lib().lm_gelu_tanh_and_mul(gate_up.data_ptr(), n, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (N, H, d) in place with cos/sin rows (N, d) float32; returns x."""
     n, h, d = x.shape

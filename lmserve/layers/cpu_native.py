@@ -90,8 +90,9 @@ def _lib() -> ctypes.CDLL | None:
     f32 = ctypes.c_float
     lib.lm_add_rmsnorm.argtypes = [p, i64, p, i64, p, f32, i64, i64, p, p, i32]
     lib.lm_silu_and_mul.argtypes = [p, i64, i64, p, i32]
+    lib.lm_gelu_tanh_and_mul.argtypes = [p, i64, i64, p, i32]
     lib.lm_rotary.argtypes = [p, i64, i64, i64, i64, i64, p, p]
-    for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_rotary):
+    for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary):
         fn.restype = None
     return lib
 

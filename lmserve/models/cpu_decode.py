@@ -138,3 +138,93 @@ class CpuDecodePlan:
             x = torch.empty(b, hd)  # (B, hidden)
             down_mm(lib, act, x, threads)
         return x, res
+
+
+class GemmaDecodePlan(CpuDecodePlan):
+    """The plan for Gemma 3 (models/gemma3.py): q / k normed per head, sandwich norms, GeGLU, and a
+    window and a rotary table per layer; the same kernels as its module path, in its order."""
+
+    def __init__(self, model: Any) -> None:  # noqa: super().__init__ reads Llama-shaped layers
+        cfg = model.cfg
+        self.model, self.lib = model, cpu_native.lib()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
+        self.layers = []
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((layer.input_layernorm.weight, _Linear(a.qkv_proj), layer.post_attention_layernorm.weight,
+                                a.q_norm.weight, a.k_norm.weight, a.rotary, _Linear(a.o_proj),
+                                layer.pre_feedforward_layernorm.weight, _Linear(m.gate_up_proj), _Linear(m.down_proj),
+                                layer.post_feedforward_layernorm.weight, a.scale, a.window or 0))
+        self.simd = cpu_native.attn_simd()
+        self.ptrs = self._weights_key()
+
+    @staticmethod
+    def build(model: Any) -> GemmaDecodePlan | None:
+        if not cpu_native.available() or not cpu_native.int8_x() or model.norm.weight.dtype != torch.float32 \
+                or model.norm.weight.device.type != "cpu":
+            return None
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            if not hasattr(m, "gate_up_proj") or not m.gelu_tanh:
+                return None
+            for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+                if not isinstance(lin, GroupQuantLinear) or not lin.cpu_kernel or lin.bias is not None \
+                        or (isinstance(lin, Int8Linear) and lin.outlier_cols is not None) or not lin.tiled():
+                    return None
+        return GemmaDecodePlan(model)
+
+    @torch.inference_mode()
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the scaled embeddings (B, hidden) float32 -> (the last block's output, the residual stream)."""
+        lib, threads, eps = self.lib, torch.get_num_threads(), self.eps
+        b, hd, h, hkv, d = x.shape[0], self.hidden, self.h, self.hkv, self.d
+        width = (h + 2 * hkv) * d
+        x = x.contiguous()
+        res = torch.empty(b, hd)  # (B, hidden): the residual stream
+        hbuf, tmp, normed = torch.empty(b, hd), torch.empty(b, hd), torch.empty(b, hd)  # (B, hidden) each
+        qkv = torch.empty(b, width)  # (B, (H + 2 Hkv) d): q and k normed and rotated in place
+        att = torch.empty(b, h * d)  # (B, H d)
+        tables, lens = (t.long().contiguous() for t in meta.token_rows())  # (B, T), (B,): a row per token
+        slots = meta.slot_mapping.long().contiguous()  # (B,)
+        for i, ((w_in, qkv_mm, w_post_attn, w_q, w_k, rotary, o_mm, w_pre_ff, gu_mm, down_mm, w_post_ff, scale,
+                 window), cache) in enumerate(zip(self.layers, kv_caches)):
+            if i == 0:  # residual = x; h = norm(x)
+                lib.lm_add_rmsnorm(x.data_ptr(), hd, None, 0, w_in.data_ptr(), eps, b, hd, hbuf.data_ptr(), None, threads)
+                res.copy_(x)
+            else:  # residual += x; h = norm(residual)
+                lib.lm_add_rmsnorm(x.data_ptr(), hd, res.data_ptr(), hd, w_in.data_ptr(), eps, b, hd, hbuf.data_ptr(),
+                                   res.data_ptr(), threads)
+            qkv_mm(lib, hbuf, qkv, threads)
+            for t in range(b):  # q and k heads normed in place, a row of d per head
+                row = qkv.data_ptr() + t * width * 4
+                lib.lm_add_rmsnorm(row, d, None, 0, w_q.data_ptr(), eps, h, d, row, None, threads)
+                lib.lm_add_rmsnorm(row + h * d * 4, d, None, 0, w_k.data_ptr(), eps, hkv, d, row + h * d * 4, None,
+                                   threads)
+            cos, sin = meta.memo(("rope2d", id(rotary)), lambda r=rotary: tuple(
+                t.squeeze(1).contiguous() for t in r.lookup(positions)))  # (B, d) each
+            lib.lm_rotary(qkv.data_ptr(), b, h + hkv, d, width, d, cos.data_ptr(), sin.data_ptr())
+            k_cache = cache.data_ptr()
+            new_k = qkv.data_ptr() + h * d * 4
+            lib.lm_paged_decode_attn(qkv.data_ptr(), k_cache, k_cache + cache.stride(0) * cache.element_size(), 0,
+                                     tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h, hkv, d, meta.block_size,
+                                     scale, window, att.data_ptr(), self.simd, threads, new_k, new_k + hkv * d * 4,
+                                     slots.data_ptr(), width, width)
+            o_mm(lib, att, tmp, threads)
+            lib.lm_add_rmsnorm(tmp.data_ptr(), hd, None, 0, w_post_attn.data_ptr(), eps, b, hd, normed.data_ptr(), None,
+                               threads)  # the attention block's output norm
+            lib.lm_add_rmsnorm(normed.data_ptr(), hd, res.data_ptr(), hd, w_pre_ff.data_ptr(), eps, b, hd,
+                               hbuf.data_ptr(), res.data_ptr(), threads)
+            gate_up = torch.empty(b, gu_mm.n)  # (B, 2I)
+            gu_mm(lib, hbuf, gate_up, threads)
+            act = torch.empty(b, gu_mm.n // 2)  # (B, I)
+            lib.lm_gelu_tanh_and_mul(gate_up.data_ptr(), b, gu_mm.n // 2, act.data_ptr(), threads)
+            down_mm(lib, act, tmp, threads)
+            x = torch.empty(b, hd)  # (B, hidden): the MLP block's output, normed
+            lib.lm_add_rmsnorm(tmp.data_ptr(), hd, None, 0, w_post_ff.data_ptr(), eps, b, hd, x.data_ptr(), None, threads)
+        return x, res
+
+    def _weights_key(self) -> tuple[tuple[int, int], ...]:
+        return tuple((t.data_ptr(), t._version) for entry in self.layers
+                     for t in (entry[0], entry[1].layer.qweight, entry[2], entry[3], entry[4]))

@@ -24,6 +24,7 @@ from lmserve.attention import AttentionBackend, AttentionMetadata
 from lmserve.config import ModelConfig
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryEmbedding
+from lmserve.models.cpu_decode import GemmaDecodePlan
 from lmserve.models.llama import MLP, Attention, LlamaForCausalLM, norm_into_stream
 
 # norms whose Gemma weight w means (1 + w): the HF names' last two parts
@@ -73,8 +74,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return nn.ModuleList(Gemma3DecoderLayer(cfg, i, rope_local if cfg.layer_window(i) else rope_global, backend)
                              for i in range(cfg.num_layers))
 
-    def cpu_plan(self) -> None:  # the decode plan is Llama-shaped (no sandwich norms)
-        return None
+    def cpu_plan(self) -> GemmaDecodePlan | None:
+        """Gemma's CPU decode plan (models/cpu_decode.py), built on first use; None where it does not apply."""
+        if not hasattr(self, "_cpu_plan"):
+            self._cpu_plan = GemmaDecodePlan.build(self)
+        return self._cpu_plan
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (N, hidden)
@@ -83,6 +87,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
+        plan = self.cpu_plan() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if plan is not None and plan.applies(x, kv_caches, meta):  # a few tokens a sequence: our kernels in a row
+            x, residual = plan.run(x, positions, kv_caches, meta)
+            x, _ = self.norm(x, residual)
+            return x
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, cache, meta)

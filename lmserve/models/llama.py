@@ -78,14 +78,17 @@ class MLP(nn.Module):
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
         self.act, self.silu = ACTIVATIONS[cfg.hidden_act], cfg.hidden_act in ("silu", "swish")
+        self.gelu_tanh = cfg.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh")
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (N, 2I)
-        fused = dispatch.fused_ops(gate_up) if self.silu else None
-        if fused is not None:
+        fused = dispatch.fused_ops(gate_up)
+        if fused is not None and self.silu:
             return self.down_proj(fused.silu_and_mul(gate_up))  # (N, hidden)
+        if fused is not None and self.gelu_tanh and hasattr(fused, "gelu_tanh_and_mul"):  # the CPU module has it
+            return self.down_proj(fused.gelu_tanh_and_mul(gate_up))
         gate, up = self.gate_up_proj.split(gate_up)  # (N, I) each
         return self.down_proj(self.act(gate) * up)  # (N, hidden)
 
