@@ -84,6 +84,10 @@ class PlanModel:
         """What full multi-head attention (kv_heads = heads) would cache."""
         return 2 * self.layers * self.heads * self.head_dim
 
+    def gqa_kv_elems_per_token(self, kv_heads: int = 8) -> int:
+        """What grouped-query attention with `kv_heads` K/V heads of head_dim would cache."""
+        return 2 * self.layers * kv_heads * self.head_dim
+
 
 def model_from_args(a: argparse.Namespace) -> PlanModel:
     if a.layers:
@@ -171,6 +175,8 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
         "seq_len": seq_len,
         "max_seqs_that_fit": fit,
         "kv_saving_vs_mha": m.mha_kv_elems_per_token / m.kv_elems_per_token,
+        "mla_equivalents": None if m.mla_latent is None else {  # bytes/token of the same model's heads cached as
+            "mha": m.mha_kv_elems_per_token * kb, "gqa8": m.gqa_kv_elems_per_token(8) * kb},
         "attention_kind": "MLA" if m.mla_latent is not None else ("MQA" if m.kv_heads == 1 else
                                                                    "GQA" if m.kv_heads < m.heads else "MHA"),
         "ridge_flop_per_byte": ridge,
@@ -202,6 +208,9 @@ def render(r: dict[str, Any]) -> str:
         f"KV cache ({r['kv_dtype']}): {r['kv_bytes_per_token']:,.0f} bytes/token{scales}; "
         f"{_fmt_bytes(r['kv_bytes_per_seq'])} per {r['seq_len']}-token sequence; "
         f"{r['kv_saving_vs_mha']:.1f}x smaller than full MHA",
+        *([f"MLA caches the latent and the rope key: {r['kv_bytes_per_token']:,.0f} bytes/token against "
+           f"{r['mla_equivalents']['mha']:,.0f} as MHA and {r['mla_equivalents']['gqa8']:,.0f} as GQA with 8 KV heads"]
+          if r["mla_equivalents"] else []),
         f"sequences of {r['seq_len']} tokens that fit beside the weights: {r['max_seqs_that_fit']:,}",
         f"arithmetic intensity: MLP matmuls {r['mlp_arithmetic_intensity'] or 0:.1f} FLOP/byte (~batch); "
         f"decode attention {r['decode_attention_intensity']:.1f}; prefill attention {r['prefill_attention_intensity']:.0f}",

@@ -6,7 +6,7 @@ import json
 import math
 
 from lmserve.cli import main
-from lmserve.plan import DEVICES, PlanModel, model_from_name, plan
+from lmserve.plan import DEVICES, PlanModel, model_from_name, plan, render
 
 
 def mk(layers: int, kv_heads: int, head_dim: int = 128, heads: int | None = None) -> PlanModel:
@@ -36,6 +36,11 @@ def test_ridge_point_and_mla():
     # 512 + 64 latent dims per layer vs 128 heads x 128 dims x 2 (K and V)
     assert math.isclose(mla["kv_saving_vs_mha"], 128 * 128 * 2 / 576, rel_tol=1e-9)
     assert round(mla["kv_saving_vs_mha"]) == 57 and mla["attention_kind"] == "MLA"
+    # beside the MHA and GQA equivalents of the same 61 layers of 128-dim heads, in bf16
+    assert mla["kv_bytes_per_token"] == 61 * 576 * 2
+    assert mla["mla_equivalents"] == {"mha": 61 * 2 * 128 * 128 * 2, "gqa8": 61 * 2 * 8 * 128 * 2}
+    assert "249,856 as GQA with 8 KV heads" in render(mla)
+    assert r["mla_equivalents"] is None and "MLA caches" not in render(r)
 
 
 def test_decode_bound_and_intensity():
