@@ -113,3 +113,24 @@ def test_gemma_plan_equals_the_module_path(tmp_path, monkeypatch):  # type: igno
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     model._cpu_plan = plan
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+
+
+def test_default_model_plan_gives_the_module_paths_tokens(monkeypatch):  # type: ignore[no-untyped-def]
+    """SmolLM2-135M as users run it (the GGUF's blocks, quantization auto): greedy tokens through the plan
+    equal the module path's, plain and with n-gram verification steps; the logits bit for bit."""
+    llm = LLM(quantization="auto", kv_cache_memory="64MiB", speculative_method="ngram")
+    model = llm.engine.model
+    plan = model.cpu_plan()
+    assert isinstance(plan, CpuDecodePlan)
+    runs: list[tuple[int, int]] = []
+    real = plan.run
+    monkeypatch.setattr(plan, "run", lambda x, p, c, meta: runs.append((x.shape[0], meta.num_seqs)) or real(x, p, c, meta))
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5,"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    ids = llm.tokenizer.encode(prompts[0])
+    scored = llm.score(ids + got[0][:8], decode_from=len(ids))
+    assert any(n > seqs for n, seqs in runs) and any(n == seqs for n, seqs in runs)  # verification and decode
+    model._cpu_plan = None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == got
+    assert torch.equal(llm.score(ids + got[0][:8], decode_from=len(ids)), scored)
