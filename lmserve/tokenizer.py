@@ -95,12 +95,19 @@ class Tokenizer:
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported ({', '.join(cls.GGUF_MODELS)} are)")
         tokens: list[str] = g.field("tokenizer.ggml.tokens")
         types = g.field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        raw = _byte_level_bpe(g, tokens) if kind == "gpt2" else _sentencepiece_bpe(g, tokens)
-        raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == 3])  # 3 = CONTROL
-        if kind == "llama":  # 4 = USER_DEFINED: matched whole in text, as llama.cpp does, but not special
-            raw.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
-                            if ty == 4 and raw.token_to_id(t) is not None])  # (not the respelled space runs)
+        cached = _built_path(g) if kind == "llama" else None  # recovering its merges takes seconds: once
+        if cached is not None and cached.is_file():
+            from tokenizers import Tokenizer as RawTokenizer
+            raw = RawTokenizer.from_file(str(cached))
+        else:
+            raw = _byte_level_bpe(g, tokens) if kind == "gpt2" else _sentencepiece_bpe(g, tokens)
+            raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, ty in zip(tokens, types) if ty == 3])  # 3 = CONTROL
+            if kind == "llama":  # 4 = USER_DEFINED: matched whole in text, as llama.cpp does, but not special
+                raw.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+                                if ty == 4 and raw.token_to_id(t) is not None])  # (not the respelled space runs)
+            if cached is not None:
+                _save(raw, cached)
         name = lambda key: tokens[g.field(key)] if g.field(key) is not None else None  # noqa: E731
         template = g.field("tokenizer.chat_template") or GGUF_TEMPLATES.get(g.field("general.architecture"))
         return cls(raw, bos_token=name("tokenizer.ggml.bos_token_id"), eos_token=name("tokenizer.ggml.eos_token_id"),
@@ -128,6 +135,37 @@ class Tokenizer:
             self._template = _compile_template(self.chat_template)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+
+SPM_BUILD = "1"  # bump when _sentencepiece_bpe changes: cached tokenizers of older builds are not read
+
+
+def _built_path(g: Any) -> Path | None:
+    """Where the tokenizer built from this GGUF file is cached (keyed by the file's path, size and
+    modification time, and SPM_BUILD); None when the file cannot be stat'ed."""
+    import hashlib
+
+    from lmserve.utils import cache_root
+    try:
+        st = Path(g.path).stat()
+    except (OSError, AttributeError, TypeError):
+        return None
+    key = f"{Path(g.path).resolve()}|{st.st_size}|{st.st_mtime_ns}|{SPM_BUILD}"
+    return cache_root() / "tokenizers" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _save(raw: Any, path: Path) -> None:
+    """Write atomically (another process may be reading or writing the same file)."""
+    import os
+    import tempfile
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        raw.save(tmp)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: build each time
+        pass
 
 
 def _byte_level_bpe(g: Any, tokens: list[str]) -> Any:

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+from pathlib import Path
 
 import torch
+
+
+def cache_root() -> Path:
+    """Where lmserve keeps what it builds once per machine (LMSERVE_CACHE, default ~/.cache/lmserve):
+    kernels/ (the compiled C kernels), models/ (models joined from part packages), tokenizers/."""
+    return Path(os.environ.get("LMSERVE_CACHE", Path.home() / ".cache" / "lmserve"))
 
 
 @functools.cache

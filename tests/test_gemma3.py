@@ -142,3 +142,20 @@ def test_real_gemma_270m_through_the_server(gemma_270m):  # type: ignore[no-unty
                                                    "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == want
+
+
+def test_the_sentencepiece_tokenizer_is_built_once(gemma_270m, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """Recovering the merges of a 262K vocabulary takes seconds: the built tokenizer is cached under
+    LMSERVE_CACHE/tokenizers, keyed by the file, and read back equal."""
+    from lmserve import tokenizer as tk
+    from lmserve.models.gguf_file import GGUFFile
+    from lmserve.models.loader import resolve_model
+    _, hf_tok, llm = gemma_270m
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path))
+    g = GGUFFile(resolve_model("gemma-3-270m").path)
+    fresh = tk.Tokenizer.from_gguf(g, (1, 106))
+    assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 1
+    monkeypatch.setattr(tk, "_sentencepiece_bpe", lambda *a: pytest.fail("rebuilt despite the cache"))
+    cached = tk.Tokenizer.from_gguf(g, (1, 106))
+    for text in TEXTS:
+        assert cached.encode(text) == fresh.encode(text) == hf_tok.encode(text)

@@ -32,6 +32,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from lmserve.utils import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "qtile.c", "paged_attn.c", "fused.c")]
@@ -44,7 +46,7 @@ FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LMSERVE_CACHE", Path.home() / ".cache" / "lmserve")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:

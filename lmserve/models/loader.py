@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from lmserve.layers.quant import SCHEMES
 from lmserve.models.gguf_file import GGUFFile, gguf_layers
 from lmserve.models.registry import build_model, quantize_model, use_cpu_kernels
 from lmserve.tokenizer import Tokenizer
+from lmserve.utils import cache_root
 
 # short name -> (python package holding the file, file name inside it)
 
@@ -58,7 +58,7 @@ def resolve_model(name: str) -> ModelSource:
         if importlib.util.find_spec(pkg) is None:
             raise FileNotFoundError(f"model {name!r} needs the package {pkg.replace('_', '-')}: "
                                     f"pip install {pkg.replace('_', '-')}")
-        out = Path(os.environ.get("LMSERVE_CACHE", Path.home() / ".cache" / "lmserve")) / "models" / fname
+        out = cache_root() / "models" / fname
         if not out.is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             importlib.import_module(pkg).assemble(output_path=out)  # checks the parts' sha256
