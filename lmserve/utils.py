@@ -22,6 +22,15 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """t._version (bumped by every in-place change), or -1 for a tensor made under inference_mode, which
+    tracks none (then only its address identifies it)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`. To CUDA it goes through pinned memory without blocking, so
     building a step's inputs never waits for the device (the caching host allocator keeps the

@@ -134,3 +134,20 @@ def test_default_model_plan_gives_the_module_paths_tokens(monkeypatch):  # type:
     model._cpu_plan = None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == got
     assert torch.equal(llm.score(ids + got[0][:8], decode_from=len(ids)), scored)
+
+
+def test_the_llama_plan_steps_aside_for_geglu(tmp_path):  # type: ignore[no-untyped-def]
+    """The Llama plan multiplies with SiLU-and-mul: a Llama-shaped model with a GELU MLP keeps the
+    module path (whose logits equal HF's)."""
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu_pytorch_tanh")
+    hf = tf.LlamaForCausalLM(cfg).float().eval()
+    hf.save_pretrained(tmp_path)
+    llm = _llm(tmp_path)
+    assert llm.engine.model.cpu_plan() is None
+    ids = [5, 9, 2, 7, 1, 3, 8]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (llm.score(ids, decode_from=2) - ref).abs().max() < 0.1  # int4 weights, against HF's float

@@ -169,3 +169,15 @@ def test_plain_c_is_never_the_layers_path(monkeypatch):  # type: ignore[no-untyp
     layer = LAYERS["int4_g32"](torch.randn(64, 128))
     layer.cpu_kernel = True
     assert not cpu_native.fast() and not layer.native_fits()
+
+
+@needs_lib
+def test_layers_made_under_inference_mode_take_the_kernel():  # type: ignore[no-untyped-def]
+    """Inference tensors track no version counter: the tile cache keys on their address then."""
+    with torch.inference_mode():
+        layer = LAYERS["int8_g32"](torch.randn(32, 64))
+        layer.cpu_kernel = True
+        x = torch.randn(3, 64)
+        y = layer(x)
+        assert torch.allclose(y, x @ layer.dequantize().T, atol=0.05 * (x @ layer.dequantize().T).abs().max())
+        assert torch.equal(layer(x), y)  # the cached tiles

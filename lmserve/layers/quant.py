@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from lmserve.layers import cpu_native
 from lmserve.layers.linear import LinearBase, check_shape
+from lmserve.utils import tensor_version
 
 SCHEMES = ("int8", "int4", "fp8")
 TILE_ELEMS = 1 << 18  # CPU forward: weights dequantized per tile of about this many values (1 MiB of fp32)
@@ -257,7 +258,7 @@ class GroupQuantLinear(LinearBase):
     def tiles(self) -> cpu_native.Tiles:
         """The weight repacked for the VNNI tile kernel: built on first use, again whenever qweight,
         scales or mins changed (a derived copy: the buffers stay the layer's state)."""
-        key = tuple((t.data_ptr(), t._version) for t in (self.qweight, self.scales, self.mins) if t is not None)
+        key = tuple((t.data_ptr(), tensor_version(t)) for t in (self.qweight, self.scales, self.mins) if t is not None)
         if getattr(self, "_tiles_key", None) != key:
             self._tiles = cpu_native.pack_tiles(self.values(slice(None)), self.bits, self.scales, self.mins,
                                                 self.group_size)

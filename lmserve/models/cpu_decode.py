@@ -25,6 +25,7 @@ from lmserve.attention.backend import AttentionMetadata
 from lmserve.attention.cpu_attn import ROWS_PER_SEQ
 from lmserve.layers import cpu_native, dispatch
 from lmserve.layers.quant import GroupQuantLinear, Int8Linear
+from lmserve.utils import tensor_version
 
 
 class _Linear:
@@ -41,6 +42,13 @@ class _Linear:
         """y (B, N) = x (B, K) @ W.T, both float32 contiguous."""
         q, bits, n, sc, mn, group = self.args
         lib.lm_qgemm_tiles(x.data_ptr(), x.shape[0], self.k, q, bits, n, sc, mn, group, y.data_ptr(), threads)
+
+
+def weights_key(items: Any) -> tuple[tuple[int, int], ...]:
+    """(address, in-place version) of each tensor, or of each quantized layer's qweight (a reload
+    writes it, with its scales)."""
+    return tuple((t.data_ptr(), tensor_version(t)) for t in
+                 (item if isinstance(item, torch.Tensor) else item.layer.qweight for item in items))
 
 
 class CpuDecodePlan:
@@ -62,9 +70,10 @@ class CpuDecodePlan:
         self.ptrs = self._weights_key()  # the weights the plan read, as they were
 
     def _weights_key(self) -> tuple[tuple[int, int], ...]:
-        """Where the weights are and their in-place version counts (a change means the plan is stale)."""
-        return tuple((t.data_ptr(), t._version) for entry in self.layers
-                     for t in (entry[0], entry[1].layer.qweight, entry[3]))
+        """Where the weights are and their in-place version counts (a change means the plan is stale:
+        it multiplies the tiles it took when built)."""
+        return weights_key(t for entry in self.layers for t in entry if isinstance(t, torch.Tensor)
+                           or isinstance(t, _Linear))
 
     @staticmethod
     def build(model: Any) -> CpuDecodePlan | None:
@@ -76,7 +85,7 @@ class CpuDecodePlan:
             return None
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
-            if not hasattr(m, "gate_up_proj"):  # a mixture of experts: the module path
+            if not hasattr(m, "gate_up_proj") or not m.silu:  # a mixture of experts, or GeGLU: the module path
                 return None
             for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
                 if not isinstance(lin, GroupQuantLinear) or not lin.cpu_kernel or lin.bias is not None \
@@ -226,5 +235,5 @@ class GemmaDecodePlan(CpuDecodePlan):
         return x, res
 
     def _weights_key(self) -> tuple[tuple[int, int], ...]:
-        return tuple((t.data_ptr(), t._version) for entry in self.layers
-                     for t in (entry[0], entry[1].layer.qweight, entry[2], entry[3], entry[4]))
+        return weights_key(t for entry in self.layers for t in entry if isinstance(t, torch.Tensor)
+                           or isinstance(t, _Linear))

@@ -65,7 +65,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             raise ValueError("Gemma 3 needs layer_types (which layers are local)")
         super().__init__(cfg, backend)
         self.embed_scale = math.sqrt(cfg.hidden_size)
-        self.norm_offset = 1.0  # added to every norm weight at load; 0 for llama.cpp files (set by the loader)
+        self.norm_offset = 1.0  # added to every norm weight at load (GGUF files' 1 + w come back as w first)
 
     def make_layers(self, cfg: ModelConfig, backend: AttentionBackend) -> nn.ModuleList:
         rope_global = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)

@@ -66,7 +66,10 @@ class GGUFFile:
             n = int(g("block_count"))
             extra = dict(layer_types=tuple("full_attention" if (i + 1) % self.GEMMA3_SWA_PATTERN == 0 else
                                            "sliding_attention" for i in range(n)),
-                         rope_local_theta=self.GEMMA3_LOCAL_ROPE, hidden_act="gelu_pytorch_tanh")
+                         rope_local_theta=self.GEMMA3_LOCAL_ROPE, hidden_act="gelu_pytorch_tanh",
+                         # 27B (62 layers) scales attention by hidden / heads, the others by head_dim
+                         # (llama.cpp's rule; HF's configs say the same through query_pre_attn_scalar)
+                         query_pre_attn_scalar=float(hidden // heads) if n == 62 else None)
             tokens = self.field("tokenizer.ggml.tokens") or []
             if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in eos_ids:
                 eos_ids.append(tokens.index("<end_of_turn>"))  # the chat turn's end (HF's generation config)

