@@ -15,6 +15,14 @@ pytestmark = pytest.mark.skipif(not cpu_native.available() or not cpu_native.int
                                 reason="the plan runs where our CPU kernels take the VNNI path")
 
 
+def record_runs(plan, monkeypatch) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
+    """The (rows, sequences) of every step the plan runs from now on, appended as they run."""
+    runs: list[tuple[int, int]] = []
+    real = plan.run
+    monkeypatch.setattr(plan, "run", lambda x, p, c, meta: runs.append((x.shape[0], meta.num_seqs)) or real(x, p, c, meta))
+    return runs
+
+
 def _llm(path, **kw):  # type: ignore[no-untyped-def]
     return LLM(str(path), kv_cache_memory="16MiB", block_size=4, quantization="int4", **kw)
 
@@ -24,12 +32,10 @@ def test_plan_equals_the_module_path(tiny_models, monkeypatch):  # type: ignore[
     model = llm.engine.model
     plan = model.cpu_plan()
     assert isinstance(plan, CpuDecodePlan)
-    runs: list[int] = []
-    real = plan.run
-    monkeypatch.setattr(plan, "run", lambda x, *a: runs.append(x.shape[0]) or real(x, *a))
+    runs = record_runs(plan, monkeypatch)
     ids = [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 11, 2, 9]
     with_plan = llm.score(ids, decode_from=3)  # (T, V): the 3-token prompt and 10 decode steps through the plan
-    assert runs == [3] + [1] * 10
+    assert [rows for rows, _ in runs] == [3] + [1] * 10
     model._cpu_plan = None  # the module path (same kernels, one module at a time)
     without = llm.score(ids, decode_from=3)
     assert torch.equal(with_plan, without)
@@ -38,7 +44,7 @@ def test_plan_equals_the_module_path(tiny_models, monkeypatch):  # type: ignore[
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     model._cpu_plan = plan
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert got == ref and 3 in runs
+    assert got == ref and (3, 3) in runs
 
 
 def test_plan_steps_aside(tiny_models):  # type: ignore[no-untyped-def]
@@ -69,9 +75,7 @@ def test_verification_steps_run_in_the_plan_with_the_module_paths_tokens(tiny_mo
     llm = _llm(tiny_models["llama"][0], speculative_method="ngram", num_speculative_tokens=3)
     model = llm.engine.model
     plan = model.cpu_plan()
-    runs: list[tuple[int, int]] = []
-    real = plan.run
-    monkeypatch.setattr(plan, "run", lambda x, p, c, meta: runs.append((x.shape[0], meta.num_seqs)) or real(x, p, c, meta))
+    runs = record_runs(plan, monkeypatch)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert any(n > seqs for n, seqs in runs)  # multi-token verification steps ran in the plan
     model._cpu_plan = None
@@ -100,12 +104,10 @@ def test_gemma_plan_equals_the_module_path(tmp_path, monkeypatch):  # type: igno
     model = llm.engine.model
     plan = model.cpu_plan()
     assert isinstance(plan, GemmaDecodePlan)
-    runs: list[int] = []
-    real = plan.run
-    monkeypatch.setattr(plan, "run", lambda x, *a: runs.append(x.shape[0]) or real(x, *a))
+    runs = record_runs(plan, monkeypatch)
     ids = [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 11, 2, 9, 30, 31, 32]
     with_plan = llm.score(ids, decode_from=3)  # the 3-token prompt, then 13 decode steps (past the window)
-    assert runs == [3] + [1] * 13
+    assert [rows for rows, _ in runs] == [3] + [1] * 13
     model._cpu_plan = None
     assert torch.equal(with_plan, llm.score(ids, decode_from=3))
     prompts = [[5, 9, 2, 7], [4, 4, 8, 4, 4, 8, 4, 4]]
@@ -122,9 +124,7 @@ def test_default_model_plan_gives_the_module_paths_tokens(monkeypatch):  # type:
     model = llm.engine.model
     plan = model.cpu_plan()
     assert isinstance(plan, CpuDecodePlan)
-    runs: list[tuple[int, int]] = []
-    real = plan.run
-    monkeypatch.setattr(plan, "run", lambda x, p, c, meta: runs.append((x.shape[0], meta.num_seqs)) or real(x, p, c, meta))
+    runs = record_runs(plan, monkeypatch)
     prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5,"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -1,9 +1,10 @@
 """The CPU attention backend: decode tokens read the paged cache in place with our C kernel
 (layers/csrc/paged_attn.c: no gather of every page into a dense copy per layer per step), and so do
 steps of a few new tokens a sequence (speculative verification, short chunks: each token a row of its
-own, AttentionMetadata.token_rows); longer prefill chunks go through the torch reference (SDPA over the
-gathered pages: compute-bound, where the gather is a small share). A quantized cache (QuantizedKV) or an unusual cache dtype takes the reference path
-whole; tests/test_cpu_attn.py holds the kernel to the float64 oracle.
+own, AttentionMetadata.token_rows); longer prefill chunks go through the torch reference (SDPA over
+the gathered pages: compute-bound, where the gather is a small share). A quantized cache
+(QuantizedKV) or an unusual cache dtype takes the reference path whole; tests/test_cpu_attn.py holds
+the kernel to the float64 oracle.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from lmserve.kv.cache import QuantizedKV
 from lmserve.layers import cpu_native
 
 ROWS_PER_SEQ = 16  # up to this many new tokens a sequence, a step's tokens are all kernel rows
+
 
 class CpuAttention(TorchAttention):
     """TorchAttention with the decode part through cpu_native.paged_decode_attention; a step of at most

@@ -29,22 +29,23 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out, new_res
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """(N, 2I) with gate | up halves -> silu(gate) * up, (N, I)."""
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """(N, 2I) with gate | up halves -> act(gate) * up, (N, I), by the C kernel named `kernel`."""
     gate_up = gate_up.contiguous()
     n, two_i = gate_up.shape
     out = torch.empty(n, two_i // 2, dtype=torch.float32)  # (N, I)
-    cpu_native.lib().lm_silu_and_mul(gate_up.data_ptr(), n, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    getattr(cpu_native.lib(), kernel)(gate_up.data_ptr(), n, two_i // 2, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(N, 2I) with gate | up halves -> silu(gate) * up, (N, I)."""
+    return _gated("lm_silu_and_mul", gate_up)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(N, 2I) with gate | up halves -> gelu(gate, approximate='tanh') * up, (N, I) (GeGLU)."""
-    gate_up = gate_up.contiguous()
-    n, two_i = gate_up.shape
-    out = torch.empty(n, two_i // 2, dtype=torch.float32)  # (N, I)
-    cpu_native.lib().lm_gelu_tanh_and_mul(gate_up.data_ptr(), n, two_i // 2, out.data_ptr(), torch.get_num_threads())
-    return out
+    return _gated("lm_gelu_tanh_and_mul", gate_up)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

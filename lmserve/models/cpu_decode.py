@@ -59,40 +59,47 @@ class CpuDecodePlan:
         self.model, self.lib = model, cpu_native.lib()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
-        self.layers = []
-        for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.layers.append((layer.input_layernorm.weight, _Linear(a.qkv_proj), _Linear(a.o_proj),
-                                layer.post_attention_layernorm.weight, _Linear(m.gate_up_proj),
-                                _Linear(m.down_proj), a.scale, a.window or 0))
+        self.layers = [self.read_layer(layer) for layer in model.layers]
         self.rotary = model.layers[0].self_attn.rotary
         self.simd = cpu_native.attn_simd()
         self.ptrs = self._weights_key()  # the weights the plan read, as they were
 
+    @staticmethod
+    def read_layer(layer: Any) -> tuple[Any, ...]:
+        """What `run` needs of one decoder layer: its norm weights, linears, attention scale and window."""
+        a, m = layer.self_attn, layer.mlp
+        return (layer.input_layernorm.weight, _Linear(a.qkv_proj), _Linear(a.o_proj),
+                layer.post_attention_layernorm.weight, _Linear(m.gate_up_proj), _Linear(m.down_proj),
+                a.scale, a.window or 0)
+
     def _weights_key(self) -> tuple[tuple[int, int], ...]:
         """Where the weights are and their in-place version counts (a change means the plan is stale:
         it multiplies the tiles it took when built)."""
-        return weights_key(t for entry in self.layers for t in entry if isinstance(t, torch.Tensor)
-                           or isinstance(t, _Linear))
+        return weights_key(t for entry in self.layers for t in entry if isinstance(t, (torch.Tensor, _Linear)))
 
     @staticmethod
-    def build(model: Any) -> CpuDecodePlan | None:
+    def shape_fits(cfg: Any, mlp: Any) -> bool:
+        """The model's layer shape is the one `run` computes: no q/k norms or biases, a SiLU MLP (not a
+        mixture of experts, not GeGLU)."""
+        return not cfg.qk_norm and not cfg.qkv_bias and hasattr(mlp, "gate_up_proj") and mlp.silu
+
+    @classmethod
+    def build(cls, model: Any) -> CpuDecodePlan | None:
         """The plan for `model`, or None where it does not apply (then the module path runs)."""
         cfg = getattr(model, "cfg", None)
-        if cfg is None or cfg.qk_norm or cfg.qkv_bias or not cpu_native.available() \
-                or not cpu_native.int8_x() or model.norm.weight.dtype != torch.float32 \
-                or model.norm.weight.device.type != "cpu":
+        if cfg is None or not cpu_native.available() or not cpu_native.int8_x() \
+                or model.norm.weight.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
             return None
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
-            if not hasattr(m, "gate_up_proj") or not m.silu:  # a mixture of experts, or GeGLU: the module path
+            if not cls.shape_fits(cfg, m):
                 return None
             for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
                 if not isinstance(lin, GroupQuantLinear) or not lin.cpu_kernel or lin.bias is not None \
                         or (isinstance(lin, Int8Linear) and lin.outlier_cols is not None) \
                         or not lin.tiled():
                     return None
-        return CpuDecodePlan(model)
+        return cls(model)
 
     def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """This step can run here: at most ROWS_PER_SEQ new tokens a sequence (decode, verification; any
@@ -153,35 +160,18 @@ class GemmaDecodePlan(CpuDecodePlan):
     """The plan for Gemma 3 (models/gemma3.py): q / k normed per head, sandwich norms, GeGLU, and a
     window and a rotary table per layer; the same kernels as its module path, in its order."""
 
-    def __init__(self, model: Any) -> None:  # noqa: super().__init__ reads Llama-shaped layers
-        cfg = model.cfg
-        self.model, self.lib = model, cpu_native.lib()
-        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
-        self.layers = []
-        for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.layers.append((layer.input_layernorm.weight, _Linear(a.qkv_proj), layer.post_attention_layernorm.weight,
-                                a.q_norm.weight, a.k_norm.weight, a.rotary, _Linear(a.o_proj),
-                                layer.pre_feedforward_layernorm.weight, _Linear(m.gate_up_proj), _Linear(m.down_proj),
-                                layer.post_feedforward_layernorm.weight, a.scale, a.window or 0))
-        self.simd = cpu_native.attn_simd()
-        self.ptrs = self._weights_key()
+    @staticmethod
+    def read_layer(layer: Any) -> tuple[Any, ...]:
+        a, m = layer.self_attn, layer.mlp
+        return (layer.input_layernorm.weight, _Linear(a.qkv_proj), layer.post_attention_layernorm.weight,
+                a.q_norm.weight, a.k_norm.weight, a.rotary, _Linear(a.o_proj), layer.pre_feedforward_layernorm.weight,
+                _Linear(m.gate_up_proj), _Linear(m.down_proj), layer.post_feedforward_layernorm.weight,
+                a.scale, a.window or 0)
 
     @staticmethod
-    def build(model: Any) -> GemmaDecodePlan | None:
-        if not cpu_native.available() or not cpu_native.int8_x() or model.norm.weight.dtype != torch.float32 \
-                or model.norm.weight.device.type != "cpu":
-            return None
-        for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            if not hasattr(m, "gate_up_proj") or not m.gelu_tanh:
-                return None
-            for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
-                if not isinstance(lin, GroupQuantLinear) or not lin.cpu_kernel or lin.bias is not None \
-                        or (isinstance(lin, Int8Linear) and lin.outlier_cols is not None) or not lin.tiled():
-                    return None
-        return GemmaDecodePlan(model)
+    def shape_fits(cfg: Any, mlp: Any) -> bool:
+        """Gemma's layer shape: a GeGLU MLP (q / k norms and sandwich norms are the model's own)."""
+        return hasattr(mlp, "gate_up_proj") and mlp.gelu_tanh
 
     @torch.inference_mode()
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -233,7 +223,3 @@ class GemmaDecodePlan(CpuDecodePlan):
             x = torch.empty(b, hd)  # (B, hidden): the MLP block's output, normed
             lib.lm_add_rmsnorm(tmp.data_ptr(), hd, None, 0, w_post_ff.data_ptr(), eps, b, hd, x.data_ptr(), None, threads)
         return x, res
-
-    def _weights_key(self) -> tuple[tuple[int, int], ...]:
-        return weights_key(t for entry in self.layers for t in entry if isinstance(t, torch.Tensor)
-                           or isinstance(t, _Linear))

@@ -15,8 +15,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -40,10 +38,8 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
         scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
-        window = cfg.layer_window(i)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend, window=window, scale=scale)
-        self.self_attn.window = window  # None on global layers (Attention's default is cfg.sliding_window)
+        self.self_attn = Attention(cfg, rotary, backend, cfg.layer_window(i), scale)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -60,12 +56,13 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3 text model (Gemma3ForCausalLM), weights named as HF names them."""
 
+    plan_class = GemmaDecodePlan
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         if cfg.layer_types is None:
             raise ValueError("Gemma 3 needs layer_types (which layers are local)")
         super().__init__(cfg, backend)
         self.embed_scale = math.sqrt(cfg.hidden_size)
-        self.norm_offset = 1.0  # added to every norm weight at load (GGUF files' 1 + w come back as w first)
 
     def make_layers(self, cfg: ModelConfig, backend: AttentionBackend) -> nn.ModuleList:
         rope_global = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -74,29 +71,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return nn.ModuleList(Gemma3DecoderLayer(cfg, i, rope_local if cfg.layer_window(i) else rope_global, backend)
                              for i in range(cfg.num_layers))
 
-    def cpu_plan(self) -> GemmaDecodePlan | None:
-        """Gemma's CPU decode plan (models/cpu_decode.py), built on first use; None where it does not apply."""
-        if not hasattr(self, "_cpu_plan"):
-            self._cpu_plan = GemmaDecodePlan.build(self)
-        return self._cpu_plan
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (N, hidden)
         return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # HF: the scale cast to the weights' dtype
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed(input_ids)
-        plan = self.cpu_plan() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-        if plan is not None and plan.applies(x, kv_caches, meta):  # a few tokens a sequence: our kernels in a row
-            x, residual = plan.run(x, positions, kv_caches, meta)
-            x, _ = self.norm(x, residual)
-            return x
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)  # (B, vocab) float32
@@ -104,10 +81,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
+        """HF's names and conventions (GGUF files' 1 + w come back as w in GGUFFile.weights): 1 is added
+        to every norm weight."""
         def shifted():  # type: ignore[no-untyped-def]
             for name, tensor in weights:
                 parts = name.split(".")
-                if self.norm_offset and len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in NORMS:
-                    tensor = tensor.float() + self.norm_offset
+                if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in NORMS:
+                    tensor = tensor.float() + 1
                 yield name, tensor
         super().load_weights(shifted())

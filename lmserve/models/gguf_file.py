@@ -40,6 +40,7 @@ class GGUFFile:
 
         self.path = path
         self.reader = _Reader(str(path))
+        self.arch = self.field("general.architecture")  # read once: every tensor name maps through it
 
     def field(self, key: str, default=None):  # type: ignore[no-untyped-def]
         f = self.reader.fields.get(key)
@@ -48,7 +49,7 @@ class GGUFFile:
         return f.contents()
 
     def config(self) -> ModelConfig:
-        arch = self.field("general.architecture")
+        arch = self.arch
         if arch not in GGUF_ARCHS:
             raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(GGUF_ARCHS)})")
         g = lambda k, d=None: self.field(f"{arch}.{k}", d)  # noqa: E731
@@ -137,7 +138,7 @@ class GGUFFile:
 
         Dequantization (numpy, releases the GIL) runs on a thread pool: it halves cold-load time.
         """
-        arch = self.field("general.architecture")
+        arch = self.arch
         wanted = [(t, self._hf_name(t.name)) for t in self.reader.tensors]
         wanted = [(t, n) for t, n in wanted if n is not None]
 
@@ -172,7 +173,7 @@ class GGUFFile:
             return "lm_head.weight"
         if name.startswith("blk."):
             _, layer, part, kind = name.split(".")
-            table = self._GEMMA3_NAMES if self.field("general.architecture") == "gemma3" else self._NAMES
+            table = self._GEMMA3_NAMES if self.arch == "gemma3" else self._NAMES
             if part not in table:
                 raise ValueError(f"GGUF tensor {name!r} is not understood")
             return f"model.layers.{layer}.{table[part]}.{kind}"

@@ -26,9 +26,9 @@ class Attention(nn.Module):
     """Self-attention with GQA/MQA over the paged cache."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 window: int | None = None, scale: float | None = None) -> None:
-        """window: this layer's sliding window (default cfg.sliding_window); scale: the attention scale
-        (default head_dim ** -0.5)."""
+                 window: int | None, scale: float | None = None) -> None:
+        """window: this layer's sliding window (None: the whole context; ModelConfig.layer_window);
+        scale: the attention scale (default head_dim ** -0.5)."""
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.h * self.d, self.hkv * self.d, self.hkv * self.d],
@@ -38,7 +38,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         self.backend = backend
-        self.window = cfg.sliding_window if window is None else window
+        self.window = window
         self.scale = self.d ** -0.5 if scale is None else scale
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, i: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, rotary, backend, cfg.layer_window(i))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = SparseMoE(cfg) if cfg.layer_is_moe(i) else MLP(cfg)
 
@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (N,) -> final hidden states (N, hidden)."""
-        x = self.embed_tokens(input_ids)  # (N, hidden)
+        x = self.embed(input_ids)  # (N, hidden)
         plan = self.cpu_plan() if x.device.type == "cpu" and x.dtype == torch.float32 else None
         if plan is not None and plan.applies(x, kv_caches, meta):  # a decode step on the CPU: our kernels in a row
             x, residual = plan.run(x, positions, kv_caches, meta)
@@ -155,10 +155,15 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    plan_class: type[CpuDecodePlan] = CpuDecodePlan  # the CPU decode plan of this model's layer shape
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, hidden)
+        return self.embed_tokens(input_ids)
+
     def cpu_plan(self) -> CpuDecodePlan | None:
         """The CPU decode plan (models/cpu_decode.py), built on first use; None where it does not apply."""
         if not hasattr(self, "_cpu_plan"):
-            self._cpu_plan = CpuDecodePlan.build(self)
+            self._cpu_plan = self.plan_class.build(self)
         return self._cpu_plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -31,32 +31,23 @@ CLONES void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t
   }
 }
 
-/* [n, 2i] gate | up -> [n, i] silu(gate) * up */
-CLONES void lm_silu_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * i > 262144)
-  for (int64_t r = 0; r < n; r++) {
-#pragma omp simd
-    for (int64_t j = 0; j < i; j++) {
-      const float g = gu[r * 2 * i + j], u = gu[r * 2 * i + i + j];
-      out[r * i + j] = g / (1.f + lm_expf(-g)) * u;
-    }
-  }
+/* The gated activations: [n, 2i] gate | up -> [n, i] act(gate) * up, one loop for both. */
+static inline float silu(float g) { return g / (1.f + lm_expf(-g)); }
+/* gelu_tanh(g) = g / 2 (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), and (1 + tanh(u)) / 2 =
+ * 1 / (1 + exp(-2u)) (no cancellation for negative g, where the product is tiny). GeGLU (Gemma). */
+static inline float gelu_tanh(float g) {
+  return g / (1.f + lm_expf(-2.f * 0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
-
-/* [n, 2i] gate | up -> [n, i] gelu_tanh(gate) * up (GeGLU, Gemma): gelu_tanh(g) = g / 2 (1 + tanh(u)),
- * u = sqrt(2 / pi) (g + 0.044715 g^3), and (1 + tanh(u)) / 2 = 1 / (1 + exp(-2u)) (no cancellation
- * for negative g, where the product is tiny). */
-CLONES void lm_gelu_tanh_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * i > 262144)
-  for (int64_t r = 0; r < n; r++) {
-#pragma omp simd
-    for (int64_t j = 0; j < i; j++) {
-      const float g = gu[r * 2 * i + j], u = gu[r * 2 * i + i + j];
-      const float t = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-      out[r * i + j] = g / (1.f + lm_expf(-2.f * t)) * u;
-    }
+#define GATED(NAME, ACT)                                                                 \
+  CLONES void NAME(const float *gu, int64_t n, int64_t i, float *out, int nthreads) {    \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (n * i > 262144)") \
+    for (int64_t r = 0; r < n; r++) {                                                    \
+      _Pragma("omp simd")                                                                \
+      for (int64_t j = 0; j < i; j++) out[r * i + j] = ACT(gu[r * 2 * i + j]) * gu[r * 2 * i + i + j]; \
+    }                                                                                    \
   }
-}
+GATED(lm_silu_and_mul, silu)
+GATED(lm_gelu_tanh_and_mul, gelu_tanh)
 
 /* In place, rotate-half: x [n, h, d] with strides (sn, sh, 1); cos / sin [n, d] (halves equal). */
 CLONES void lm_rotary(float *x, int64_t n, int64_t h, int64_t d, int64_t sn, int64_t sh, const float *cos_,
