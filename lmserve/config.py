@@ -99,9 +99,17 @@ class ModelConfig:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
     @property
+    def kv_entry_shape(self) -> tuple[int, int, int]:
+        """What one token caches in one layer: (parts, heads, width). K and V per KV head: (2, num_kv_heads,
+        head_dim). A model with another cache row (MLA's latent) says so here; KVCache allocates
+        (parts, slots, heads, width) per layer from it."""
+        return 2, self.num_kv_heads, self.head_dim
+
+    @property
     def kv_elems_per_token(self) -> int:
-        """Number of K+V elements one token occupies across all layers (times dtype bytes = KV bytes)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        """Number of cached elements one token occupies across all layers (times dtype bytes = KV bytes)."""
+        parts, heads, width = self.kv_entry_shape
+        return self.num_layers * parts * heads * width
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -194,6 +202,9 @@ class EngineConfig:
     max_num_seqs: int | None = None  # None: 64 on CPU, 256 on CUDA
     max_num_batched_tokens: int | None = None  # None: 512 on CPU, 8192 on CUDA
     enable_prefix_caching: bool = True
+    # one KV group for every layer, blocks kept for the whole sequence even where a layer's sliding
+    # window no longer reads them (the window-blind cache; kv/groups.py, vLLM's flag of the same name)
+    disable_hybrid_kv_cache_manager: bool = False
     kv_cache_memory: int | float | str | None = None  # None: 1 GiB on CPU; on CUDA measured (see below)
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + activations + KV
     dtype: str = "auto"

@@ -83,12 +83,15 @@ class Engine:
         # one budget for every KV cache: a draft model's cache takes its share by bytes per token
         draft_budget = 0 if draft is None else \
             self.kv_budget * draft[0].kv_elems_per_token // (draft[0].kv_elems_per_token + cfg.kv_elems_per_token)
-        kv = dict(cfg=cfg, block_size=c.block_size, dtype=c.torch_dtype, kv_cache_dtype=c.kv_cache_dtype)  # + scales
+        hybrid = not c.disable_hybrid_kv_cache_manager
+        kv = dict(cfg=cfg, block_size=c.block_size, dtype=c.torch_dtype, kv_cache_dtype=c.kv_cache_dtype,
+                  hybrid=hybrid)  # + scales
         num_blocks = KVCache.blocks_for_budget(**kv, budget=self.kv_budget - draft_budget)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={self.kv_budget} bytes holds no KV block of {KVCache.bytes_per_block(**kv)} bytes")
-        self.kv_cache = KVCache(cfg, num_blocks, c.block_size, c.torch_dtype, c.device, c.kv_cache_dtype)
-        self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.kv_cache = KVCache(cfg, num_blocks, c.block_size, c.torch_dtype, c.device, c.kv_cache_dtype, hybrid)
+        self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching,
+                                          self.kv_cache.groups.windows, c.max_num_batched_tokens)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, c.device)
         self.graph_capture_time: float | None = None  # seconds spent capturing decode CUDA graphs
@@ -222,7 +225,7 @@ class Engine:
         return EngineStats(
             block_size=self.block_manager.block_size, num_blocks=b.total, free_blocks=b.free,
             cached_blocks=b.cached, used_blocks=b.used,
-            kv_capacity_tokens=b.total * self.block_manager.block_size,
+            kv_capacity_tokens=b.total * self.block_manager.block_size // self.block_manager.num_groups,
             prefix_hit_tokens=st.prefix_hit_tokens, prompt_tokens_queried=st.prompt_tokens_queried,
             num_preemptions=st.num_preemptions, computed_tokens=st.computed_tokens,
             peak_used_blocks=st.peak_used_blocks,

@@ -88,7 +88,7 @@ class FanOut:
         """A running copy of `parent` holding its blocks by reference (copy-on-write later)."""
         child = self._new_child(parent, index)
         child.token_ids = list(parent.token_ids)
-        child.block_table = self.bm.fork(parent.block_table)
+        child.block_tables = self.bm.fork(parent.block_tables)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens

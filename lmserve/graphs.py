@@ -46,12 +46,14 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         self.block_size = kv_cache.block_size
         self.capture = capture
-        dev = kv_cache.layers[0].device
+        dev = kv_cache.tensors[0].device
         b, m = self.max_batch, -(-max_model_len // self.block_size)
+        self.num_groups = kv_cache.groups.num_groups
         # static inputs, filled by one copy per step; a graph of size s reads columns [:s]
-        self.columns = torch.zeros(4, b, dtype=torch.long, device=dev)  # (4, B)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.columns  # (B,) each
-        self.block_tables = torch.zeros(b, m, dtype=torch.long, device=dev)  # (B, max blocks per sequence)
+        self.columns = torch.zeros(3 + self.num_groups, b, dtype=torch.long, device=dev)  # (3 + G, B)
+        self.input_ids, self.positions, self.seq_lens = self.columns[:3]  # (B,) each
+        self.slot_mapping = self.columns[3:]  # (G, B): each KV group's slots
+        self.block_tables = torch.zeros(self.num_groups, b, m, dtype=torch.long, device=dev)  # (G, B, max blocks)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.long, device=dev)  # (B+1,): one token each
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
         self.capture_time = 0.0
@@ -59,10 +61,13 @@ class DecodeGraphs:
         self.padded_rows = 0  # padding rows computed, in all
 
     def _meta(self, size: int) -> AttentionMetadata:
+        groups = tuple((self.slot_mapping[g, :size], self.block_tables[g, :size]) for g in range(self.num_groups))
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], positions=self.positions[:size],
-            block_size=self.block_size, query_lens_host=[1] * size, seq_lens_host=[0] * size, static_decode=True)
+            slot_mapping=groups[0][0], query_start_loc=self.query_start_loc[:size + 1],
+            seq_lens=self.seq_lens[:size], block_tables=groups[0][1], positions=self.positions[:size],
+            block_size=self.block_size, query_lens_host=[1] * size, seq_lens_host=[0] * size, static_decode=True,
+            groups=groups if self.num_groups > 1 else (),
+            layer_groups=self.kv_cache.layer_groups if self.num_groups > 1 else ())
 
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache.layers, meta)  # (size, hidden)
@@ -121,7 +126,7 @@ class DecodeGraphs:
     def can_run(self, out: SchedulerOutput) -> bool:
         """A step every sequence of which computes exactly one token, and that fits a captured size."""
         return (len(out.scheduled) <= self.max_batch and all(n == 1 for _, n in out.scheduled)
-                and max(len(s.block_table) for s, _ in out.scheduled) <= self.block_tables.shape[1])
+                and max(len(t) for s, _ in out.scheduled for t in s.block_tables) <= self.block_tables.shape[2])
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
@@ -133,20 +138,21 @@ class DecodeGraphs:
         assert size is not None and self.can_run(out)
         bs = self.block_size
         pad = size - b
-        cols: list[list[int]] = [[], [], [], []]  # input id, position, slot, context length
+        cols: list[list[int]] = [[] for _ in range(3 + self.num_groups)]  # input id, position, length, slots
         for seq, _ in out.scheduled:
             c = seq.num_computed_tokens
             cols[0].append(seq.token_ids[c])
             cols[1].append(c)
-            cols[2].append(slot(seq.block_table, c, bs))
-            cols[3].append(c + 1)
-        for col, fill in zip(cols, (0, 0, -1, 0)):
-            col.extend([fill] * pad)
-        host = torch.tensor(cols, dtype=torch.long)  # (4, size)
-        tables = pack_block_tables([seq.block_table for seq, _ in out.scheduled])  # (b, width)
+            cols[2].append(c + 1)
+            for g, table in enumerate(seq.block_tables):
+                cols[3 + g].append(slot(table, c, bs))
+        for i, col in enumerate(cols):
+            col.extend([-1 if i >= 3 else 0] * pad)
+        host = torch.tensor(cols, dtype=torch.long)  # (3 + G, size)
         self.columns[:, :size].copy_(to_device(host, self.columns.device))
-        # rows past b keep stale ids they never read
-        self.block_tables[:b, :tables.shape[1]].copy_(to_device(tables, self.block_tables.device))
+        for g in range(self.num_groups):  # rows past b keep stale ids they never read
+            tables = pack_block_tables([seq.block_tables[g] for seq, _ in out.scheduled])  # (b, width)
+            self.block_tables[g, :b, :tables.shape[1]].copy_(to_device(tables, self.block_tables.device))
         self.replays += 1
         self.padded_rows += pad
         if self.capture:

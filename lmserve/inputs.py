@@ -73,7 +73,7 @@ class InputProcessor:
         if family > self.max_num_seqs:
             raise ValueError(f"{field}: {family} sequences for one request, but max_num_seqs is "
                              f"{self.max_num_seqs}")
-        need = family * self.bm.blocks_needed(n + params.max_tokens)
+        need = family * self.bm.max_blocks(n + params.max_tokens)
         if need > self.bm.num_blocks:
             raise ValueError(f"{field}: the request needs {need} KV blocks"
                              f"{f' ({family} sequences)' if family > 1 else ''} but the cache has "

@@ -5,6 +5,9 @@ All figures are lower bounds from first principles:
                        + with a quantized KV dtype (int8, fp8, int4): a float32 scale per token, head, 32 channels
                        and K/V (2 x layers x kv_heads x head_dim / 32 x 4, one per head when head_dim is not a
                        multiple of 32; MLA: layers x 4), as lmserve's kv_cache_dtype int8 / fp8 stores them
+  KV bytes / seq     = KV bytes / token / layers x sum over layers of the tokens each layer keeps: the whole
+                       sequence (full attention), at most its window (a sliding-window layer, Gemma 3's local
+                       layers: lmserve frees the blocks that fall out of the window); "window-blind" = all of them
   decode step time  >= max(bytes moved / bandwidth, FLOPs / peak)
                        bytes = weight bytes + batch x context x KV bytes/token; FLOPs = 2 x params x batch + attention
   ridge point        = peak FLOP/s / bandwidth  (a kernel below it is memory-bound)
@@ -53,6 +56,7 @@ class PlanModel:
     active_params: float | None = None  # per-token parameters (MoE); = params when None
     mla_latent: int | None = None  # MLA: cached latent width (kv_lora_rank)
     mla_rope: int = 0  # MLA: decoupled rope key width
+    windows: tuple[int | None, ...] | None = None  # per layer: its sliding window (None: full attention)
 
     def __post_init__(self) -> None:
         if self.params is None:
@@ -88,6 +92,12 @@ class PlanModel:
         """What grouped-query attention with `kv_heads` K/V heads of head_dim would cache."""
         return 2 * self.layers * kv_heads * self.head_dim
 
+    def kept_layer_tokens(self, seq_len: int) -> int:
+        """Sum over layers of the tokens of a seq_len-token sequence each layer keeps in its cache."""
+        if not self.windows:
+            return self.layers * seq_len
+        return sum(seq_len if w is None else min(seq_len, w) for w in self.windows)
+
 
 def model_from_args(a: argparse.Namespace) -> PlanModel:
     if a.layers:
@@ -115,8 +125,10 @@ def model_from_name(name: str) -> PlanModel:
         cfg = ModelConfig(**SHAPES[name])
     else:
         cfg = _config_from_path(name)
+    windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
     return PlanModel(name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
-                     cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings)
+                     cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings,
+                     windows=windows if any(w is not None for w in windows) else None)
 
 
 def _config_from_path(name: str):  # type: ignore[no-untyped-def]
@@ -141,14 +153,16 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
     weight_bytes = m.params * wb
     kv_scales = m.kv_scales_per_token * KV_SCALE_BYTES if kb < 2 else 0  # quantized KV: its scales
     kv_tok = m.kv_elems_per_token * kb + kv_scales
-    kv_seq = kv_tok * seq_len
+    kv_seq_blind = kv_tok * seq_len  # every layer keeps every token
+    kv_seq = kv_tok / m.layers * m.kept_layer_tokens(seq_len)  # sliding-window layers keep their window
     usable = mem_gb * 1e9 * mem_util - weight_bytes
     fit = max(0, int(usable // kv_seq)) if kv_seq else 0
+    fit_blind = max(0, int(usable // kv_seq_blind)) if kv_seq_blind else 0
     ridge = peak / bw
     group = m.heads // max(1, m.kv_heads)
 
     def step(b: int) -> dict[str, Any]:
-        kv_read = b * seq_len * kv_tok
+        kv_read = b * kv_seq  # a sliding-window layer reads its window only
         act_bytes = m.active_params * wb
         bytes_moved = act_bytes + kv_read
         attn_flops = 4 * b * seq_len * m.heads * m.head_dim * m.layers
@@ -174,6 +188,11 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
         "kv_bytes_per_seq": kv_seq,
         "seq_len": seq_len,
         "max_seqs_that_fit": fit,
+        "kv_bytes_per_seq_window_blind": kv_seq_blind,
+        "max_seqs_that_fit_window_blind": fit_blind,
+        "layer_kinds": None if not m.windows else {
+            "full": sum(w is None for w in m.windows), "sliding": sum(w is not None for w in m.windows),
+            "windows": sorted({w for w in m.windows if w is not None})},
         "kv_saving_vs_mha": m.mha_kv_elems_per_token / m.kv_elems_per_token,
         "mla_equivalents": None if m.mla_latent is None else {  # bytes/token of the same model's heads cached as
             "mha": m.mha_kv_elems_per_token * kb, "gqa8": m.gqa_kv_elems_per_token(8) * kb},
@@ -211,7 +230,12 @@ def render(r: dict[str, Any]) -> str:
         *([f"MLA caches the latent and the rope key: {r['kv_bytes_per_token']:,.0f} bytes/token against "
            f"{r['mla_equivalents']['mha']:,.0f} as MHA and {r['mla_equivalents']['gqa8']:,.0f} as GQA with 8 KV heads"]
           if r["mla_equivalents"] else []),
-        f"sequences of {r['seq_len']} tokens that fit beside the weights: {r['max_seqs_that_fit']:,}",
+        *([f"sliding-window layers: {r['layer_kinds']['sliding']} of {r['layer_kinds']['sliding'] + r['layer_kinds']['full']}"
+           f" (window {', '.join(map(str, r['layer_kinds']['windows']))}) keep only their window: "
+           f"{_fmt_bytes(r['kv_bytes_per_seq'])} per {r['seq_len']}-token sequence against "
+           f"{_fmt_bytes(r['kv_bytes_per_seq_window_blind'])} window-blind"] if r["layer_kinds"] else []),
+        f"sequences of {r['seq_len']} tokens that fit beside the weights: {r['max_seqs_that_fit']:,}"
+        + (f" (window-blind: {r['max_seqs_that_fit_window_blind']:,})" if r["layer_kinds"] else ""),
         f"arithmetic intensity: MLP matmuls {r['mlp_arithmetic_intensity'] or 0:.1f} FLOP/byte (~batch); "
         f"decode attention {r['decode_attention_intensity']:.1f}; prefill attention {r['prefill_attention_intensity']:.0f}",
         f"decode at batch {r['decode']['batch']}: >= {r['decode']['step_ms']:.3f} ms/step, "

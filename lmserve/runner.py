@@ -70,28 +70,33 @@ class ModelRunner:
         """Flatten the step: input_ids (N,), positions (N,), metadata. Host lists first, then one
         tensor each (block tables through numpy: the largest of them)."""
         bs = self.block_size
+        groups = self.kv_cache.groups.num_groups
         ids: list[int] = []
         pos: list[int] = []
-        slot_ids: list[int] = []
+        slot_ids: list[list[int]] = [[] for _ in range(groups)]  # per KV group
         qlens: list[int] = []
         seqlens: list[int] = []
         for seq, n in out.scheduled:
             c = seq.num_computed_tokens
-            bt = seq.block_table
             ids.extend(seq.token_ids[c:c + n])
             pos.extend(range(c, c + n))
-            slot_ids.extend(slots(bt, c, n, bs))
+            for g, bt in enumerate(seq.block_tables):
+                slot_ids[g].extend(slots(bt, c, n, bs))
             qlens.append(n)
             seqlens.append(c + n)
         dev = self.device
         qsl = [0, *accumulate(qlens)]
         n, b = len(ids), len(qlens)
-        flat = to_device(torch.tensor(ids + pos + slot_ids + qsl + seqlens, dtype=torch.long), dev)  # one copy
-        input_ids, positions, slot_mapping, query_start_loc, seq_lens = flat.split([n, n, n, b + 1, b])
+        flat = to_device(torch.tensor(ids + pos + qsl + seqlens + [s for g in slot_ids for s in g], dtype=torch.long),
+                         dev)  # one copy
+        input_ids, positions, query_start_loc, seq_lens, *slot_mapping = flat.split([n, n, b + 1, b] + [n] * groups)
+        tables = [to_device(pack_block_tables([s.block_tables[g] for s, _ in out.scheduled]), dev)
+                  for g in range(groups)]  # (B, M_g) each
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_tables=to_device(pack_block_tables([s.block_table for s, _ in out.scheduled]), dev),
-            positions=positions, block_size=bs, query_lens_host=qlens, seq_lens_host=seqlens)
+            slot_mapping=slot_mapping[0], query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=tables[0], positions=positions, block_size=bs, query_lens_host=qlens,
+            seq_lens_host=seqlens, groups=tuple(zip(slot_mapping, tables)) if groups > 1 else (),
+            layer_groups=self.kv_cache.layer_groups if groups > 1 else ())
         return input_ids, positions, meta
 
     @torch.inference_mode()
@@ -173,7 +178,7 @@ class ModelRunner:
         T = seq.num_tokens
         if decode_from is not None and not 1 <= decode_from <= T:
             raise ValueError(f"decode_from: must be in [1, {T}], got {decode_from}")
-        if not block_manager.allocate(seq.block_table, T):
+        if not block_manager.allocate(seq.block_tables, T):
             raise RuntimeError("score: not enough free KV blocks")
         try:
             chunks = [T] if decode_from is None else [decode_from] + [1] * (T - decode_from)
@@ -186,7 +191,7 @@ class ModelRunner:
                     seq.num_computed_tokens += n
             return torch.cat(logits)  # (T, V)
         finally:
-            block_manager.free(seq.block_table)
+            block_manager.free(seq.block_tables)
 
 
 @torch.inference_mode()
@@ -200,14 +205,14 @@ def profile_kv_budget(model: torch.nn.Module, cfg: ModelConfig, config: EngineCo
     torch.cuda.reset_peak_memory_stats()
     scratch = KVCache(cfg, blocks, config.block_size, config.torch_dtype, config.device)
     seq = Sequence("__profile__", [0] * n, SamplingParams(max_tokens=1))
-    seq.block_table = list(range(blocks))
+    seq.block_tables = [list(range(blocks)) for _ in range(scratch.groups.num_groups)]  # groups may overlap here
     ids, pos, meta = ModelRunner(model, scratch, config.device).build_inputs(SchedulerOutput([(seq, n)]))
     hidden = model(ids, pos, scratch.layers, meta)  # (n, hidden)
     rows = hidden[-1:].expand(min(config.max_num_seqs, n), -1)
     model.compute_logits(rows).softmax(dim=-1).cumsum(dim=-1)  # the sampler's working set
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    scratch_bytes = sum(t.numel() * t.element_size() for t in scratch.layers)
+    scratch_bytes = sum(t.numel() * t.element_size() for t in scratch.tensors)
     del scratch, hidden, rows
     total = torch.cuda.get_device_properties(torch.device(config.device)).total_memory
     budget = kv_budget_from_profile(total, config.gpu_memory_utilization, peak, scratch_bytes)

@@ -83,7 +83,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(todo[seq], budget)
-            while (cow := self.bm.reserve(seq.block_table, seq.num_computed_tokens,
+            while (cow := self.bm.reserve(seq.block_tables, seq.num_computed_tokens,
                                           seq.num_computed_tokens + n)) is None:
                 for victim in reversed(self._family(self.running[-1], self.running)):  # tail first
                     budget += scheduled.pop(victim, 0)
@@ -97,7 +97,7 @@ class Scheduler:
                 copies[seq] = cow
                 budget -= n
                 if cow:
-                    self._pinned += self.bm.fork([src for src, _ in cow])
+                    self._pinned += self.bm.fork([[src for src, _ in cow]])[0]
         while self.waiting and budget > 0 and not preempted:
             gang = self._family(self.waiting[0], self.waiting)
             if len(self.running) + len(gang) > self.max_num_seqs:
@@ -123,14 +123,14 @@ class Scheduler:
         taken: list[tuple[Sequence, int, int]] = []  # (seq, cached tokens, new tokens)
         for seq in gang:
             use_cache = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
-            prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes) if use_cache else []
-            if seq.family.forks_pending and prefix and len(prefix) * self.bm.block_size >= seq.num_prompt_tokens - 1:
-                prefix = prefix[:-1]  # a forking sequence must have its fork-point token left to run
-            cached = len(prefix) * self.bm.block_size
+            # a forking sequence must have its fork-point token (the prompt's last) left to run
+            limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None
+            prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit) if use_cache else []
+            cached = len(prefix[0]) * self.bm.block_size if prefix else 0
             n = min(self._tokens_to_compute(seq, cached), budget)
-            if not self.bm.allocate(seq.block_table, cached + n, prefix):
+            if not self.bm.allocate(seq.block_tables, cached + n, prefix):
                 for s, _, _ in taken:
-                    self.bm.free(s.block_table)
+                    self.bm.free(s.block_tables)
                 return None
             taken.append((seq, cached, n))
             budget -= n
@@ -171,8 +171,7 @@ class Scheduler:
         (recomputed, or found again in the prefix cache, when it is admitted). A beam clone always
         runs: the beam step prunes as many beams as it clones before the next schedule()."""
         if len(self.running) >= self.max_num_seqs and not seq.params.use_beam_search:
-            self.bm.free(seq.block_table)
-            seq.block_table.clear()
+            self.bm.free(seq.block_tables)
             seq.num_computed_tokens = seq.num_cached_tokens = 0
             seq.status = Status.WAITING
             self.waiting.appendleft(seq)
@@ -183,7 +182,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it at the front for recomputation."""
         self.running.remove(seq)
-        self.bm.free(seq.block_table)
+        self.bm.free(seq.block_tables)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -206,7 +205,7 @@ class Scheduler:
         sequence received.
         """
         if self._pinned:
-            self.bm.free(self._pinned)
+            self.bm.free_blocks(self._pinned)
             self._pinned = []
         rejected = rejected or {}
         bs = self.bm.block_size
@@ -217,14 +216,14 @@ class Scheduler:
             wrong = rejected.get(seq, 0)
             seq.num_computed_tokens += n - wrong
             if wrong:
-                self.bm.shrink(seq.block_table, seq.num_computed_tokens)
+                self.bm.shrink(seq.block_tables, seq.num_computed_tokens)
             stop = None
             if seq in sampled:
                 got, stop = self._append(seq, sampled[seq], now)
                 received[seq] = got
             filled = min(seq.num_computed_tokens, seq.num_tokens)  # tokens whose KV is in the blocks
             if filled // bs > before // bs:  # a block filled up this step
-                self.bm.cache_full_blocks(seq.block_table, seq.token_ids, filled, seq.block_hashes,
+                self.bm.cache_full_blocks(seq.block_tables, seq.token_ids, filled, seq.block_hashes,
                                           first=before // bs)
             if stop is not None:
                 self.finish(seq, *stop)
@@ -267,7 +266,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.free(seq.block_table)
+        self.bm.free(seq.block_tables)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

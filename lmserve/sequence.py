@@ -205,7 +205,7 @@ class Sequence:
     index: int = 0  # which of the request's n outputs
 
     token_ids: list[int] = field(init=False)
-    block_table: list[int] = field(default_factory=list, init=False)
+    block_tables: list[list[int]] = field(default_factory=list, init=False)  # one per KV group; [] when none held
     block_hashes: list[bytes] = field(default_factory=list, init=False)  # memo of full-block hashes (sha256)
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at the last admission
@@ -224,6 +224,11 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's block table (the only one, for a model of one layer kind)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:

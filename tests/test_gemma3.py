@@ -5,11 +5,15 @@ prefix caching and preemption."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from lmserve import LLM, SamplingParams
-from tests.test_models_vs_hf import CONFIGS, greedy_matches_hf
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the static decode path's Triton kernels on the CPU
+
+from lmserve import LLM, SamplingParams  # noqa: E402
+from tests.test_models_vs_hf import CONFIGS, greedy_matches_hf, hf_greedy  # noqa: E402
 
 WINDOW = 8
 PROMPTS = [[5, 17, 33, 9, 100, 3], list(range(20, 61)), [11, 12], list(range(64, 127)) + [1, 2, 3]]
@@ -64,6 +68,91 @@ def test_greedy_matches_hf_past_the_window(gemma, mode):  # type: ignore[no-unty
     greedy_matches_hf(*gemma, mode, n_new=30)  # every sequence ends several windows past its start
 
 
+def _run_long(llm, prompts, n_new, on_step=None):  # type: ignore[no-untyped-def]
+    """Greedy requests stepped by hand: (token ids per request, the most sequences running at once)."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    done, peak = {}, 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        peak = max(peak, len(eng.scheduler.running))
+        if on_step is not None:
+            on_step(eng)
+    return [done[str(i)] for i in range(len(prompts))], peak
+
+
+def test_local_layers_hold_only_their_window(gemma):  # type: ignore[no-untyped-def]
+    """A sequence 8x the window (8 tokens, blocks of 4): at every step each local layer's KV group holds
+    at most window / block_size + 1 = 3 blocks, the global layer's all of them; tokens equal HF's."""
+    path, hf = gemma
+    llm = LLM(str(path), block_size=4, kv_cache_memory="8MiB")
+    eng = llm.engine
+    assert eng.kv_cache.groups.windows == (None, WINDOW, WINDOW)  # 3 layers, one each: g = gcd(1, 2) = 1
+    seen = []
+
+    def check(eng):  # type: ignore[no-untyped-def]
+        for seq in eng.scheduler.running:
+            full, *local = seq.block_tables
+            assert -1 not in full and len(full) == -(-seq.num_computed_tokens // 4)
+            for table in local:
+                held = [b for b in table if b >= 0]
+                assert len(held) <= WINDOW // 4 + 1, table
+                seen.append((len(full), len(held)))
+
+    prompt = PROMPTS[0]
+    toks, _ = _run_long(llm, [prompt], 8 * WINDOW - len(prompt), check)
+    assert toks[0] == hf_greedy(hf, prompt, 8 * WINDOW - len(prompt))
+    assert max(f for f, _ in seen) == 16 and max(h for _, h in seen) == 3  # 64 tokens: 16 global blocks
+    st = llm.stats()
+    assert st.used_blocks == 0 and st.free_blocks == st.num_blocks
+
+
+def test_more_long_sequences_fit_than_window_blind(gemma):  # type: ignore[no-untyped-def]
+    """One KV budget (27 window-blind blocks of 16 tokens: three 128-token sequences), eight requests
+    that grow to 16x the window: the hybrid cache holds more of them at full length at once than the
+    window-blind cache (every layer keeping every block), with the same tokens."""
+    path, _ = gemma
+    prompts = [[3 + i] + PROMPTS[1][:15] for i in range(8)]  # 16-token prompts
+    budget = 27 * 16 * 3 * 2 * 2 * 16 * 4  # blocks x tokens x layers x (K, V) x kv heads x head_dim x fp32
+    runs = {}
+    for blind in (False, True):
+        llm = LLM(str(path), block_size=16, kv_cache_memory=budget, max_num_batched_tokens=64,
+                  disable_hybrid_kv_cache_manager=blind)
+        assert llm.engine.kv_cache.groups.num_groups == (1 if blind else 3)
+        held = [0]
+
+        def count(eng, held=held):  # type: ignore[no-untyped-def]
+            held[0] = max(held[0], sum(s.num_computed_tokens >= 120 for s in eng.scheduler.running))
+        toks, _ = _run_long(llm, prompts, 128 - 16, count)
+        runs[blind] = (toks, held[0], llm.stats().num_preemptions)
+    (hy_toks, hy_held, hy_pre), (blind_toks, blind_held, blind_pre) = runs[False], runs[True]
+    assert hy_toks == blind_toks
+    print(f"8 requests growing to 128 tokens (window 8), one budget: {hy_held} held at >= 120 tokens at once "
+          f"with the hybrid cache ({hy_pre} preemptions), {blind_held} window-blind ({blind_pre} preemptions)")
+    assert blind_held <= 3 and hy_held >= 2 * blind_held and hy_pre < blind_pre
+
+
+def test_static_decode_path_with_kv_groups(gemma):  # type: ignore[no-untyped-def]
+    """The padded static decode path (what CUDA graphs replay) with three KV groups, one block table
+    and slot column each, through the Triton kernels (interpreter): the torch reference's tokens, past
+    the window, where the local groups' tables start with freed (NULL) blocks."""
+    pytest.importorskip("triton")
+    path, _ = gemma
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1][:20]]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (20, 6, 12)]
+    ref = LLM(str(path), attention_backend="torch", block_size=4).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), attention_backend="triton", block_size=4)
+    llm.engine.runner.enable_graphs([1, 2, 4], llm.engine.max_model_len, capture=False)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    graphs = llm.engine.runner.graphs
+    assert graphs.num_groups == 3 and graphs.replays >= 19 and graphs.padded_rows > 0
+
+
 @pytest.fixture(scope="module")
 def gemma_270m():  # type: ignore[no-untyped-def]
     """The real gemma-3-270m GGUF (joined from its part packages on first use), HF transformers
@@ -101,6 +190,26 @@ def test_real_gemma_270m_matches_hf_past_its_window(gemma_270m):  # type: ignore
     agree = (default.score(LONG).argmax(-1) == ref.argmax(-1)).float().mean().item()
     del default
     assert agree > 0.9, agree  # measured 0.95 (Q4_K / Q5_0 / Q6_K blocks, int8 activations)
+
+
+def test_real_gemma_270m_kv_groups_and_planner_shape(gemma_270m):  # type: ignore[no-untyped-def]
+    """18 layers, 15 local (window 512) and 3 global: six KV groups of three layers (one global), a
+    pool block covering three layers; the planner's named shape is the loaded model's."""
+    import dataclasses
+
+    from lmserve.config import ModelConfig
+    from lmserve.models.shapes import SHAPES
+    _, _, llm = gemma_270m
+    eng = llm.engine
+    groups = eng.kv_cache.groups
+    assert groups.windows == (None,) + (512,) * 5 and groups.layers[0] == (5, 11, 17)
+    assert len(eng.kv_cache.tensors) == 3 and eng.kv_cache.layers[5] is eng.kv_cache.tensors[0]
+    cfg, named = eng.model_config, ModelConfig(**SHAPES["gemma-3-270m"])
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "rope_theta", "rope_local_theta", "sliding_window", "layer_types", "query_pre_attn_scalar",
+              "tie_word_embeddings")
+    assert {f: getattr(cfg, f) for f in fields} == {f: getattr(named, f) for f in fields}
+    assert dataclasses.replace(named, architecture=cfg.architecture).kv_elems_per_token == cfg.kv_elems_per_token
 
 
 def test_real_gemma_270m_tokenizer_and_chat_equal_hf(gemma_270m):  # type: ignore[no-untyped-def]

@@ -46,10 +46,13 @@ def greedy_matches_hf(path, hf, mode: str, n_new: int) -> None:  # type: ignore[
     opts = dict(CONFIGS[mode])
     if mode == "preempt":
         from lmserve.kv.cache import KVCache
+        from lmserve.kv.groups import KVGroups
         from lmserve.models.loader import hf_config
-        per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
+        cfg = hf_config(path)
+        per_block = KVCache.bytes_per_block(cfg, 4, torch.float32)  # one KV group's layers (all, for one kind)
+        groups = KVGroups.from_config(cfg)
         longest = max(len(p) for p in PROMPTS) + n_new
-        opts["kv_cache_memory"] = per_block * (-(-longest // 4) + 12)
+        opts["kv_cache_memory"] = per_block * (groups.blocks_per_token_bound(longest, 4, 16) + 12 * groups.num_groups)
     llm = LLM(str(path), **opts)
     params = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     prompts = PROMPTS

@@ -66,3 +66,22 @@ def test_cli_json(capsys):  # type: ignore[no-untyped-def]
     assert main(["plan", "--model", "smollm2-135m", "--device", "cpu", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
     assert "46,080 bytes/token" in out  # 2 x 30 layers x 3 kv heads x 64 x 4 bytes
+
+
+def test_sliding_window_layers_are_counted_by_their_window():
+    """Gemma 3 270M (15 of 18 layers local, window 512): a 4096-token sequence keeps 3 x 4096 + 15 x 512
+    layer-tokens, not 18 x 4096; more sequences fit than a window-blind cache would hold, and the
+    rendered plan says both."""
+    m = model_from_name("gemma-3-270m")
+    r = plan(m, DEVICES["l4"], "bf16", seq_len=4096)
+    per_layer_token = 2 * 1 * 256 * 2  # K and V, one KV head of 256, bf16
+    assert r["kv_bytes_per_token"] == 18 * per_layer_token
+    assert r["kv_bytes_per_seq"] == per_layer_token * (3 * 4096 + 15 * 512)
+    assert r["kv_bytes_per_seq_window_blind"] == per_layer_token * 18 * 4096
+    assert r["layer_kinds"] == {"full": 3, "sliding": 15, "windows": [512]}
+    assert r["max_seqs_that_fit"] > 2.5 * r["max_seqs_that_fit_window_blind"] > 0
+    short = plan(m, DEVICES["l4"], "bf16", seq_len=256)  # shorter than the window: no saving
+    assert short["kv_bytes_per_seq"] == short["kv_bytes_per_seq_window_blind"]
+    text = render(r)
+    assert "window 512" in text and f"window-blind: {r['max_seqs_that_fit_window_blind']:,}" in text
+    assert plan(mk(40, 40), DEVICES["h100"])["layer_kinds"] is None

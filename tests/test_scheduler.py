@@ -14,7 +14,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmserve.kv.block_manager import BlockManager, chain_hash
+from lmserve.kv.block_manager import NULL_BLOCK, BlockManager, chain_hash
 from lmserve.scheduler import Scheduler, SchedulerOutput
 from lmserve.sequence import SamplingParams, Sequence, Status
 
@@ -30,8 +30,8 @@ class Driver:
     """Engine + runner stand-in around a real Scheduler and BlockManager."""
 
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16,
-                 prefix_caching: bool = True, seed: int = 0) -> None:
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+                 prefix_caching: bool = True, seed: int = 0, windows: tuple[int | None, ...] = (None,)) -> None:
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching, windows, max_step_tokens=budget)
         self.sched = Scheduler(self.bm, max_num_seqs, budget)
         self.bs = block_size
         self.content: dict[int, list[int | None]] = {}
@@ -44,7 +44,7 @@ class Driver:
     def fits(self, prompt_len: int, max_tokens: int, width: int = 1) -> bool:
         """Engine.validate: each sequence fits the pool; beams (width > 1) all at once."""
         return width <= self.sched.max_num_seqs and \
-            width * self.bm.blocks_needed(prompt_len + max_tokens) <= self.bm.num_blocks
+            width * self.bm.max_blocks(prompt_len + max_tokens) <= self.bm.num_blocks
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 8, width: int = 1) -> None:
         """A plain request (width 1) or `width` beams that advance in lock-step."""
@@ -60,7 +60,7 @@ class Driver:
         fam = self.families[parent.request_id]
         child = new_seq(parent.request_id, parent.prompt_token_ids, parent.params.max_tokens, len(fam))
         child.token_ids = list(parent.token_ids)
-        child.block_table = self.bm.fork(parent.block_table)
+        child.block_tables = self.bm.fork(parent.block_tables)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         fam.append(child)
@@ -103,9 +103,9 @@ class Driver:
         rejected: dict[Sequence, int] = {}
         for s, n in out.scheduled:
             c = s.num_computed_tokens
-            for pos in range(c, c + n):
-                self.content.setdefault(s.block_table[pos // self.bs], [None] * self.bs)[pos % self.bs] = \
-                    s.token_ids[pos]
+            for table in s.block_tables:  # every KV group's layers write the step's tokens
+                for pos in range(c, c + n):
+                    self.content.setdefault(table[pos // self.bs], [None] * self.bs)[pos % self.bs] = s.token_ids[pos]
             if c + n != s.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
             bonus = self.rng.randrange(4)
@@ -151,7 +151,7 @@ class Driver:
     def check_step(self, out: SchedulerOutput) -> None:
         # a copy's target is a scheduled sequence's private block that already holds computed tokens
         # (the partial block it shared), never a block handed out fresh
-        partial = {s.block_table[i] for s, _ in out.scheduled
+        partial = {t[i] for s, _ in out.scheduled for t in s.block_tables
                    for i in range(-(-s.num_computed_tokens // self.bs))}
         for src, dst in out.block_copies:
             assert dst in partial, f"copy-on-write pair {src}->{dst} targets no sequence's shared block"
@@ -164,27 +164,36 @@ class Driver:
         bm, bs = self.bm, self.bs
         counts = [0] * bm.num_blocks
         for s in self.live():
-            for b in s.block_table:
+            for b in (b for t in s.block_tables for b in t if b != NULL_BLOCK):
                 counts[b] += 1
             if s.status is Status.WAITING:
-                assert not s.block_table and s.family.pending_logprobs is None
+                assert not s.block_tables and s.family.pending_logprobs is None
         assert counts == bm.ref_count, "reference counts must equal the number of holders"
         assert all((bm.ref_count[b] == 0) == (b in bm.free_queue) for b in range(bm.num_blocks))
         for s in self.live():
             if s.status is not Status.RUNNING:
                 continue
-            for pos in range(s.num_computed_tokens):  # the cache holds each computed token's KV
-                assert self.content[s.block_table[pos // bs]][pos % bs] == s.token_ids[pos], (s, pos)
-            parent = None
-            for b in s.block_table[:s.num_computed_tokens // bs]:
-                h = bm.block_hash[b]
-                if h is None:
-                    break
-                assert h == chain_hash(parent, self.content[b]), "a block registered under another block's hash"
-                self.parent_hash[h] = parent
-                parent = h
-        for h, b in bm.hash_to_block.items():  # cached blocks, held or free, still hold what they hash
-            assert bm.block_hash[b] == h
+            assert len(s.block_tables) == bm.num_groups
+            for g, table in enumerate(s.block_tables):
+                # the cache holds each computed token's KV where the next step can read it: every token
+                # in a full group, the last window - 1 tokens (and maybe more) in a windowed one
+                need = bm.first_needed(g, s.num_computed_tokens) * bs
+                for pos in range(s.num_computed_tokens):
+                    b = table[pos // bs]
+                    if b == NULL_BLOCK:
+                        assert pos < need, (s, g, pos)
+                        continue
+                    assert self.content[b][pos % bs] == s.token_ids[pos], (s, g, pos)
+                parent = None
+                for i, b in enumerate(table[:s.num_computed_tokens // bs]):
+                    h = bm.block_hash[b] if b != NULL_BLOCK else None
+                    expected = chain_hash(parent, s.token_ids[i * bs:(i + 1) * bs])
+                    if h is not None:
+                        assert h == expected, "a block registered under another block's hash"
+                        self.parent_hash[h] = parent
+                    parent = expected
+        for (g, h), b in bm.hash_to_block.items():  # cached blocks, held or free, still hold what they hash
+            assert bm.block_hash[b] == h and bm.block_group[b] == g
             if h in self.parent_hash:
                 assert h == chain_hash(self.parent_hash[h], self.content[b])
 
@@ -289,9 +298,9 @@ def test_copy_on_write_pairs_of_a_victim_are_dropped():
     its (src, dst) pair behind: dst has just been freed and may now be someone else's fresh block."""
     d = Driver(num_blocks=6, block_size=4, budget=64)
     y = new_seq("y", list(range(100, 120)))  # still prefilling: scheduled after the decodes
-    assert d.bm.allocate(y.block_table, 8)
+    assert d.bm.allocate(y.block_tables, 8)
     p = new_seq("p", list(range(6)))
-    assert d.bm.allocate(p.block_table, 6)
+    assert d.bm.allocate(p.block_tables, 6)
     p.append_token(9)
     for s, computed in ((y, 8), (p, 6)):
         s.num_computed_tokens, s.status = computed, Status.RUNNING
@@ -325,7 +334,7 @@ def test_speculative_steps_register_blocks_over_their_real_tokens():
     assert d.bm.block_hash[seq.block_table[0]] == h0
     assert d.bm.block_hash[seq.block_table[1]] == chain_hash(h0, [8, 9, 9, 9])
     # a later request with the same 8 tokens hits both blocks
-    assert d.bm.find_cached_prefix(seq.token_ids[:8] + [3]) == seq.block_table[:2]
+    assert d.bm.find_cached_prefix(seq.token_ids[:8] + [3]) == [seq.block_table[:2]]
 
 
 # ---------------------------------------------------------------- random workloads
@@ -335,12 +344,14 @@ events = st.lists(st.tuples(st.sampled_from(["add", "add", "beam", "abort", "for
 
 @settings(max_examples=120, deadline=None)
 @given(events=events, num_blocks=st.integers(6, 20), block_size=st.sampled_from([2, 4]),
-       budget=st.sampled_from([4, 8, 32]), max_draft=st.integers(0, 3), prefix=st.booleans())
-def test_random_workload_invariants(events, num_blocks, block_size, budget, max_draft, prefix):  # type: ignore[no-untyped-def]
-    """Random arrivals, beams, aborts, forks and speculative accept counts under a tight pool:
-    reference counts equal holders, every computed token's KV is where its sequence reads it, every
+       budget=st.sampled_from([4, 8, 32]), max_draft=st.integers(0, 3), prefix=st.booleans(),
+       windows=st.sampled_from([(None,), (None, 4), (None, 3, 3)]))
+def test_random_workload_invariants(events, num_blocks, block_size, budget, max_draft, prefix, windows):  # type: ignore[no-untyped-def]
+    """Random arrivals, beams, aborts, forks and speculative accept counts under a tight pool, with one
+    KV group or full + sliding-window groups: reference counts equal holders, every computed token's
+    KV is where its sequence reads it (a windowed group: the tokens its window still sees), every
     cached block's hash is the hash of its tokens, nothing stalls, and all blocks are free at the end."""
-    d = Driver(num_blocks, block_size, max_num_seqs=6, budget=budget, prefix_caching=prefix)
+    d = Driver(num_blocks, block_size, max_num_seqs=6, budget=budget, prefix_caching=prefix, windows=windows)
     prefixes = [[1, 2, 3, 0] * 4, [3, 2, 1, 0] * 3, [2, 2]]
     for i, (ev, r) in enumerate(events):
         rng = random.Random(r)

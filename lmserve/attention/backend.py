@@ -11,6 +11,7 @@ quantizes, every reader dequantizes (see the backends).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from typing import Protocol
@@ -30,6 +31,9 @@ class AttentionMetadata:
     positions:       (N,)    absolute position of each new token
     Host copies (lists) of the lengths are kept so the reference path needs no device sync.
 
+    groups: with several KV groups (kv/groups.py), each group's own slot_mapping and block_tables,
+    group 0's being the fields above; a layer reads `for_group(its group)`.
+
     static_decode marks a CUDA-graph decode batch (built by DecodeGraphs): row i is the one new token
     of sequence i, rows past the live batch are padding (slot -1, seq_len 0), and the host lists
     describe the captured shape only, so a backend must plan from tensor shapes alone.
@@ -44,7 +48,25 @@ class AttentionMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
     static_decode: bool = False
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # per KV group: (slot_mapping, block_tables)
+    layer_groups: tuple[int, ...] = ()  # each layer's KV group (empty: one group)
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def for_layer(self, i: int) -> AttentionMetadata:
+        """The metadata layer i's attention reads (its KV group's)."""
+        return self.for_group(self.layer_groups[i]) if self.layer_groups else self
+
+    def for_group(self, g: int) -> AttentionMetadata:
+        """The metadata a layer of KV group g reads: this step with that group's slots and block tables
+        (memoised: one object per group and step, so per-step memos are shared by the group's layers)."""
+        if g == 0:
+            return self
+        def build() -> AttentionMetadata:
+            slot_mapping, block_tables = self.groups[g]
+            return dataclasses.replace(self, slot_mapping=slot_mapping, block_tables=block_tables, groups=(),
+                                       layer_groups=(),
+                                       _cache={k: v for k, v in self._cache.items() if k in _SHARED_MEMOS})
+        return self.memo(("group", g), build)
 
     @property
     def query_starts_host(self) -> list[int]:
@@ -90,15 +112,20 @@ class AttentionMetadata:
         return self._cache[key]
 
 
+# per-step memos that do not depend on a group's slots or tables: computed once, shared by every group
+_SHARED_MEMOS = ("qstarts", "all_decode", "max_query_len")
+
+
 def pack_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables as a (B, M) int64 host tensor, rows padded with 0 (M = the longest table).
+    """Block tables as a (B, M) int64 host tensor, rows padded with 0 (M = the longest table); a
+    windowed group's dropped blocks (NULL_BLOCK, -1) become 0 too: masked, never read for a result.
     All ids in one np.fromiter pass, scattered by a row-length mask: far cheaper than torch.tensor
     on nested lists, and than row-by-row numpy assignment, at large batches (host work per step)."""
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))  # (B,)
     width = int(lens.max()) if len(tables) else 0
     flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))  # (sum of lengths,)
     out = np.zeros((len(tables), width), dtype=np.int64)  # (B, M)
-    out[np.arange(width) < lens[:, None]] = flat  # row-major: each row's ids in order
+    out[np.arange(width) < lens[:, None]] = np.maximum(flat, 0)  # row-major: each row's ids in order
     return torch.from_numpy(out)
 
 

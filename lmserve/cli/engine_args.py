@@ -31,6 +31,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                              "as gguf; else none), none (the checkpoint's float), int8 / int4 (round to nearest "
                              "at load), awq (an AWQ checkpoint), gguf (the GGUF file's own blocks), fp8 (e4m3)"},
     "kv_cache_dtype": {"choices": ["auto", "int8", "fp8"], "help": "KV cache element type (auto: the model dtype)"},
+    "disable_hybrid_kv_cache_manager": {"help": "keep every layer's KV blocks for the whole sequence (no "
+                                                "freeing of out-of-window blocks for sliding-window layers)"},
     "speculative_method": {"choices": ["ngram", "draft"]},
     "draft_model": {"help": "draft model (default: the target itself, truncated)"},
     "draft_num_layers": {"help": "keep only the draft's first N layers"},

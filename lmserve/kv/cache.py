@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from lmserve.config import ModelConfig
+from lmserve.kv.groups import KVGroups
 from lmserve.utils import to_device
 
 SCALE_DTYPE = torch.float32
@@ -162,33 +163,47 @@ class QuantizedKV:
 
 
 class KVCache:
-    """Owns the per-layer K/V tensors (float tensors, or QuantizedKV with kv_cache_dtype int8 / fp8)."""
+    """Owns the K/V tensors (float tensors, or QuantizedKV with kv_cache_dtype int8 / fp8): one per
+    place in a KV group (kv/groups.py), which the layers at that place of every group share; `layers[i]`
+    is layer i's. A model of one layer kind has one group, so one tensor per layer."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device, kv_cache_dtype: str = "auto") -> None:
+                 device: str | torch.device, kv_cache_dtype: str = "auto", hybrid: bool = True) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_cache_dtype = kv_cache_dtype
+        self.groups = KVGroups.from_config(cfg, hybrid)
         qdtype = kv_quant_dtype(kv_cache_dtype)
+        parts, heads, width = cfg.kv_entry_shape
+        if qdtype is not None and parts != 2:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: quantized caches hold K and V per head; "
+                             f"{cfg.architecture} caches another row (use kv_cache_dtype='auto')")
         slots = num_blocks * block_size
-        self.layers: list[torch.Tensor | QuantizedKV] = [
-            torch.zeros(2, slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device) if qdtype is None
-            else QuantizedKV.empty(slots, cfg.num_kv_heads, cfg.head_dim, qdtype, device)
-            for _ in range(cfg.num_layers)]
+        self.tensors: list[torch.Tensor | QuantizedKV] = [
+            torch.zeros(parts, slots, heads, width, dtype=dtype, device=device) if qdtype is None
+            else QuantizedKV.empty(slots, heads, width, qdtype, device)
+            for _ in range(self.groups.layers_per_group)]
+        self.layers = [self.tensors[self.groups.place(i)[1]] for i in range(cfg.num_layers)]
+        self.layer_groups = tuple(self.groups.place(i)[0] for i in range(cfg.num_layers))
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-        """Bytes of one block in every layer: K/V elements, plus, when quantized, their float32 scales
-        (one per token, head, group of channels and K/V)."""
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                        hybrid: bool = True) -> int:
+        """Bytes of one pool block: block_size tokens of one group's layers (every layer, for a model of
+        one kind): K/V elements, plus, when quantized, their float32 scales (one per token, head,
+        group of channels and K/V)."""
         qdtype = kv_quant_dtype(kv_cache_dtype)
+        parts, heads, width = cfg.kv_entry_shape
+        layers = KVGroups.from_config(cfg, hybrid).layers_per_group
+        elems = layers * parts * heads * width  # per token
         if qdtype is None:
-            return cfg.kv_elems_per_token * block_size * torch.tensor([], dtype=dtype).element_size()
-        scales_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * kv_scale_groups(cfg.head_dim)
-        return block_size * (cfg.kv_elems_per_token * qdtype.itemsize + scales_per_token * SCALE_BYTES)
+            return elems * block_size * torch.tensor([], dtype=dtype).element_size()
+        scales_per_token = layers * parts * heads * kv_scale_groups(width)
+        return block_size * (elems * qdtype.itemsize + scales_per_token * SCALE_BYTES)
 
     @classmethod
     def blocks_for_budget(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget: int,
-                          kv_cache_dtype: str = "auto") -> int:
-        return budget // cls.bytes_per_block(cfg, block_size, dtype, kv_cache_dtype)
+                          kv_cache_dtype: str = "auto", hybrid: bool = True) -> int:
+        return budget // cls.bytes_per_block(cfg, block_size, dtype, kv_cache_dtype, hybrid)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write for forked sequences); a quantized
@@ -196,12 +211,12 @@ class KVCache:
         if not copies:
             return
         bs = self.block_size
-        dev = self.layers[0].device
+        dev = self.tensors[0].device
         off = torch.arange(bs, device=dev)
         pairs = to_device(torch.tensor(copies, dtype=torch.long), dev)  # (C, 2): src, dst
         src = (pairs[:, :1] * bs + off).reshape(-1)  # (C*bs,)
         dst = (pairs[:, 1:] * bs + off).reshape(-1)  # (C*bs,)
-        for layer in self.layers:  # (2, slots, Hkv, d), or QuantizedKV
+        for layer in self.tensors:  # (2, slots, Hkv, d), or QuantizedKV
             if isinstance(layer, QuantizedKV):
                 layer.copy_slots(dst, src)
             else:

@@ -124,10 +124,10 @@ class CpuDecodePlan:
         cos, sin = meta.memo(("rope2d", id(self.rotary)), lambda: tuple(
             t.squeeze(1) for t in self.rotary.lookup(positions)))  # (B, d) each
         cos, sin = cos.contiguous(), sin.contiguous()
-        tables, lens = (t.long().contiguous() for t in meta.token_rows())  # (B, T), (B,): a row per token
-        slots = meta.slot_mapping.long().contiguous()  # (B,)
         first = True
-        for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm, scale, window), cache in zip(self.layers, kv_caches):
+        for i, ((w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm, scale, window), cache) in enumerate(
+                zip(self.layers, kv_caches)):
+            tables, lens, slots = _rows(meta.for_layer(i))
             if first:  # residual = x; h = norm(x)
                 lib.lm_add_rmsnorm(x.data_ptr(), hd, None, 0, w_in.data_ptr(), self.eps, b, hd, hbuf.data_ptr(),
                                    None, threads)
@@ -154,6 +154,15 @@ class CpuDecodePlan:
             x = torch.empty(b, hd)  # (B, hidden)
             down_mm(lib, act, x, threads)
         return x, res
+
+
+def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's attention rows, once per KV group and step: each new token's block table (B, T), its
+    number of keys (B,) and its cache slot (B,), as contiguous int64."""
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tables, lens = (t.long().contiguous() for t in meta.token_rows())
+        return tables, lens, meta.slot_mapping.long().contiguous()
+    return meta.memo("plan_rows", build)
 
 
 class GemmaDecodePlan(CpuDecodePlan):
@@ -185,10 +194,9 @@ class GemmaDecodePlan(CpuDecodePlan):
         hbuf, tmp, normed = torch.empty(b, hd), torch.empty(b, hd), torch.empty(b, hd)  # (B, hidden) each
         qkv = torch.empty(b, width)  # (B, (H + 2 Hkv) d): q and k normed and rotated in place
         att = torch.empty(b, h * d)  # (B, H d)
-        tables, lens = (t.long().contiguous() for t in meta.token_rows())  # (B, T), (B,): a row per token
-        slots = meta.slot_mapping.long().contiguous()  # (B,)
         for i, ((w_in, qkv_mm, w_post_attn, w_q, w_k, rotary, o_mm, w_pre_ff, gu_mm, down_mm, w_post_ff, scale,
                  window), cache) in enumerate(zip(self.layers, kv_caches)):
+            tables, lens, slots = _rows(meta.for_layer(i))
             if i == 0:  # residual = x; h = norm(x)
                 lib.lm_add_rmsnorm(x.data_ptr(), hd, None, 0, w_in.data_ptr(), eps, b, hd, hbuf.data_ptr(), None, threads)
                 res.copy_(x)

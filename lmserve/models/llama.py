@@ -150,8 +150,8 @@ class LlamaForCausalLM(nn.Module):
             x, residual = plan.run(x, positions, kv_caches, meta)
         else:
             residual = None
-            for layer, cache in zip(self.layers, kv_caches):
-                x, residual = layer(x, residual, positions, cache, meta)
+            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+                x, residual = layer(x, residual, positions, cache, meta.for_layer(i))  # its KV group's tables
         x, _ = self.norm(x, residual)
         return x
 

@@ -30,6 +30,13 @@ SHAPES: dict[str, dict] = {
     "mistral-7b": dict(architecture="MistralForCausalLM", vocab_size=32000, hidden_size=4096,
                        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                        max_position_embeddings=32768),
+    "gemma-3-270m": dict(architecture="Gemma3ForCausalLM", vocab_size=262144, hidden_size=640,
+                         intermediate_size=2048, num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,
+                         rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6,
+                         max_position_embeddings=32768, tie_word_embeddings=True, qk_norm=True,
+                         sliding_window=512, query_pre_attn_scalar=256, hidden_act="gelu_pytorch_tanh",
+                         layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                           for i in range(18))),
     # not a real model: a 2-layer Qwen3-like shape for dry runs of GPU scripts on a CPU
     "debug-tiny": dict(architecture="Qwen3ForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=2048,

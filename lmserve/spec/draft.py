@@ -33,7 +33,8 @@ class DraftModelProposer:
         self.cfg = cfg
         self.model = model
         self.kv = KVCache(cfg, num_blocks, config.block_size, dtype, config.device)
-        self.bm = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
+        self.bm = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False,
+                               windows=self.kv.groups.windows, max_step_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv, config.device)
         self.sampler = Sampler()
         self.mirrors: dict[int, Sequence] = {}
@@ -51,7 +52,7 @@ class DraftModelProposer:
             lcp += 1
         m.num_computed_tokens = lcp
         m.token_ids = list(target)
-        self.bm.shrink(m.block_table, lcp)
+        self.bm.shrink(m.block_tables, lcp)
         return m
 
     @torch.inference_mode()
@@ -67,7 +68,7 @@ class DraftModelProposer:
                     del active[i]
                     continue
                 n = m.num_tokens - m.num_computed_tokens
-                if self.bm.reserve(m.block_table, m.num_computed_tokens, m.num_computed_tokens + n) is None:
+                if self.bm.reserve(m.block_tables, m.num_computed_tokens, m.num_computed_tokens + n) is None:
                     del active[i]  # the draft cache is full: this sequence proposes what it has
                     continue
                 batch.append((i, m, n))
@@ -91,9 +92,9 @@ class DraftModelProposer:
     def release(self, seq: Sequence) -> None:
         m = self.mirrors.pop(id(seq), None)
         if m is not None:
-            self.bm.free(m.block_table)
+            self.bm.free(m.block_tables)
 
     def sweep(self, live: set[int]) -> None:
         """Free the mirrors of sequences that are gone."""
         for key in [k for k in self.mirrors if k not in live]:
-            self.bm.free(self.mirrors.pop(key).block_table)
+            self.bm.free(self.mirrors.pop(key).block_tables)
