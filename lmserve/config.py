@@ -77,6 +77,26 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # DeepSeek-V2 / V3 multi-head latent attention (MLA: kv_lora_rank > 0; models/deepseek.py): q through a
+    # LoRA of rank q_lora_rank (None: one q_proj); a token caches a latent of kv_lora_rank + one rope key of
+    # qk_rope_head_dim; rope on channel pairs (2i, 2i + 1) (V2; V3's rope_interleave) or (i, i + d/2)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    # DeepSeek MoE (models/moe.py): shared experts beside the routed ones; router scores softmax / sigmoid;
+    # topk_method greedy, group_limited_greedy (V2) or noaux_tc (V3), topk_group of n_group groups kept;
+    # sparse layers from first_k_dense_replace on, every moe_layer_freq-th
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -87,10 +107,55 @@ class ModelConfig:
             raise ValueError("model config: num_heads must be a multiple of num_kv_heads")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"model config: layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if self.is_mla:
+            self._check_mla()
+        if self.num_experts:
+            self._check_routing()
+
+    def _check_mla(self) -> None:
+        """MLA's widths, and the rope scalings its rotary implements (none, yarn)."""
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0 or (name == "qk_rope_head_dim" and self.qk_rope_head_dim % 2):
+                raise ValueError(f"model config: {name} must be positive (qk_rope_head_dim even) for MLA")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"model config: q_lora_rank must be positive or None, got {self.q_lora_rank}")
+        if self.qkv_bias:
+            raise ValueError("model config: attention_bias is not supported with MLA")
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if kind not in ("default", "yarn"):
+            raise ValueError(f"model config: rope_scaling type {kind!r} is not supported with MLA (default, yarn)")
+        if kind == "yarn" and "original_max_position_embeddings" not in self.rope_scaling:  # type: ignore[operator]
+            raise ValueError("model config: yarn rope_scaling needs original_max_position_embeddings")
+
+    def _check_routing(self) -> None:
+        """The router options SparseMoE implements, and group sizes that fit."""
+        for name, ok in (("scoring_func", ("softmax", "sigmoid")),
+                         ("topk_method", ("greedy", "group_limited_greedy", "noaux_tc"))):
+            if getattr(self, name) not in ok:
+                raise ValueError(f"model config: {name} must be one of {', '.join(ok)}, got {getattr(self, name)!r}")
+        if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"model config: n_group ({self.n_group}) must divide the {self.num_experts} experts and "
+                             f"topk_group ({self.topk_group}) be in [1, n_group]")
+        per_group = self.num_experts // self.n_group
+        if not 1 <= self.num_experts_per_tok <= (self.num_experts if self.topk_method == "greedy"
+                                                 else self.topk_group * per_group):
+            raise ValueError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) must be at least 1 and "
+                             f"at most the experts the kept groups hold")
+        if self.topk_method == "noaux_tc" and per_group < 2:
+            raise ValueError("model config: topk_method noaux_tc scores a group by its best two experts: n_group "
+                             "must leave at least 2 experts a group")
+        if self.n_shared_experts < 0 or self.first_k_dense_replace < 0 or self.moe_layer_freq < 1:
+            raise ValueError("model config: n_shared_experts, first_k_dense_replace must be >= 0, moe_layer_freq >= 1")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2 / V3): the cache holds a latent, not K / V per head."""
+        return self.kv_lora_rank > 0
 
     def layer_is_moe(self, i: int) -> bool:
         """Layer i's MLP is a routed mixture of experts."""
-        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        return (self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0)
 
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer i (None: it attends to the whole context)."""
@@ -102,7 +167,9 @@ class ModelConfig:
     def kv_entry_shape(self) -> tuple[int, int, int]:
         """What one token caches in one layer: (parts, heads, width). K and V per KV head: (2, num_kv_heads,
         head_dim). A model with another cache row (MLA's latent) says so here; KVCache allocates
-        (parts, slots, heads, width) per layer from it."""
+        (parts, slots, heads, width) per layer from it. MLA: one row of kv_lora_rank + qk_rope_head_dim."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
         return 2, self.num_kv_heads, self.head_dim
 
     @property
@@ -143,7 +210,10 @@ class ModelConfig:
                 raise ValueError("attn_logit_softcapping is not supported (Gemma 2's attention soft cap)")
             window = cfg.get("sliding_window")
         experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        if experts:
+        mla = arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+        if mla:
+            extra.update(_deepseek_fields(cfg, arch))
+        elif experts:
             if cfg.get("shared_expert_intermediate_size") or cfg.get("n_shared_experts"):
                 raise ValueError("MoE with shared experts is not supported yet")
             extra.update(num_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
@@ -158,8 +228,9 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            num_kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,  # MLA: no K / V heads
+            head_dim=extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"] if mla  # MLA: q / k width a head
+            else cfg.get("head_dim") or hidden // heads,
             rope_theta=float(rope_theta),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
@@ -172,6 +243,28 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
         )
+
+
+def _deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig's MLA and DeepSeek-MoE fields from a DeepseekV2 / V3 config.json (absent keys take
+    transformers' defaults for the architecture)."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias is not supported (DeepSeek MLPs without biases only)")
+    return dict(
+        q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        num_experts=int(cfg.get("n_routed_experts") or 0),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=cfg.get("moe_intermediate_size"), n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+        scoring_func=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
+        topk_method=cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
+        n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        moe_layer_freq=int(cfg.get("moe_layer_freq") or 1))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:

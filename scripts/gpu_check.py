@@ -7,7 +7,7 @@
 Parts, cheapest first (PARTS): preflight (one Triton launch: Triton builds its launcher with the
 system C compiler and Python.h, and every CUDA model goes through Triton), fusions (the fused
 kernels against their torch code, and the profile behind them), kernels (attention kernels against
-float64, with a float and an int8 / fp8 KV cache; the Gumbel sampler), correctness (fast path against the torch reference, teacher-forced,
+float64, with a float and an int8 / fp8 KV cache; MLA's latent decode; the Gumbel sampler), correctness (fast path against the torch reference, teacher-forced,
 margin-aware argmax gate), host overhead (host work per decode step at batch 256), batch-1 decode
 (against the `lmserve plan` bound, with and without CUDA graphs), quant matmul (the Triton
 dequantize-in-matmul kernels against float64, and batch-1 decode's linears of a Llama-3.1-8B shape
@@ -353,6 +353,13 @@ def part_kernels(p: Part, s: dict) -> None:
             p.fail(f"kernels {name}")
     p.row("prefill tl.dot precision", "checks: ieee for fp32; fast path: bf16 inputs (exact products, fp32 "
                                       "accumulation); an fp32 model would use tf32")
+    for name, dt, tol in dtypes:  # MLA's latent decode (DeepSeek), a padding row included
+        err, pad_zero = mla_kernel_check(s["device"], dt, s["small"])
+        p.put(**{f"mla_decode_{name}_err": err, f"mla_decode_{name}_pad_zero": pad_zero})
+        p.row(f"MLA latent decode kernel {name}: max err vs float64", f"{err:.1e} (tol {tol:g})"
+              + ("" if pad_zero else "; padding row NOT zero"))
+        if not (err < tol and pad_zero):
+            p.fail(f"mla decode {name}")
     quant_kernel_checks(p, s, dtypes)
     pval, power = gumbel_check(s["device"], draws=300 if s["device"] == "cpu" else 20000)
     p.put(gumbel_chi2_p=pval, gumbel_chi2_p_wrong_T=power)
@@ -972,6 +979,33 @@ def gumbel_check(device: str, draws: int) -> tuple[float, float]:
         stat = ((counts - exp) ** 2 / exp).sum()
         return float(torch.special.gammaincc(torch.tensor((V - 1) / 2, dtype=torch.float64), stat / 2))
     return pvalue(torch.softmax(logits / T, -1)), pvalue(torch.softmax(logits, -1))
+
+
+def mla_kernel_check(device: str, dtype: Any, small: bool) -> tuple[float, bool]:
+    """attention/triton_mla.decode (split-KV) against float64 on the CPU, DeepSeek-V3's widths (128 heads,
+    latent 512, rope 64; tiny with small) over ragged contexts, plus a padding row (context 0) that must
+    come out zero. Returns (max abs error of the live rows, padding row zero)."""
+    import torch
+
+    from lmserve.attention import triton_mla
+    from lmserve.attention.testing import random_step
+    h, lat, rope, ctx = (4, 32, 16, [5, 20]) if small else (128, 512, 64, [1, 37, 300, 1000])
+    meta, _, tables = random_step(ctx, [1] * len(ctx), 16, 1, 8, seed=7)
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(meta.block_tables.max().item() * 16 + 16, lat + rope, generator=g).to(dtype)  # (S, L + R)
+    b = len(ctx) + 1  # the last row: padding
+    q_lat, q_pe = torch.randn(b, h, lat, generator=g).to(dtype), torch.randn(b, h, rope, generator=g).to(dtype)
+    scale = 192 ** -0.5
+    bt = torch.cat([meta.block_tables, meta.block_tables[:1]]).to(device)
+    lens = torch.tensor([*ctx, 0], device=device)
+    out = triton_mla.decode(q_lat.to(device), q_pe.to(device), cache.to(device), bt, lens, scale, 16,
+                            target_programs=64).cpu().double()  # (B, H, L)
+    err = 0.0
+    for i, c in enumerate(ctx):
+        rows = cache[[tables[i][j // 16] * 16 + j % 16 for j in range(c)]].double()  # (c, L + R)
+        s = (q_lat[i].double() @ rows[:, :lat].T + q_pe[i].double() @ rows[:, lat:].T) * scale  # (H, c)
+        err = max(err, (out[i] - s.softmax(-1) @ rows[:, :lat]).abs().max().item())
+    return err, bool((out[-1] == 0).all())
 
 
 def fused_check(device: str, n: int = 37) -> float:

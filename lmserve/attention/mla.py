@@ -51,21 +51,30 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     for i, (n, total) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         a = starts[i]
         ctx = _context(cache, meta, i, total).to(q_nope.dtype)  # (T, L + R)
-        c_kv, k_pe = ctx[:, :L], ctx[:, L:]  # (T, L), (T, R)
-        qn, qp = q_nope[a:a + n], q_pe[a:a + n]  # (n, H, nope), (n, H, R)
         pos = torch.arange(total - n, total, device=ctx.device)  # the new tokens' positions
         mask = torch.arange(total, device=ctx.device)[None, :] <= pos[:, None]  # (n, T) causal
-        rope = torch.einsum("nhr,tr->nht", qp, k_pe)  # (n, H, T)
-        if absorbed if absorbed is not None else n == 1:
-            q_lat = torch.einsum("nhd,hdl->nhl", qn, w_uk)  # (n, H, L)
-            scores = (torch.einsum("nhl,tl->nht", q_lat, c_kv) + rope) * scale
-            p = torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)  # (n, H, T)
-            o_lat = torch.einsum("nht,tl->nhl", p, c_kv)  # (n, H, L)
-            out[a:a + n] = torch.einsum("nhl,hvl->nhv", o_lat, w_uv)
-        else:
-            k_nope = torch.einsum("tl,hdl->thd", c_kv, w_uk)  # (T, H, nope)
-            v = torch.einsum("tl,hvl->thv", c_kv, w_uv)  # (T, H, v)
-            scores = (torch.einsum("nhd,thd->nht", qn, k_nope) + rope) * scale
-            p = torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
-            out[a:a + n] = torch.einsum("nht,thv->nhv", p, v)
+        form = absorbed_attention if (absorbed if absorbed is not None else n == 1) else expanded_attention
+        out[a:a + n] = form(q_nope[a:a + n], q_pe[a:a + n], ctx[:, :L], ctx[:, L:], mask, w_uk, w_uv, scale)
     return out
+
+
+def absorbed_attention(qn: torch.Tensor, qp: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                       mask: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence, in the latent: qn (n, H, nope), qp (n, H, R), c_kv (T, L), k_pe (T, R), mask (n, T)
+    -> (n, H, v). W_UK goes into the query and W_UV after the weighted sum: no per-head K / V."""
+    q_lat = torch.einsum("nhd,hdl->nhl", qn, w_uk)  # (n, H, L)
+    scores = (torch.einsum("nhl,tl->nht", q_lat, c_kv) + torch.einsum("nhr,tr->nht", qp, k_pe)) * scale
+    p = torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)  # (n, H, T)
+    o_lat = torch.einsum("nht,tl->nhl", p, c_kv)  # (n, H, L)
+    return torch.einsum("nhl,hvl->nhv", o_lat, w_uv)
+
+
+def expanded_attention(qn: torch.Tensor, qp: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                       mask: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence with per-head K / V expanded from the latents for this step (prefill chunks): the
+    arguments and result of `absorbed_attention`."""
+    k_nope = torch.einsum("tl,hdl->thd", c_kv, w_uk)  # (T, H, nope)
+    v = torch.einsum("tl,hvl->thv", c_kv, w_uv)  # (T, H, v)
+    scores = (torch.einsum("nhd,thd->nht", qn, k_nope) + torch.einsum("nhr,tr->nht", qp, k_pe)) * scale
+    p = torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)  # (n, H, T)
+    return torch.einsum("nht,thv->nhv", p, v)

@@ -13,9 +13,9 @@ from lmserve.attention import AttentionBackend
 from lmserve.config import ModelConfig
 from lmserve.layers.linear import Linear, LinearBase
 from lmserve.layers.quant import SCHEMES, Fp8Linear, GroupQuantLinear, Int4Linear, Int8Linear
+from lmserve.models.deepseek import DeepseekForCausalLM
 from lmserve.models.gemma3 import Gemma3ForCausalLM
 from lmserve.models.llama import LlamaForCausalLM
-from lmserve.models.moe import SparseMoE
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -25,6 +25,8 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 
 # GGUF `general.architecture` -> HF architectures name
@@ -97,10 +99,11 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
     act_absmax (int8): per-linear max |input| per column (`input_absmax`); columns above `threshold`
     stay float. copy: quantize the weights the float layers hold; False: leave the new layers empty,
     for load_weights to quantize each checkpoint tensor as it arrives."""
-    routers = {f"{n}.gate" for n, m in model.named_modules() if isinstance(m, SparseMoE)}
+    # routers (SparseMoE.gate, as vLLM keeps them) and MLA's kv_b_proj (read as W_UK / W_UV) stay float
+    keep = {f"{n}.{leaf}" for n, m in model.named_modules() for leaf in getattr(m, "float_linears", ())}
     for name, m in list(model.named_modules()):
         s = head if name == "lm_head" else scheme
-        if not isinstance(m, Linear) or s is None or name in routers:  # routers stay float (as vLLM keeps them)
+        if not isinstance(m, Linear) or s is None or name in keep:
             continue
         cols = None
         if act_absmax is not None and s == "int8" and name in act_absmax:
