@@ -126,9 +126,10 @@ def model_from_name(name: str) -> PlanModel:
     else:
         cfg = _config_from_path(name)
     windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
+    mla = dict(mla_latent=cfg.kv_lora_rank, mla_rope=cfg.qk_rope_head_dim) if cfg.is_mla else {}
     return PlanModel(name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                      cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings,
-                     windows=windows if any(w is not None for w in windows) else None)
+                     windows=windows if any(w is not None for w in windows) else None, **mla)
 
 
 def _config_from_path(name: str):  # type: ignore[no-untyped-def]

@@ -85,3 +85,19 @@ def test_sliding_window_layers_are_counted_by_their_window():
     text = render(r)
     assert "window 512" in text and f"window-blind: {r['max_seqs_that_fit_window_blind']:,}" in text
     assert plan(mk(40, 40), DEVICES["h100"])["layer_kinds"] is None
+
+
+def test_a_deepseek_config_is_planned_as_mla(tmp_path):
+    """A DeepSeek config.json (not a named shape): the planner counts its latent cache, as the engine
+    allocates it, not per-head K / V."""
+    from lmserve.config import ModelConfig
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+           "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+           "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+           "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    m = model_from_name(str(path))
+    r = plan(m, DEVICES["h100"], "bf16")
+    assert r["attention_kind"] == "MLA" and r["kv_bytes_per_token"] == 4 * (64 + 16) * 2
+    assert r["kv_bytes_per_token"] == ModelConfig.from_hf(cfg).kv_elems_per_token * 2
