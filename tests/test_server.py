@@ -262,6 +262,29 @@ BAD = [
      "messages.content"),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}],
                               "max_tokens": 2}, None, 400, "messages.content"),
+    # output constraints: a schema, regex or grammar that does not compile, several at once, a malformed one
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "[a-"}}, None, 400,
+     "structured_outputs.regex"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"grammar": "root ::= nothere"}},
+     None, 400, "structured_outputs.grammar"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": {"type": "wibble"}}}, None,
+     400, "structured_outputs.json"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": "{not json"}}, None, 400,
+     "structured_outputs.json"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"choice": []}}, None, 400,
+     "structured_outputs.choice"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     None, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_regex": "a+", "guided_choice": ["b"]}, None, 400,
+     "guided_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "response_format": {"type": "json_schema"}}, None, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "response_format": {"type": "xml"}}, None, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "a" * 70000}}, None, 413,
+     None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 2,
+                         "structured_outputs": {"regex": "a+"}}, None, 400, "structured_outputs"),
 ]
 
 
@@ -472,3 +495,33 @@ def test_request_timeout_aborts(server, client, monkeypatch):  # type: ignore[no
     monkeypatch.undo()
     assert_idle(server)
     good_request_works(client)
+
+
+# ---------------------------------------------------------------- structured output (constrained decoding)
+def test_response_format_json_schema_and_structured_outputs(client, server):  # type: ignore[no-untyped-def]
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs / guided_* through
+    the openai client: the text parses and obeys the constraint, streamed or not; then the server is idle."""
+    import re
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "The capital of France as JSON with its population."}]
+    r = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "city", "schema": schema}})
+    if r.choices[0].finish_reason == "stop":
+        obj = json.loads(r.choices[0].message.content)
+        assert set(obj) == {"city", "population"} and isinstance(obj["population"], int)
+    else:  # cut by max_tokens: still a prefix the schema allows
+        assert r.choices[0].message.content.startswith('{"city": "')
+    r = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=30, temperature=0,
+                                       response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert text.startswith("{") and (r.choices[0].finish_reason != "stop" or isinstance(json.loads(text), dict))
+    stream = client.completions.create(model="smollm2-135m", prompt="My phone number is", max_tokens=20, temperature=0.9,
+                                       seed=3, stream=True, extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    text = "".join(c.choices[0].text for c in stream)
+    assert re.fullmatch(r"\d{3}-\d{4}", text), text
+    r = client.completions.create(model="smollm2-135m", prompt="The movie was a delight. Sentiment:", max_tokens=10,
+                                  temperature=0, extra_body={"guided_choice": ["positive", "negative"]})
+    assert r.choices[0].text in ("positive", "negative") and r.choices[0].finish_reason == "stop"
+    assert_idle(server)

@@ -39,10 +39,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if not prompts:
         print("error: give at least one prompt", file=sys.stderr)
         return 2
+    params = sampling_params(a)  # bad flags (a schema file that does not parse) fail before the model loads
     t0 = time.perf_counter()
     llm = LLM(a.model, **engine_kwargs(a))
     load = time.perf_counter() - t0
-    params = sampling_params(a)
     if a.chat:
         ids = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                                     add_special_tokens=False) for p in prompts]

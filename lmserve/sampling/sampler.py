@@ -1,6 +1,7 @@
 """Batched sampling with per-request parameters.
 
-Order of logit processing (as vLLM v1 does): logit_bias, min_tokens masking of stop tokens, then the
+Order of logit processing (as vLLM v1 does): a structured-output request's grammar bitmask (tokens
+it forbids -inf), logit_bias, min_tokens masking of stop tokens, then the
 penalties (repetition on prompt+output, then frequency and presence on output) on the biased logits,
 then greedy argmax or temperature -> top-k -> top-p -> min-p -> sample.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from lmserve.sequence import Logprob, SamplingParams, Sequence
+from lmserve.structured import apply_bitmask
 from lmserve.utils import to_device, triton_available
 
 
@@ -169,15 +171,21 @@ class Sampler:
         return logits.is_cuda and triton_available()
 
     @staticmethod
-    def _penalized(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
+    def _penalized(logits: torch.Tensor, seqs: list, bitmask: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[type-arg]
+        """The grammar's bitmask (structured output: disallowed tokens -inf), then biases and penalties;
+        a copy when anything applies."""
+        if bitmask is not None:
+            logits = apply_bitmask(logits.clone(), bitmask)
+            return apply_penalties(logits, seqs) if any(_needs_processing(s) for s in seqs) else logits
         if any(_needs_processing(s) for s in seqs):
             return apply_penalties(logits.clone(), seqs)
         return logits
 
-    def target_probs(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
+    def target_probs(self, logits: torch.Tensor, seqs: list,  # type: ignore[type-arg]
+                     bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """The distribution each row samples from, after all processing: (B, V) float32.
-        Greedy rows are one-hot at their (processed) argmax."""
-        return self._probs(self._penalized(logits, seqs), [s.params for s in seqs])
+        Greedy rows are one-hot at their (processed) argmax. bitmask: (B, W) int32 allowed tokens."""
+        return self._probs(self._penalized(logits, seqs, bitmask), [s.params for s in seqs])
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -215,8 +223,10 @@ class Sampler:
         t, seeds = to_device(host, logits.device).unbind(0)  # (B,) each
         return gumbel_sample(logits, t.float(), seeds.long())
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: (B, V) float32, one row per sequence in `seqs`.
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None = None
+                 ) -> SamplerOutput:
+        """logits: (B, V) float32, one row per sequence in `seqs`; bitmask: (B, W) int32, the tokens
+        each row may take (structured output), or None.
 
         A row's token depends only on its own params, logits and generator, never on the rest of the
         batch: the rows are split by method, one kernel call for the Gumbel rows and one inverse-CDF
@@ -226,9 +236,9 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None  # (B, V)
         params = [s.params for s in seqs]
         if all(p.temperature == 0 for p in params):
-            tokens = self._penalized(logits, seqs).argmax(dim=-1)
+            tokens = self._penalized(logits, seqs, bitmask).argmax(dim=-1)
         else:
-            logits = self._penalized(logits, seqs)
+            logits = self._penalized(logits, seqs, bitmask)
             use_gumbel = self._use_gumbel(logits)
             kernel = [use_gumbel and p.temperature != 0 and not p.has_filters for p in params]  # Gumbel-max rows
             cdf = [p.temperature != 0 and not k for p, k in zip(params, kernel)]  # inverse-CDF rows

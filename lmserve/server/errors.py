@@ -28,7 +28,7 @@ class ApiError(Exception):
         """A 400 for one of our ValueErrors, which start with the field they are about: 'max_tokens: ...'."""
         msg = str(e)
         head = msg.split(":", 1)[0]
-        param = head if head.replace("_", "").isalnum() and " " not in head else None
+        param = head if head.replace("_", "").replace(".", "").isalnum() and " " not in head else None  # a.b: nested
         return cls(400, msg, param=param)
 
     @classmethod

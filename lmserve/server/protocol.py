@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
-from lmserve.sequence import SamplingParams
+from lmserve.sequence import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
@@ -34,6 +34,33 @@ class BaseRequest(_Body):
 class StreamOptions(_Body):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema: a named schema (`strict` is accepted; the schema is always
+    enforced)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` extension: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
 
 
 class SamplingRequest(BaseRequest):
@@ -64,6 +91,13 @@ class SamplingRequest(BaseRequest):
     length_penalty: float = 1.0
     early_stopping: StrictBool = False
     continuous_usage_stats: StrictBool = False
+    # constrained decoding: OpenAI's response_format; vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +125,30 @@ class SamplingRequest(BaseRequest):
         rest of the context)."""
         raise NotImplementedError
 
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one output constraint the body asks for (response_format, structured_outputs or a
+        guided_* field), or None; ValueError naming the field when it is incomplete or several are given."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema: a json_schema with a schema is required for "
+                                 "type json_schema")
+            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(("structured_outputs", StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=bool(so.json_object))))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, StructuredOutputsParams(**{kind: getattr(self, name)})))
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: only one output constraint is allowed (also given: {found[0][0]})")
+        return found[0][1] if found else None
+
     def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
                          ) -> SamplingParams:
         try:
@@ -107,7 +165,8 @@ class SamplingRequest(BaseRequest):
             logprobs=None if self.use_beam_search else logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, use_beam_search=self.use_beam_search,
-            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            structured_outputs=self.structured())
 
 
 class CompletionRequest(SamplingRequest):

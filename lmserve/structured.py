@@ -1,0 +1,177 @@
+"""Structured output: constrained decoding with xgrammar (the grammar engine vLLM, SGLang and
+TensorRT-LLM use).
+
+A request's `SamplingParams.structured_outputs` (a JSON schema, any JSON, a regex, a choice, an EBNF
+grammar) is compiled once against the tokenizer's vocabulary (compiled grammars are cached by their
+text, so a repeated schema costs nothing) when the request is validated, so a bad schema is a
+ValueError naming the field before anything runs. Each sequence then gets its own matcher
+(`GrammarState`), advanced with every token the sequence keeps. Each step, for every sequence that
+samples (and every position of a speculating one), the matcher fills a row of the token bitmask
+(a bit per vocabulary entry: may this token come next?), on a worker thread while the model's
+forward runs; the sampler sets the logits of disallowed tokens to -inf before any other processing.
+Speculative positions are filled by advancing the matcher through the drafts and rolling it back,
+so a draft the grammar forbids gets probability 0 and is rejected by verification.
+
+xgrammar is imported on first use (an optional dependency: `pip install xgrammar`); a request with
+structured_outputs on an install without it is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from lmserve.sequence import Sequence, StructuredOutputsParams
+from lmserve.tokenizer import Tokenizer
+
+log = logging.getLogger("lmserve")
+
+CACHE_SIZE = 64  # compiled grammars kept (LRU)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row: one bit per vocabulary entry."""
+    return (vocab_size + 31) // 32
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of tokens whose bit is 0 to -inf, in place. logits (B, V) float, bitmask (B, W)
+    int32 with bit j of word i standing for token 32 i + j (xgrammar's layout); an all-ones row (-1)
+    changes nothing."""
+    b, v = logits.shape
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # (32,)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(b, -1)[:, :v]  # (B, V)
+    return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+
+
+class GrammarState:
+    """One sequence's matcher: the grammar state after the tokens it has kept."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.failed = False  # a kept token the grammar did not accept (the sequence is stopped)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted: nothing may follow."""
+        return self.matcher.is_terminated()
+
+
+class StructuredOutputs:
+    """Compiles grammars (cached), gives sequences matchers, fills the step's bitmask rows."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.width = bitmask_width(vocab_size)
+        self._compiler: Any = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()  # compile() runs on request threads, fill() on the worker
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ---------------------------------------------------------------- compiling
+    def _xgr(self) -> Any:
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise ValueError("structured_outputs: needs the xgrammar package (pip install xgrammar)") from None
+        return xgr
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: this model has no tokenizer to compile a grammar against")
+            xgr = self._xgr()
+            from transformers import PreTrainedTokenizerFast  # xgrammar depends on transformers
+            hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.raw)
+            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
+                                                      stop_token_ids=list(self.tokenizer.eos_token_ids) or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of a constraint (cached by its text); ValueError naming the field."""
+        kind, text = spec.key()
+        with self._lock:
+            if (kind, text) in self._cache:
+                self._cache.move_to_end((kind, text))
+                return self._cache[(kind, text)]
+            compiler = self._get_compiler()
+            try:
+                if kind == "json":
+                    compiled = compiler.compile_json_schema(text, any_whitespace=False)
+                elif kind == "json_object":
+                    compiled = compiler.compile_builtin_json_grammar()
+                elif kind == "regex":
+                    compiled = compiler.compile_regex(text)
+                elif kind == "choice":
+                    import json
+                    compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
+                else:
+                    compiled = compiler.compile_grammar(text)
+            except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own kinds
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(f"structured_outputs.{kind}: cannot be compiled: {msg[:500]}") from None
+            self._cache[(kind, text)] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return compiled
+
+    # ---------------------------------------------------------------- per sequence
+    def start(self, seq: Sequence) -> None:
+        """Give a sequence with structured_outputs its matcher (at the start of the output)."""
+        spec = seq.params.structured_outputs
+        if spec is None:
+            return
+        xgr = self._xgr()
+        stops = list(seq.eos_token_ids) or None
+        seq.grammar = GrammarState(xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=stops))
+
+    @staticmethod
+    def advance(seq: Sequence, tokens: list[int]) -> bool:
+        """Feed the tokens a sequence kept this step to its matcher; False if one was not accepted
+        (the grammar forbids it: the caller stops the sequence)."""
+        g = seq.grammar
+        for tok in tokens:
+            if g.terminated:
+                return True  # a stop token ended it: what follows is dropped with the finished sequence
+            if not g.matcher.accept_token(tok):
+                g.failed = True
+                log.warning("structured output: token %d of request %s is not allowed by its grammar", tok,
+                            seq.request_id)
+                return False
+        return True
+
+    # ---------------------------------------------------------------- the step's bitmask
+    def fill(self, rows: list[tuple[Sequence, list[int]]]) -> dict[Sequence, torch.Tensor]:
+        """For each (sequence, drafts): len(drafts) + 1 bitmask rows (W,) int32: the tokens allowed next,
+        then after each draft in turn (a draft the grammar refuses leaves the rows after it all ones:
+        verification rejects it first). The matcher is rolled back to where it was."""
+        out: dict[Sequence, torch.Tensor] = {}
+        for seq, drafts in rows:
+            m = seq.grammar.matcher
+            mask = torch.full((len(drafts) + 1, self.width), -1, dtype=torch.int32)  # (k + 1, W)
+            accepted = 0
+            for i in range(len(drafts) + 1):
+                if m.is_terminated():
+                    break
+                m.fill_next_token_bitmask(mask, i)
+                if i == len(drafts) or not m.accept_token(drafts[i]):
+                    break
+                accepted += 1
+            if accepted:
+                m.rollback(accepted)
+            out[seq] = mask
+        return out
+
+    def fill_async(self, rows: list[tuple[Sequence, list[int]]]) -> Future:
+        """fill() on the worker thread (overlapping the model's forward); the Future's result is
+        fill()'s."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmserve-grammar")
+        return self._pool.submit(self.fill, rows)

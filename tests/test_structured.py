@@ -1,0 +1,155 @@
+"""Structured output (lmserve/structured.py): constrained decoding with xgrammar on the real default
+model. Every output is checked by an independent reader (Python's json and re), the bitmask against
+xgrammar's own kernel, speculation against the same request without it, bad constraints by the field
+named in the error."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+xgr = pytest.importorskip("xgrammar")
+
+from lmserve import SamplingParams, StructuredOutputsParams  # noqa: E402
+from lmserve.structured import apply_bitmask  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+def greedy(max_tokens: int, **constraint) -> SamplingParams:  # type: ignore[no-untyped-def]
+    return SamplingParams(max_tokens=max_tokens, temperature=0, structured_outputs=StructuredOutputsParams(**constraint))
+
+
+def check_person(text: str) -> None:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age", "tags"}
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 12
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120
+    assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3 and set(obj["tags"]) <= {"a", "b"}
+
+
+def test_bitmask_equals_xgrammar_kernel():
+    """Our torch unpacking of the bitmask masks exactly what xgrammar's own kernel masks."""
+    g = torch.Generator().manual_seed(0)
+    for v in (2, 31, 32, 33, 1000, 49152):  # (a 1-wide vocabulary trips xgrammar's kernel, not ours)
+        logits = torch.randn(4, v, generator=g)
+        mask = torch.randint(-2**31, 2**31 - 1, (4, (v + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+        mask[1] = -1  # a row that allows everything
+        ours = apply_bitmask(logits.clone(), mask)
+        ref = logits.clone()
+        xgr.apply_token_bitmask_inplace(ref, mask)
+        assert torch.equal(ours, ref), v
+        assert torch.equal(ours[1], logits[1])
+
+
+def test_json_schema_regex_choice_grammar_greedy(smol):  # type: ignore[no-untyped-def]
+    """Each kind of constraint, greedy: the output is what the constraint says, read back by Python;
+    without the constraint the same prompt's output is not (so the mask did the work)."""
+    llm = smol
+    prompt = "Describe a person as JSON:"
+    free = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)[0].outputs[0].text
+    with pytest.raises(ValueError):
+        check_person(free)
+    out = llm.generate([prompt], greedy(80, json=SCHEMA), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    check_person(out.text)
+    outs = llm.generate(["Call me at", "The code is"], greedy(20, regex=r"\(\d{3}\) \d{3}-\d{4}"), use_tqdm=False)
+    for o in outs:
+        assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", o.outputs[0].text) and o.outputs[0].finish_reason == "stop"
+    o = llm.generate(["Is the sky green? Answer:"], greedy(10, choice=["yes", "no", "maybe so"]), use_tqdm=False)[0]
+    assert o.outputs[0].text in ("yes", "no", "maybe so")
+    ebnf = 'root ::= "[" num ("," num)* "]"\nnum ::= [1-9] [0-9]?'
+    o = llm.generate(["Some small numbers:"], greedy(30, grammar=ebnf), use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason == "stop" and re.fullmatch(r"\[[1-9][0-9]?(,[1-9][0-9]?)*\]", o.text), o.text
+    o = llm.generate(["A JSON object:"], greedy(40, json_object=True), use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason != "stop" or isinstance(json.loads(o.text), dict)
+    assert o.text.lstrip().startswith("{")
+
+
+def test_sampled_outputs_always_obey(smol):  # type: ignore[no-untyped-def]
+    """Temperature 1.2, eight seeds, n = 2: every sample parses against the schema or the regex."""
+    llm = smol
+    params = SamplingParams(max_tokens=80, temperature=1.2, n=2, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    outs = llm.generate([SamplingParams and "A person:"] * 4, [SamplingParams(**{**params.__dict__, "seed": s})
+                                                               for s in range(4)], use_tqdm=False)
+    for o in outs:
+        assert len(o.outputs) == 2
+        for c in o.outputs:
+            if c.finish_reason == "stop":
+                check_person(c.text)
+    pat = r"[A-Z][a-z]{2,8}( [A-Z][a-z]{2,8})?"
+    params = [SamplingParams(max_tokens=20, temperature=1.2, seed=s, structured_outputs=StructuredOutputsParams(regex=pat))
+              for s in range(8)]
+    for o in llm.generate(["Name:"] * 8, params, use_tqdm=False):
+        assert re.fullmatch(pat, o.outputs[0].text), o.outputs[0].text
+
+
+def test_speculation_with_a_grammar_gives_the_same_tokens(tmp_path):  # type: ignore[no-untyped-def]
+    """n-gram drafts (which copy the prompt and ignore the grammar) are verified under the grammar's
+    mask: a forbidden draft is rejected, the output equals the same request without speculation."""
+    from lmserve import LLM
+    prompt = "abc abc abc abc 12 34 56 78 12 34 56 78 12 34 56 78 12 34"
+    pat = r"( [0-9]{2}){6} [a-z]{3}"
+    plain = LLM(quantization="none", kv_cache_memory="256MiB")
+    want = plain.generate([prompt], greedy(30, regex=pat), use_tqdm=False)[0].outputs[0]
+    del plain
+    spec = LLM(quantization="none", kv_cache_memory="256MiB", speculative_method="ngram", num_speculative_tokens=5)
+    got = spec.generate([prompt], greedy(30, regex=pat), use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and re.fullmatch(pat, got.text), (got.text, want.text)
+    st = spec.stats().spec
+    assert st["proposed"] > 0 and st["accepted"] < st["proposed"], st  # drafts ran, some were refused
+
+
+def test_fill_rolls_back_and_stops_at_a_forbidden_draft(smol):  # type: ignore[no-untyped-def]
+    """The bitmask rows of a speculating sequence: one per position, all ones after a draft the grammar
+    refuses; the matcher is where it was afterwards (the same rows again)."""
+    from lmserve.sequence import Sequence
+    eng = smol.engine
+    tok = eng.tokenizer
+    seq = Sequence("r", [1, 2, 3], greedy(10, regex="[0-9]+"), eos_token_ids=tuple(tok.eos_token_ids))
+    eng.structured.start(seq)
+    digits, letters = tok.encode("12", add_special_tokens=False), tok.encode("ab", add_special_tokens=False)
+    rows = eng.structured.fill([(seq, digits + letters + digits)])[seq]
+    k = len(digits)
+    assert rows.shape[0] == 2 * k + len(letters) + 1
+    allowed = [(((r.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1) > 0) for r in rows]
+    assert allowed[0][digits[0]] and not allowed[0][letters[0]]
+    assert not allowed[k][letters[0]]  # the forbidden draft's position
+    assert all(a.all() for a in allowed[k + 1:])  # after it: anything (verification rejects first)
+    again = eng.structured.fill([(seq, digits + letters + digits)])[seq]
+    assert torch.equal(rows, again)
+
+
+def test_bad_constraints_name_their_field(smol):  # type: ignore[no-untyped-def]
+    llm = smol
+    cases = [(dict(regex="(unclosed"), "structured_outputs.regex"), (dict(json={"type": 5}), "structured_outputs.json"),
+             (dict(json="{nope"), "structured_outputs.json"), (dict(grammar="root ::= undefined_rule"),
+                                                               "structured_outputs.grammar"),
+             (dict(choice=[]), "structured_outputs.choice"), (dict(regex="a", choice=["b"]), "structured_outputs"),
+             (dict(), "structured_outputs")]
+    for kw, field in cases:
+        with pytest.raises(ValueError, match=re.escape(field)):
+            llm.generate(["hi"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(**kw)),
+                         use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(use_beam_search=True, n=2, structured_outputs=StructuredOutputsParams(regex="a"))
+    assert llm.generate(["hi"], greedy(3, regex="ok"), use_tqdm=False)[0].outputs[0].text == "ok"  # still serving
+    assert llm.stats().used_blocks == 0
+
+
+def test_cli_generate_with_a_json_schema(tmp_path, capsys):  # type: ignore[no-untyped-def]
+    from lmserve.cli import main
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    assert main(["generate", "A person as JSON:", "--json-schema", str(path), "--max-tokens", "80", "--json",
+                 "--quantization", "none"]) == 0
+    text = json.loads(capsys.readouterr().out)["outputs"][0]["text"]
+    check_person(text)
+    assert main(["generate", "x", "--regex", "[", "--quantization", "none"]) == 2
+    assert "structured_outputs.regex" in capsys.readouterr().err
