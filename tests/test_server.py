@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -525,3 +526,106 @@ def test_response_format_json_schema_and_structured_outputs(client, server):  # 
                                   temperature=0, extra_body={"guided_choice": ["positive", "negative"]})
     assert r.choices[0].text in ("positive", "negative") and r.choices[0].finish_reason == "stop"
     assert_idle(server)
+
+
+# ---------------------------------------------------------------- tool calling
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}}, "required": ["zone"]}}}
+
+
+def _streamed_calls(stream) -> tuple[str, dict[int, dict], str | None]:  # type: ignore[no-untyped-def]
+    """(content, calls by index with the id / name of their first delta and the concatenated arguments,
+    finish_reason) of a streamed chat completion; each call's name comes before its arguments."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        content += ch.delta.content or ""
+        for tc in ch.delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id and tc.function.name, "a call's first delta carries its id and name"
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments or ""}
+            else:
+                assert tc.id is None and not tc.function.name
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+        finish = ch.finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_choice_required_and_named_are_enforced(client, server):  # type: ignore[no-untyped-def]
+    """tool_choice required / a named function: constrained decoding makes the output a call whose
+    arguments parse and obey the function's parameters; streamed, the same calls arrive name first."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})):
+        r = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=[WEATHER, TIME], tool_choice=choice,
+                                           parallel_tool_calls=False, max_tokens=60, temperature=0)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None and len(ch.message.tool_calls) == 1
+        call = ch.message.tool_calls[0]
+        assert call.id.startswith("call_") and call.function.name in names
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 20
+        stream = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=[WEATHER, TIME],
+                                                tool_choice=choice, parallel_tool_calls=False, max_tokens=60,
+                                                temperature=0, stream=True)
+        content, calls, finish = _streamed_calls(stream)
+        assert finish == "tool_calls" and content == "" and len(calls) == 1
+        assert calls[0]["name"] == call.function.name and json.loads(calls[0]["arguments"]) == args
+    assert_idle(server)
+
+
+def test_auto_tool_calls_are_parsed_whole_and_streamed(client, server):  # type: ignore[no-untyped-def]
+    """tool_choice auto: the output is read by the model's tool-call parser (Hermes' <tool_call> tags).
+    The tiny model is steered into that format with a regex constraint; the response lists the calls,
+    and the stream gives the same content and calls, each name before its arguments, nothing lost."""
+    out = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    extra = {"structured_outputs": {"grammar": "root ::= " + json.dumps(out)}}  # exactly `out`
+    msgs = [{"role": "user", "content": "Weather and time in Paris?"}]
+    r = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=[WEATHER, TIME], max_tokens=200,
+                                       temperature=0, extra_body=extra)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content.strip() == "Let me check."
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
+    assert got == [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "CET"})]
+    stream = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=[WEATHER, TIME], max_tokens=200,
+                                            temperature=0, extra_body=extra, stream=True)
+    content, calls, finish = _streamed_calls(stream)
+    assert finish == "tool_calls" and content.strip() == "Let me check."
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == got
+    # tool_choice none: the same text is plain content
+    r = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=200, temperature=0, extra_body=extra)
+    assert r.choices[0].message.content == out and not r.choices[0].message.tool_calls
+    # the calls and their results go back in as messages
+    follow = msgs + [ch.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": ch.message.tool_calls[0].id, "content": "18 C, sunny"}]
+    r = client.chat.completions.create(model="smollm2-135m", messages=follow, tools=[WEATHER, TIME], max_tokens=8)
+    assert r.choices[0].message.role == "assistant"
+    assert_idle(server)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tools_are_400(server, client, body, param):  # type: ignore[no-untyped-def]
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"] or "").startswith(param) or err["message"].startswith(param), err
+    good_request_works(client)

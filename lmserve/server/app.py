@@ -29,6 +29,7 @@ from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Format
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import (BaseRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                      DetokenizeRequest, SamplingRequest, TokenizeRequest)
+from lmserve.server.tool_parsers import TOOL_PARSERS, parser_for_model
 from lmserve.tokenizer import Tokenizer
 
 Job = tuple[str, EngineRequest]  # (request id, the processed request)
@@ -39,8 +40,14 @@ class OpenAIServer:
     """Route handlers; holds the engine handle, limits and metrics."""
 
     def __init__(self, ae: AsyncEngine, served_model: str, api_key: str | None = None,
-                 max_body_bytes: int = 4 * 2**20, request_timeout: float | None = None) -> None:
+                 max_body_bytes: int = 4 * 2**20, request_timeout: float | None = None,
+                 tool_call_parser: str | None = None) -> None:
         self.ae = ae
+        tok = ae.tokenizer
+        name = tool_call_parser or parser_for_model(ae.info()["architecture"], tok.chat_template if tok else None)
+        if name not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser: {name!r} is not one of {', '.join(TOOL_PARSERS)}")
+        self.tool_parser = TOOL_PARSERS[name]
         self.served_model = served_model
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -225,9 +232,9 @@ class OpenAIServer:
         """POST /v1/chat/completions: the conversation through the chat template, one engine request."""
         body = await self.parse(request, ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        ids = self.chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        ids = self.chat_ids(body.messages, body.add_generation_prompt, body.template_kwargs())
         return await self.respond(request, body, [(rid, self.engine_request(ids, body))],
-                                  ChatFormatter(rid, self.served_model, self.ae.tokenizer, body))
+                                  ChatFormatter(rid, self.served_model, self.ae.tokenizer, body, self.tool_parser))
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or messages through the chat template, as token ids."""
@@ -255,9 +262,10 @@ class OpenAIServer:
 
 
 def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, max_body_bytes: int = 4 * 2**20,
-              request_timeout: float | None = None, manage_engine: bool = True) -> FastAPI:
+              request_timeout: float | None = None, manage_engine: bool = True,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The ASGI app. With manage_engine, the app starts the engine loop on startup and stops it on shutdown."""
-    srv = OpenAIServer(ae, served_model, api_key, max_body_bytes, request_timeout)
+    srv = OpenAIServer(ae, served_model, api_key, max_body_bytes, request_timeout, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]

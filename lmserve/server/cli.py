@@ -22,6 +22,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="request bodies above this get 413")
     p.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how tool calls are read from the output (default: from the model: hermes for Qwen "
+                        "and <tool_call> templates, llama3_json for Llama 3)")
     p.add_argument("--log-level", default="info")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -38,7 +41,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.getLogger("lmserve").setLevel(a.log_level.upper())
     engine = Engine(EngineConfig(model=a.model, **engine_kwargs(a)))
     ae = AsyncEngine(engine, max_queue=a.max_queue)
-    app = build_app(ae, a.served_model_name or a.model, a.api_key, a.max_body_bytes, a.request_timeout)
+    app = build_app(ae, a.served_model_name or a.model, a.api_key, a.max_body_bytes, a.request_timeout,
+                    tool_call_parser=a.tool_call_parser)
     print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on http://{a.host}:{a.port}",
           flush=True)
     # uvicorn finishes in-flight requests on SIGTERM/SIGINT (up to 30 s), then re-raises the signal

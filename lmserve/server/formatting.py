@@ -7,6 +7,7 @@ one streaming loop every generating endpoint shares."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +16,8 @@ from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.sequence import Logprob
 from lmserve.server.errors import ApiError
 from lmserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from lmserve.server.tool_parsers import (ContentDelta, Delta, HermesToolParser, ToolCall, ToolCallDelta, ToolCallStream,
+                                         ToolParser, parse_forced_calls)
 from lmserve.tokenizer import Tokenizer
 
 DONE = "data: [DONE]\n\n"
@@ -76,6 +79,12 @@ class Formatter:
     def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
         """What output c of job i added in this stream step as a choice; None when there is nothing to send."""
         raise NotImplementedError
+
+    def deltas(self, i: int, c: CompletionOutput) -> list[dict[str, Any]]:
+        """The stream step as one or more choices, each its own chunk (a chat step may add content and
+        tool-call deltas)."""
+        d = self.delta(i, c)
+        return [] if d is None else [d]
 
 
 class CompletionFormatter(Formatter):
@@ -139,13 +148,39 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
-    """/v1/chat/completions: assistant messages, chat logprobs; the stream opens with the role."""
+    """/v1/chat/completions: assistant messages, chat logprobs; the stream opens with the role.
+
+    With tools, the output is read for calls (body.tool_mode): "auto" by the model's tool-call parser
+    (server/tool_parsers.py; streamed: content as it comes, each call as its name then its
+    arguments, once the call is complete), "forced" as the JSON array of calls that constrained
+    decoding produced. A choice that made calls finishes with "tool_calls"."""
 
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: ChatCompletionRequest) -> None:
+    def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: ChatCompletionRequest,
+                 tool_parser: type[ToolParser] = HermesToolParser) -> None:
         super().__init__(rid, model, tokenizer)
         self.body = body
+        self.parser = tool_parser
+        self.rng = random.Random()  # tool-call ids
+        self.streams: dict[int, ToolCallStream] = {}  # auto mode, per choice
+        self.forced: dict[int, str] = {}  # forced mode, per choice: the text so far
+        self.called: set[int] = set()  # choices that made a call
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished output, as the body's tool mode reads it."""
+        if self.body.tool_mode == "auto":
+            ex = self.parser(self.rng).extract(text)
+            return (ex.content, ex.calls) if ex.calls else (text, [])
+        if self.body.tool_mode == "forced":
+            try:
+                return None, parse_forced_calls(text, self.rng)
+            except ValueError:  # cut short (max_tokens): the text as it is
+                return text, []
+        return text, []
+
+    def finish_reason(self, c: CompletionOutput, called: bool) -> str | None:
+        return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
     def logprobs(self, ids: list[int], lps: list[Logprob]) -> dict[str, Any]:
         """Chat logprobs: each token with its bytes and top alternatives."""
@@ -163,9 +198,48 @@ class ChatFormatter(Formatter):
                              "finish_reason": None} for i in range(self.body.n)])]
 
     def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+        content, calls = self.calls(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
+        return {"index": c.index, "message": message,
                 "logprobs": self.logprobs(c.token_ids, c.logprobs or []) if self.body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                "finish_reason": self.finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
+
+    def deltas(self, i: int, c: CompletionOutput) -> list[dict[str, Any]]:
+        if self.body.tool_mode == "none":
+            return super().deltas(i, c)
+        k = c.index
+        found: list[Delta] = []
+        if self.body.tool_mode == "auto":
+            stream = self.streams.setdefault(k, self.parser(self.rng).streaming())
+            found = stream.feed(c.delta_text) if c.delta_text else []
+            if c.finished:
+                found += stream.finish()
+        else:  # forced: the calls are known once the array is complete
+            self.forced[k] = self.forced.get(k, "") + c.delta_text
+            if c.finished:
+                content, calls = self.calls(self.forced[k])
+                found = [ContentDelta(content)] if content else []
+                for j, call in enumerate(calls):
+                    found += [ToolCallDelta(j, call.id, call.name, ""), ToolCallDelta(j, arguments=call.arguments)]
+        merged: list[dict[str, Any]] = []  # consecutive content pieces as one delta
+        for d in found:
+            if isinstance(d, ToolCallDelta):
+                self.called.add(k)
+            if isinstance(d, ContentDelta) and merged and "content" in merged[-1]:
+                merged[-1]["content"] += d.text
+            else:
+                merged.append(d.openai())
+        lp = self.logprobs(c.delta_token_ids, new_logprobs(c)) if self.body.logprobs and c.delta_token_ids else None
+        if c.finished and not merged:
+            merged.append({})
+        out = [{"index": k, "delta": d, "logprobs": lp if j == 0 else None, "finish_reason": None,
+                "stop_reason": None} for j, d in enumerate(merged)]
+        if c.finished:
+            out[-1]["finish_reason"] = self.finish_reason(c, k in self.called)
+            out[-1]["stop_reason"] = c.stop_reason
+        return out
 
     def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
         if not c.delta_text and not c.finished:
@@ -193,8 +267,7 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
             if c.finish_reason == "error":
                 yield sse(ApiError.engine_failure(c.error).body())
                 continue
-            choice = fmt.delta(i, c)
-            if choice is not None:
+            for choice in fmt.deltas(i, c):
                 yield sse(fmt.chunk([choice], usage([item]) if continuous else None))
     if include_usage and last:
         yield sse(fmt.chunk([], usage(list(last.values()))))

@@ -7,11 +7,13 @@ endpoints, `to_sampling_params()`; both raise ValueError naming the field, which
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 from lmserve.sequence import SamplingParams, StructuredOutputsParams
+from lmserve.server.tool_parsers import check_tools, tools_json_schema
 
 MAX_N = 16
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
@@ -212,6 +214,8 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls, as a response gave them
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -237,8 +241,23 @@ class ChatMessage(_Body):
         return "".join(parts)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as a chat template reads it."""
-        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        """The message as a chat template reads it (a call's JSON arguments as an object, which is what
+        templates render with `tojson`)."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass  # not JSON: the template gets the text
+                calls.append({**call, "function": fn})
+            msg["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -249,11 +268,43 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
 
     def check(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: only allowed when logprobs is true")
+        if self.tools is not None:
+            self.tools = check_tools(self.tools)  # ValueError naming tools[i]...
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if self.tool_mode == "forced":
+            tools_json_schema(self.tools, self.tool_choice, self.parallel_tool_calls)  # type: ignore[arg-type]
+            if self.use_beam_search:
+                raise ValueError("tool_choice: not supported with beam search")
         super().check()
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "forced"]:
+        """How the output is read for calls: not at all (no tools, or tool_choice none), by the model's
+        tool-call parser (auto, the default with tools), or as the JSON array of calls that constrained
+        decoding forces (tool_choice required, or a named function)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        return "auto" if self.tool_choice in (None, "auto") else "forced"
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.tool_mode != "forced":
+            return super().structured()
+        if super().structured() is not None:
+            raise ValueError("tool_choice: cannot be combined with another output constraint")
+        return StructuredOutputsParams(json=tools_json_schema(self.tools, self.tool_choice,  # type: ignore[arg-type]
+                                                              self.parallel_tool_calls))
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages: chat_template_kwargs, and the tools."""
+        return {**(self.chat_template_kwargs or {}), **({"tools": self.tools} if self.tools else {})}
 
     def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or (max_model_len - prompt_len)
