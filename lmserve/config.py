@@ -327,6 +327,8 @@ class EngineConfig:
     # pause a request's speculation below this running acceptance rate: verification of k + 1 tokens costs
     # about 1.2-1.4x a decode step on the CPU fast path (was 2x at 0.25, BENCHMARKS.md), so drafting pays lower
     spec_min_acceptance: float = 0.1
+    # structured output: seconds a grammar (JSON schema, regex, EBNF) may take to compile; slower: a 400
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -349,6 +351,8 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_memory", "1GiB")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speculative_method not in (None, "ngram", "draft"):

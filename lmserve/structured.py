@@ -18,6 +18,7 @@ structured_outputs on an install without it is refused with a clear error.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from lmserve.tokenizer import Tokenizer
 log = logging.getLogger("lmserve")
 
 CACHE_SIZE = 64  # compiled grammars kept (LRU)
+COMPILE_THREADS = 2  # concurrent compiles (one stuck past its timeout does not block the next)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -65,9 +67,11 @@ class GrammarState:
 class StructuredOutputs:
     """Compiles grammars (cached), gives sequences matchers, fills the step's bitmask rows."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, compile_timeout: float = 10.0) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.compile_timeout = compile_timeout  # seconds; a slower grammar is refused (ValueError)
+        self._compile_pool: ThreadPoolExecutor | None = None
         self.width = bitmask_width(vocab_size)
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -95,32 +99,44 @@ class StructuredOutputs:
         return self._compiler
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of a constraint (cached by its text); ValueError naming the field."""
+        """The compiled grammar of a constraint (cached by its text); ValueError naming the field when it
+        does not compile, or takes longer than compile_timeout (the compile goes on in the background
+        and its result is cached, but the request is refused)."""
         kind, text = spec.key()
         with self._lock:
             if (kind, text) in self._cache:
                 self._cache.move_to_end((kind, text))
                 return self._cache[(kind, text)]
             compiler = self._get_compiler()
-            try:
-                if kind == "json":
-                    compiled = compiler.compile_json_schema(text, any_whitespace=False)
-                elif kind == "json_object":
-                    compiled = compiler.compile_builtin_json_grammar()
-                elif kind == "regex":
-                    compiled = compiler.compile_regex(text)
-                elif kind == "choice":
-                    import json
-                    compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
-                else:
-                    compiled = compiler.compile_grammar(text)
-            except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own kinds
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ValueError(f"structured_outputs.{kind}: cannot be compiled: {msg[:500]}") from None
+            if self._compile_pool is None:
+                self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="lmserve-compile")
+        job = self._compile_pool.submit(self._compile, compiler, kind, text)
+        try:
+            return job.result(timeout=self.compile_timeout)
+        except TimeoutError:
+            raise ValueError(f"structured_outputs.{kind}: took longer than {self.compile_timeout:g} s to compile "
+                             f"(grammar_compile_timeout)") from None
+
+    def _compile(self, compiler: Any, kind: str, text: str) -> Any:
+        try:
+            if kind == "json":
+                compiled = compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "json_object":
+                compiled = compiler.compile_builtin_json_grammar()
+            elif kind == "regex":
+                compiled = compiler.compile_regex(text)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
+            else:
+                compiled = compiler.compile_grammar(text)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own kinds
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"structured_outputs.{kind}: cannot be compiled: {msg[:500]}") from None
+        with self._lock:
             self._cache[(kind, text)] = compiled
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     # ---------------------------------------------------------------- per sequence
     def start(self, seq: Sequence) -> None:

@@ -153,3 +153,83 @@ def test_cli_generate_with_a_json_schema(tmp_path, capsys):  # type: ignore[no-u
     check_person(text)
     assert main(["generate", "x", "--regex", "[", "--quantization", "none"]) == 2
     assert "structured_outputs.regex" in capsys.readouterr().err
+
+
+def test_a_grammar_slower_than_the_timeout_is_refused(smol):  # type: ignore[no-untyped-def]
+    """A compile that takes longer than grammar_compile_timeout is a ValueError naming the field; the
+    engine goes on serving (and the same constraint compiles once the limit allows it)."""
+    s = smol.engine.structured
+    saved = s.compile_timeout
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-z]{3}[0-9]{2}"}
+                                               for i in range(40)}, "required": ["k1"]}
+    try:
+        s.compile_timeout = 1e-6
+        with pytest.raises(ValueError, match=r"structured_outputs.json: took longer than"):
+            smol.generate(["x"], greedy(4, json=schema), use_tqdm=False)
+    finally:
+        s.compile_timeout = saved
+    assert smol.generate(["x"], greedy(4, json=schema), use_tqdm=False)[0].outputs[0].text.startswith("{")
+
+
+def _schemas():  # type: ignore[no-untyped-def]
+    """Random JSON schemas: nested objects (required and optional keys), arrays, enums, bounded numbers."""
+    from hypothesis import strategies as st
+    leaf = st.one_of(
+        st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+                  st.integers(-50, 50), st.integers(0, 200)),
+        st.builds(lambda lo: {"type": "number", "minimum": lo, "maximum": lo + 10}, st.integers(-5, 5)),
+        st.just({"type": "boolean"}),
+        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(1, 6)),
+        st.lists(st.text(alphabet="abxyz", min_size=1, max_size=4), min_size=1, max_size=4, unique=True)
+        .map(lambda xs: {"enum": xs}))
+
+    def obj(children):  # type: ignore[no-untyped-def]
+        props = st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), children, min_size=1, max_size=3)
+        return props.flatmap(lambda p: st.lists(st.sampled_from(sorted(p)), unique=True).map(
+            lambda req: {"type": "object", "properties": p, "required": req, "additionalProperties": False}))
+
+    nested = st.recursive(leaf, lambda ch: st.one_of(
+        st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, ch, st.integers(0, 3)),
+        obj(ch)), max_leaves=5)
+    return obj(nested)
+
+
+def test_random_schemas_sampled_outputs_validate(smol):  # type: ignore[no-untyped-def]
+    """Hypothesis draws JSON schemas; temperature-1 samples under each are validated by jsonschema (an
+    independent validator). Outputs cut by max_tokens are not complete documents: most must finish."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from hypothesis import HealthCheck, given, settings
+
+    finished = []
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(schema=_schemas())
+    def check(schema):  # type: ignore[no-untyped-def]
+        params = [SamplingParams(max_tokens=120, temperature=1.0, seed=s,
+                                 structured_outputs=StructuredOutputsParams(json=schema)) for s in range(2)]
+        for o in smol.generate(["Some JSON data:"] * 2, params, use_tqdm=False):
+            c = o.outputs[0]
+            finished.append(c.finish_reason == "stop")
+            if c.finish_reason == "stop":
+                jsonschema.validate(json.loads(c.text), schema)
+
+    check()
+    assert sum(finished) >= 0.75 * len(finished), finished
+
+
+def test_greedy_constrained_equals_free_when_free_conforms(smol):  # type: ignore[no-untyped-def]
+    """Where the model's own greedy answer already obeys the constraint, the constrained answer is the
+    same tokens (the mask removed nothing the model wanted)."""
+    tok = smol.tokenizer
+    pat = r"[A-Za-z0-9 ,.!?'\n-]+"
+    asks = ["Reply with one word: the color of the sky.", "Say hello.", "What is 2 + 3? Answer with a number.",
+            "Name a fruit. One word.", "Is water wet? Answer yes or no."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}]), add_special_tokens=False)
+               for a in asks]
+    free = smol.generate(prompts, SamplingParams(max_tokens=64, temperature=0), use_tqdm=False)
+    conforming = [(p, o.outputs[0]) for p, o in zip(prompts, free)
+                  if o.outputs[0].finish_reason == "stop" and re.fullmatch(pat, o.outputs[0].text)]
+    assert len(conforming) >= 2, [o.outputs[0].text for o in free]
+    got = smol.generate([p for p, _ in conforming], greedy(64, regex=pat), use_tqdm=False)
+    for (_, want), o in zip(conforming, got):
+        assert o.outputs[0].token_ids == want.token_ids, (o.outputs[0].text, want.text)
