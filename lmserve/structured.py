@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lmserve.layers import cpu_native
 from lmserve.sequence import Sequence, StructuredOutputsParams
 from lmserve.tokenizer import Tokenizer
 
@@ -46,6 +47,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     int32 with bit j of word i standing for token 32 i + j (xgrammar's layout); an all-ones row (-1)
     changes nothing."""
     b, v = logits.shape
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
+            and cpu_native.available()):  # our C loop: the torch unpacking below costs ~10 ms at (32, 49152)
+        mask = bitmask.to(torch.int32).contiguous()
+        cpu_native.lib().lm_apply_bitmask(logits.data_ptr(), b, v, mask.data_ptr(), mask.shape[1],
+                                           torch.get_num_threads())
+        return logits
     bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # (32,)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(b, -1)[:, :v]  # (B, V)
     return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))

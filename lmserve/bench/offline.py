@@ -11,7 +11,7 @@ import torch
 from lmserve.bench.common import Request, latency_prompts, percentiles, sync
 from lmserve.kv.cache import KVCache
 from lmserve.llm import LLM
-from lmserve.sequence import SamplingParams
+from lmserve.sequence import SamplingParams, StructuredOutputsParams
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -35,10 +35,11 @@ def measure_bandwidth(device: str, mb: int = 256) -> float:
 
 
 def run_throughput(llm: LLM, requests: list[Request], temperature: float = 0.6, seed: int = 0,
-                   progress: bool = True) -> dict[str, Any]:
-    """The offline workload through LLM.generate: every request with its own max_tokens, ignore_eos."""
-    params = [SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=True, seed=seed + i)
-              for i, r in enumerate(requests)]
+                   progress: bool = True, structured: StructuredOutputsParams | None = None) -> dict[str, Any]:
+    """The offline workload through LLM.generate: every request with its own max_tokens, ignore_eos
+    (and, with `structured`, every output held to that constraint)."""
+    params = [SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=True, seed=seed + i,
+                             structured_outputs=structured) for i, r in enumerate(requests)]
     before = llm.stats()
     sync(llm.engine.config.device)
     t0 = time.perf_counter()

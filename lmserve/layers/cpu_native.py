@@ -94,7 +94,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_silu_and_mul.argtypes = [p, i64, i64, p, i32]
     lib.lm_gelu_tanh_and_mul.argtypes = [p, i64, i64, p, i32]
     lib.lm_rotary.argtypes = [p, i64, i64, i64, i64, i64, p, p]
-    for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary):
+    lib.lm_apply_bitmask.argtypes = [p, i64, i64, p, i64, i32]
+    for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary, lib.lm_apply_bitmask):
         fn.restype = None
     return lib
 

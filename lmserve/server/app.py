@@ -3,7 +3,8 @@ it reaches the engine; a bad one gets a 4xx with OpenAI's error body and touches
 
 A generating route parses its body, turns it into engine Requests (`engine_request`: tokenized and
 validated once) and a Formatter, and hands both to `respond`, the one path that answers with a JSON
-body or streams server-sent events."""
+body or streams server-sent events. The Responses and Anthropic Messages APIs (responses_api.py,
+anthropic_api.py) are chat completions underneath and take the same path."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request as EngineRequest
+from lmserve.server import anthropic_api, responses_api
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.server.errors import ApiError, invalid_request
-from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Formatter, sse_events
+from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Formatter
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import (BaseRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                      DetokenizeRequest, SamplingRequest, TokenizeRequest)
@@ -133,7 +135,7 @@ class OpenAIServer:
         """Run the jobs: one JSON response when they have all finished, or (body.stream) SSE chunks as they go."""
         self.first_check(jobs)
         if body.stream:
-            return StreamingResponse(sse_events(fmt, self.stream_all(jobs), *body.usage_flags()),
+            return StreamingResponse(fmt.events(self.stream_all(jobs), *body.usage_flags()),
                                      media_type="text/event-stream")
         outs = await self.run_all(request, jobs)
         failed = next((c for o in outs for c in o.outputs if c.finish_reason == "error"), None)
@@ -278,36 +280,44 @@ def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, ma
     app = FastAPI(title="lmserve", lifespan=lifespan)
     app.state.server = srv
 
+    def error(request: Request, e: ApiError) -> Response:
+        """e in the error shape of the API the request is for (Anthropic's on its routes)."""
+        return anthropic_api.error_response(e) if anthropic_api.is_route(request.url.path) else e.response()
+
     @app.middleware("http")
     async def auth(request: Request, call_next):  # type: ignore[no-untyped-def]
         if srv.api_key and request.url.path.startswith("/v1"):
             header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), srv.api_key.encode()):
-                return ApiError(401, "invalid or missing API key", type_="authentication_error",
-                                code="invalid_api_key").response()
+            tokens = [header[7:] if header.lower().startswith("bearer ") else ""]
+            if anthropic_api.is_route(request.url.path):  # Anthropic's clients send x-api-key
+                tokens.append(request.headers.get("x-api-key", ""))
+            if not any([hmac.compare_digest(t.encode(), srv.api_key.encode()) for t in tokens]):
+                return error(request, ApiError(401, "invalid or missing API key", type_="authentication_error",
+                                               code="invalid_api_key"))
         try:
             return await call_next(request)
         except ApiError as e:
-            return e.response()
+            return error(request, e)
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> Response:
-        return e.response()
+    async def api_error(request: Request, e: ApiError) -> Response:
+        return error(request, e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
-        return ApiError(e.status_code, str(e.detail), type_="invalid_request_error").response()
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        return error(request, ApiError(e.status_code, str(e.detail), type_="invalid_request_error"))
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception) -> Response:
-        return ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error").response()
+    async def internal(request: Request, e: Exception) -> Response:
+        return error(request, ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error"))
 
     app.add_api_route("/v1/completions", srv.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", srv.chat, methods=["POST"])
     app.add_api_route("/v1/models", srv.models, methods=["GET"])
     app.add_api_route("/tokenize", srv.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", srv.detokenize, methods=["POST"])
+    responses_api.register(app, srv)  # POST /v1/responses
+    anthropic_api.register(app, srv)  # POST /v1/messages, /v1/messages/count_tokens
 
     @app.get("/health")
     async def health() -> Response:

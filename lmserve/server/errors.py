@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -45,10 +46,30 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+Renames = tuple[tuple[str, str], ...]  # (a field's name in the chat body, its name in another API's body)
+
+
+def renamed(message: str, renames: Renames) -> str:
+    """A 'field: ...' message with the field named as renames say (whole names or path segments:
+    ("max_tokens", "max_output_tokens"), (".function", "")); the text after the field is kept."""
+    head, sep, rest = message.partition(":")
+    if not sep or " " in head:  # no field named
+        return message
+    for old, new in renames:
+        head = re.sub(rf"(?<!\w){re.escape(old)}(?!\w)", new, head)
+    return head + sep + rest
+
+
 @contextmanager
-def invalid_request() -> Iterator[None]:
-    """Turn a ValueError raised inside the block (a bad field) into a 400 naming that field."""
+def invalid_request(renames: Renames = ()) -> Iterator[None]:
+    """Turn a ValueError raised inside the block (a bad field) into a 400 naming that field. With
+    renames (an API built on the chat body), the fields of those 400s and of 400s raised inside are
+    named as that API names them."""
     try:
         yield
     except ValueError as e:
-        raise ApiError.invalid(e) from None
+        raise ApiError.invalid(ValueError(renamed(str(e), renames))) from None
+    except ApiError as e:
+        if e.status != 400 or not renames:
+            raise
+        raise ApiError.invalid(ValueError(renamed(e.message, renames))) from None

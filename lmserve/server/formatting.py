@@ -86,6 +86,11 @@ class Formatter:
         d = self.delta(i, c)
         return [] if d is None else [d]
 
+    def events(self, outputs: AsyncIterator[tuple[int, RequestOutput | BaseException]], include_usage: bool,
+               continuous: bool) -> AsyncIterator[str]:
+        """The response streamed: OpenAI's chunks (`sse_events`); another API's formatter has its events."""
+        return sse_events(self, outputs, include_usage, continuous)
+
 
 class CompletionFormatter(Formatter):
     """/v1/completions: text choices (with the prompt when echoed), OpenAI's legacy logprobs."""

@@ -64,3 +64,24 @@ CLONES void lm_rotary(float *x, int64_t n, int64_t h, int64_t d, int64_t sn, int
       }
     }
 }
+
+/* Structured output (lmserve/structured.py): logits [n, v] float32, bitmask [n, w] int32 with bit j of
+ * word i saying whether token 32 i + j may come next (xgrammar's layout); the others set to -inf in
+ * place, branch-free within a word (grammar masks mix allowed and refused tokens at random). */
+CLONES void lm_apply_bitmask(float *logits, int64_t n, int64_t v, const int32_t *mask, int64_t w, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n > 1)
+  for (int64_t r = 0; r < n; r++) {
+    float *l = logits + r * v;
+    const uint32_t *m = (const uint32_t *)(mask + r * w);
+    const int64_t full = v / 32;
+    for (int64_t i = 0; i < full; i++) {
+      const uint32_t bits = m[i];
+      if (bits == 0xffffffffu) continue;
+      float *li = l + i * 32;
+#pragma omp simd
+      for (int k = 0; k < 32; k++) li[k] = ((bits >> k) & 1u) ? li[k] : -INFINITY;
+    }
+    for (int64_t t = full * 32; t < v; t++)  /* the last, partial word */
+      if (!((m[full] >> (t - full * 32)) & 1u)) l[t] = -INFINITY;
+  }
+}
