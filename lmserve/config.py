@@ -329,6 +329,10 @@ class EngineConfig:
     spec_min_acceptance: float = 0.1
     # structured output: seconds a grammar (JSON schema, regex, EBNF) may take to compile; slower: a 400
     grammar_compile_timeout: float = 10.0
+    # batch-invariant outputs: a request's tokens and logprobs bit-identical whatever else runs beside it,
+    # however its prompt is chunked, whatever the prefix cache holds (CPU; linears over fixed row blocks,
+    # attention a token at a time)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

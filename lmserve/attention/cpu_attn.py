@@ -21,12 +21,17 @@ ROWS_PER_SEQ = 16  # up to this many new tokens a sequence, a step's tokens are 
 
 class CpuAttention(TorchAttention):
     """TorchAttention with the decode part through cpu_native.paged_decode_attention; a step of at most
-    ROWS_PER_SEQ new tokens a sequence (decode, verification) stores its K/V and attends in one call
-    per layer, a token a row."""
+    `rows_per_seq` new tokens a sequence (decode, verification) stores its K/V and attends in one call
+    per layer, a token a row. rows_per_seq None: every step so (deterministic mode: a token's
+    attention is then computed the same way however its prompt was chunked or batched)."""
+
+    def __init__(self, rows_per_seq: int | None = ROWS_PER_SEQ) -> None:
+        self.rows_per_seq = rows_per_seq
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-        if _reads(q, kv_cache) and not meta.static_decode and meta.max_query_len <= ROWS_PER_SEQ:
+        if _reads(q, kv_cache) and not meta.static_decode and (self.rows_per_seq is None
+                                                                 or meta.max_query_len <= self.rows_per_seq):
             tables, lens = meta.token_rows()  # (N, M), (N,)
             o = cpu_native.paged_decode_attention(q, kv_cache, tables, lens, meta.block_size,
                                                   scale, window, new_kv=(k, v, meta.slot_mapping))  # (N, H, d)

@@ -6,15 +6,24 @@ from __future__ import annotations
 from lmserve.attention.backend import AttentionBackend
 
 
-def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
+def get_backend(name: str, device: str = "cpu", deterministic: bool = False) -> AttentionBackend:
     """Backend registry: 'torch' (reference, any device), 'cpu' (decode through our C kernel, the rest
     as torch), 'triton' (paged kernels; CUDA, or the CPU under TRITON_INTERPRET=1), 'auto' (triton on
-    CUDA when it imports, cpu on the CPU when our kernels build, else torch)."""
+    CUDA when it imports, cpu on the CPU when our kernels build, else torch).
+
+    deterministic: every token's attention computed alone, the same way whatever else is in the step
+    (the cpu backend with every step as kernel rows); only the CPU has that yet."""
+    from lmserve.layers import cpu_native
     if name == "auto":
-        from lmserve.layers import cpu_native
         from lmserve.utils import triton_available
         on_cuda = str(device).startswith("cuda")
         name = "triton" if on_cuda and triton_available() else "cpu" if not on_cuda and cpu_native.available() else "torch"
+    if deterministic:
+        if str(device).startswith("cuda") or name != "cpu" or not cpu_native.available():
+            raise ValueError(f"deterministic: needs the cpu attention backend on the CPU (our C kernels), got "
+                             f"{name!r} on {device} (batch-invariant GPU kernels are not built yet)")
+        from lmserve.attention.cpu_attn import CpuAttention
+        return CpuAttention(rows_per_seq=None)
     if name == "cpu":
         from lmserve.attention.cpu_attn import CpuAttention
         return CpuAttention()

@@ -18,8 +18,38 @@ import torch.nn.functional as F
 from torch import nn
 
 
+INVARIANT_ROWS = 16  # deterministic mode: every product is over blocks of exactly this many rows
+
+
+def row_blocks(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) computed over blocks of INVARIANT_ROWS rows (the last padded with zeros): a row's result
+    then never depends on how many rows came with it, whatever kernel a matmul library picks for a
+    shape (deterministic mode). x: (N, in) -> (N, out)."""
+    n = x.shape[0]
+    pad = (-n) % INVARIANT_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])  # (N + pad, in)
+    return torch.cat([fn(x[i:i + INVARIANT_ROWS]) for i in range(0, n + pad, INVARIANT_ROWS)])[:n]
+
+
+def make_batch_invariant(model: nn.Module) -> None:
+    """Deterministic mode: every linear of the model (and a tied LM head) multiplies in fixed row blocks."""
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            m.batch_invariant = True
+    model.batch_invariant = True
+
+
 class LinearBase(nn.Module):
-    """y = x @ W.T + b with W: [sum(sizes), in_features]; the output rows split into shards by `sizes`."""
+    """y = x @ W.T + b with W: [sum(sizes), in_features]; the output rows split into shards by `sizes`.
+    With batch_invariant (deterministic mode) over fixed blocks of rows (`row_blocks`)."""
+
+    batch_invariant = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.batch_invariant and x.dim() == 2:
+            return row_blocks(super().__call__, x)
+        return super().__call__(x)
 
     def __init__(self, in_features: int, sizes: int | Sequence[int], bias: bool = False) -> None:
         super().__init__()

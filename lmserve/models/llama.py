@@ -15,7 +15,7 @@ from torch import nn
 from lmserve.attention import AttentionBackend, AttentionMetadata
 from lmserve.config import ModelConfig
 from lmserve.layers import dispatch
-from lmserve.layers.linear import Linear, LinearBase, MergedLinear
+from lmserve.layers.linear import Linear, LinearBase, MergedLinear, row_blocks
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.cpu_decode import CpuDecodePlan
@@ -172,7 +172,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if isinstance(self.embed_tokens, nn.Embedding):
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            head = lambda h: F.linear(h, self.embed_tokens.weight)  # noqa: E731
+            return (row_blocks(head, hidden) if getattr(self, "batch_invariant", False) else head(hidden)).float()
         return self.embed_tokens.head(hidden).float()
 
     def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]

@@ -25,6 +25,7 @@ from lmserve.attention import get_backend
 from lmserve.config import EngineConfig, ModelConfig
 from lmserve.layers.quant import SCHEMES
 from lmserve.models.gguf_file import GGUFFile, gguf_layers
+from lmserve.layers.linear import make_batch_invariant
 from lmserve.models.registry import build_model, quantize_model, use_cpu_kernels
 from lmserve.tokenizer import Tokenizer
 from lmserve.utils import cache_root
@@ -175,7 +176,7 @@ def load_model(config: EngineConfig, num_layers: int | None = None
     copy, the honest baseline draft model for speculative decoding on a CPU.
     """
     src = resolve_model(config.model)
-    backend = get_backend(config.attention_backend, config.device)
+    backend = get_backend(config.attention_backend, config.device, config.deterministic)
     tokenizer: Tokenizer | None = None
     g = GGUFFile(src.path) if src.kind == "gguf" else None
     if src.kind == "shape":
@@ -201,6 +202,8 @@ def load_model(config: EngineConfig, num_layers: int | None = None
     model.load_weights(weights)
     use_cpu_kernels(model)  # serving wants their decode speed; the layers' own default is the fp32 path
     model = model.to(device=config.device, dtype=config.torch_dtype).eval()
+    if config.deterministic:
+        make_batch_invariant(model)
     return cfg, model, tokenizer
 
 

@@ -1,0 +1,63 @@
+"""Deterministic mode (`deterministic=True`): a request's tokens and logprobs are bit-identical whether
+it runs alone or among others, however its prompt is chunked, whatever the prefix cache holds. The
+needle test: one prompt alone vs inside a crowd of random requests, logprobs compared with
+torch.equal; and the inverse, that the same comparison fails with the mode off (float weights: the
+matmul library picks kernels by the number of rows)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmserve import LLM, SamplingParams
+
+NEEDLE_LEN, CROWD = 260, 32
+
+
+def _needle_vs_crowd(llm: LLM, seeded: bool, share_prefix: bool = False) -> tuple[list, list]:
+    """(alone, in the crowd): the needle's (token ids, logprobs) both ways."""
+    rng = random.Random(0)
+    needle = [rng.randrange(100, 40000) for _ in range(NEEDLE_LEN)]
+    p = SamplingParams(max_tokens=16, temperature=0.8 if seeded else 0, seed=5 if seeded else None, logprobs=3,
+                       ignore_eos=True)
+    alone = llm.generate([needle], p, use_tqdm=False)[0].outputs[0]
+    crowd = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 150))] for _ in range(CROWD)]
+    if share_prefix:  # the needle's first 160 tokens are cached by a request computed in other chunks
+        crowd[0] = needle[:160] + crowd[0]
+    params = [SamplingParams(max_tokens=rng.randint(4, 24), temperature=rng.choice([0, 0.9]), seed=i, ignore_eos=True)
+              for i in range(CROWD)]
+    outs = llm.generate(crowd[:10] + [needle] + crowd[10:], params[:10] + [p] + params[10:], use_tqdm=False)
+    found = outs[10].outputs[0]
+
+    def lp(o):  # type: ignore[no-untyped-def]
+        return [(x.logprob, tuple(sorted(x.top.items()))) for x in o.logprobs]
+    return [alone.token_ids, torch.tensor([x[0] for x in lp(alone)]), lp(alone)], \
+        [found.token_ids, torch.tensor([x[0] for x in lp(found)]), lp(found)]
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_needle_alone_equals_needle_in_a_crowd(quantization):  # type: ignore[no-untyped-def]
+    """Greedy and seeded sampling, a crowd of 32 random requests (mixed lengths, greedy and sampled),
+    chunked prefill (a 64-token budget) and a prefix-cache hit: bit-identical tokens and logprobs."""
+    llm = LLM(quantization=quantization, deterministic=True, max_num_batched_tokens=64)
+    for seeded, share in ((False, False), (True, True)):
+        alone, crowd = _needle_vs_crowd(llm, seeded, share)
+        assert alone[0] == crowd[0]
+        assert torch.equal(alone[1], crowd[1]) and alone[2] == crowd[2]
+    assert llm.stats().prefix_hit_tokens > 0
+
+
+def test_without_the_mode_float_weights_drift():
+    """The inverse: the mode off, float weights, the same comparison differs (batch-size-dependent
+    matmul kernels); with the default GGUF blocks our kernels happen to be row-invariant already."""
+    llm = LLM(quantization="none", max_num_batched_tokens=64)
+    alone, crowd = _needle_vs_crowd(llm, seeded=False)
+    assert not torch.equal(alone[1], crowd[1])
+    assert (alone[1] - crowd[1]).abs().max() < 1e-3  # a rounding-level drift, not a bug
+
+
+def test_deterministic_needs_the_cpu_kernels():
+    with pytest.raises(ValueError, match="deterministic"):
+        LLM(deterministic=True, attention_backend="torch")
