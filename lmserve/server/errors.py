@@ -55,8 +55,9 @@ def renamed(message: str, renames: Renames) -> str:
     head, sep, rest = message.partition(":")
     if not sep or " " in head:  # no field named
         return message
-    for old, new in renames:
-        head = re.sub(rf"(?<!\w){re.escape(old)}(?!\w)", new, head)
+    for old, new in renames:  # whole words: "stop" is not the start of "stop_token_ids"
+        before, after = (r"(?<!\w)" if old[0].isidentifier() else ""), (r"(?!\w)" if old[-1].isidentifier() else "")
+        head = re.sub(before + re.escape(old) + after, new, head)
     return head + sep + rest
 
 

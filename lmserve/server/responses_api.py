@@ -32,21 +32,23 @@ TEXT_PARTS = ("input_text", "output_text")
 STATELESS = "this server is stateless (it stores no responses); send the whole conversation as input"
 
 
-class Part(_Body):
-    type: str
-    text: str | None = None
-
-
 class InputItem(_Body):
     """An input item: a message (the default type), a function_call or a function_call_output."""
 
     type: Literal["message", "function_call", "function_call_output"] = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
-    content: str | list[Part] | None = None
+    content: Any = None  # a string or a list of parts (text_of reads them)
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | list[Part] | None = None
+    output: Any = None  # the same
+
+    @field_validator("content", "output")
+    @classmethod
+    def _text_or_parts(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, (str, list)):
+            raise ValueError("must be a string or a list of content parts")
+        return v
 
 
 class TextFormat(_Body):
@@ -74,14 +76,17 @@ def each(items: list[Any], model: type[_Body], at: str) -> list[Any]:
     return out
 
 
-def text_of(content: str | list[Part], at: str) -> str:
+def text_of(content: str | list[Any], at: str) -> str:
     """A message's (or a call output's) text: the string, or its text parts joined."""
     if isinstance(content, str):
         return content
     for j, p in enumerate(content):
-        if p.type not in TEXT_PARTS:
-            raise ValueError(f"{at}[{j}].type: {p.type!r} is not supported (input_text and output_text only)")
-    return "".join(p.text or "" for p in content)
+        if not isinstance(p, dict) or p.get("type") not in TEXT_PARTS:
+            kind = p.get("type") if isinstance(p, dict) else p
+            raise ValueError(f"{at}[{j}].type: {kind!r} is not supported (input_text and output_text parts only)")
+        if not isinstance(p.get("text"), str):
+            raise ValueError(f"{at}[{j}].text: must be a string")
+    return "".join(p["text"] for p in content)
 
 
 class ResponsesRequest(BaseRequest):
@@ -125,7 +130,7 @@ class ResponsesRequest(BaseRequest):
         fmt = self.text.format if self.text else None
         constraint = "text.format.schema" if fmt is not None and fmt.type == "json_schema" else "tools"
         return (("messages", "input"), ("prompt", "input"), ("max_tokens", "max_output_tokens"), (".function", ""),
-                ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                ("response_format", "text.format"),
                 ("structured_outputs.json", constraint), ("structured_outputs", constraint))
 
     def messages(self) -> list[ChatMessage]:
@@ -216,9 +221,11 @@ class ResponsesFormatter(Formatter):
         return "incomplete" if finish_reason == "length" else "completed"
 
     @staticmethod
-    def message_item(text: str, status: str, mid: str | None = None) -> dict[str, Any]:
+    def message_item(text: str | None, status: str, mid: str | None = None) -> dict[str, Any]:
+        """A message item with its output_text (none: a message just opened)."""
         return {"id": mid or new_id("msg"), "type": "message", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+                "content": [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                                     "logprobs": []}]}
 
     @staticmethod
     def call_item(call_id: str, name: str, arguments: str, status: str, fid: str | None = None) -> dict[str, Any]:
@@ -292,10 +299,9 @@ class ResponsesFormatter(Formatter):
                             yield e
                         is_open = False
                     if not is_open:
-                        for e in self.open_item(items, self.message_item("", "in_progress")):
+                        for e in self.open_item(items, self.message_item(None, "in_progress")):
                             yield e
                         text, is_open = "", True
-                        items[-1]["content"] = []
                     text += d["content"]
                     yield self.event("response.output_text.delta", item_id=items[-1]["id"],
                                      output_index=len(items) - 1, content_index=0, delta=d["content"], logprobs=[])
@@ -315,7 +321,7 @@ class ResponsesFormatter(Formatter):
             if c.finished:
                 status = self.status(c.finish_reason)
                 if not items:  # nothing was said: an empty message, as the whole response has
-                    for e in self.open_item(items, {**self.message_item("", "in_progress"), "content": []}):
+                    for e in self.open_item(items, self.message_item(None, "in_progress")):
                         yield e
                     text, is_open = "", True
                 if is_open:

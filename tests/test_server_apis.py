@@ -1,0 +1,454 @@
+"""OpenAI's Responses API and Anthropic's Messages API on the server, driven by the official `openai`
+and `anthropic` clients and raw HTTP: both are chat completions underneath (same template, same
+sampling, same tool-call reading), so their prompts are counted against /tokenize of the chat messages
+they stand for."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import tests.test_server as base
+from tests.test_server import KEY, assert_idle, good_request_works, post
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+jsonschema = pytest.importorskip("jsonschema")
+
+server, client = base.server, base.client  # the server (module scope, the smol model) and an openai client
+
+MODEL = "smollm2-135m"
+QUESTION = "What is 2+2? Answer with one number."
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "unit": {"enum": ["c", "f"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+WEATHER_FN = {"type": "function", "name": "get_weather", "description": "Weather for a city",
+              "parameters": WEATHER_SCHEMA}  # Responses form
+GREEDY = {"temperature": 0}  # this anthropic SDK no longer has sampling arguments; the API still takes them
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER_SCHEMA}  # Anthropic
+
+
+@pytest.fixture
+def claude(server):  # type: ignore[no-untyped-def]
+    return anthropic.Anthropic(base_url=server["url"], api_key=KEY, max_retries=0, timeout=120)
+
+
+def prompt_tokens(server, messages: list[dict]) -> int:  # type: ignore[no-untyped-def]
+    """The token count of chat messages through the chat template, per /tokenize."""
+    r = post(server, "/tokenize", {"messages": messages})
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def sse_events(server, path: str, body: dict) -> list[tuple[str, dict]]:  # type: ignore[no-untyped-def]
+    """(event name, data) of a streamed response, read raw."""
+    out, name = [], None
+    with httpx.stream("POST", server["url"] + path, json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                assert data["type"] == name, (name, data)  # every event is named by its type
+                out.append((name, data))
+    return out
+
+
+# ---------------------------------------------------------------- Responses API (openai client)
+
+def test_responses_plain_and_streamed(client, server):  # type: ignore[no-untyped-def]
+    kw = dict(model=MODEL, input=QUESTION, instructions="Be brief.", max_output_tokens=24, temperature=0)
+    r = client.responses.create(**kw)
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed", r
+    assert [o.type for o in r.output] == ["message"] and r.output[0].role == "assistant"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    plain = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=24, temperature=0)
+    assert r.output_text == plain.choices[0].message.content and r.output[0].content[0].type == "output_text"
+    n = prompt_tokens(server, chat)
+    assert r.usage.input_tokens == n and r.usage.total_tokens == n + r.usage.output_tokens > n
+
+    events = list(client.responses.create(stream=True, **kw))
+    types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    final = events[-1].response
+    assert final.output_text == r.output_text and final.usage.output_tokens == r.usage.output_tokens
+    assert final.id == events[0].response.id and events[0].response.status == "in_progress"
+
+    with client.responses.stream(**kw) as s:  # the SDK's helper accumulates the events
+        deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+        assert "".join(deltas) == s.get_final_response().output_text == r.output_text
+
+    cut = client.responses.create(**{**kw, "max_output_tokens": 2})
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 2 and cut.output[0].status == "incomplete"
+    events = list(client.responses.create(stream=True, **{**kw, "max_output_tokens": 2}))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == cut.output_text
+    assert_idle(server)
+
+
+def test_responses_input_items_are_the_chat_messages(client, server):  # type: ignore[no-untyped-def]
+    """A list of items (text parts, a developer message, an earlier assistant turn) is rendered as the
+    chat messages it stands for: same prompt length as /tokenize of them."""
+    items = [{"role": "developer", "content": "Answer in French."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "!"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bonjour !"}]},
+             {"role": "user", "content": "How are you?"}]
+    r = client.responses.create(model=MODEL, input=items, max_output_tokens=3, temperature=0)
+    chat = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello!"},
+            {"role": "assistant", "content": "Bonjour !"}, {"role": "user", "content": "How are you?"}]
+    assert r.usage.input_tokens == prompt_tokens(server, chat)
+    plain = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=3, temperature=0)
+    assert r.output_text == plain.choices[0].message.content  # the same engine path, greedy
+
+
+def test_responses_json_schema_format(client, server):  # type: ignore[no-untyped-def]
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "capital": {"type": "boolean"}},
+              "required": ["city", "capital"], "additionalProperties": False}
+    kw = dict(model=MODEL, input="Paris as JSON.", max_output_tokens=40, temperature=0,
+              text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    r = client.responses.create(**kw)
+    assert r.status == "completed", r
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+    streamed = list(client.responses.create(stream=True, **kw))
+    assert streamed[-1].response.output_text == r.output_text
+    r = client.responses.create(model=MODEL, input="Any JSON object.", max_output_tokens=8, temperature=0,
+                                text={"format": {"type": "json_object"}})
+    assert r.output_text.startswith("{")
+    assert_idle(server)
+
+
+def test_responses_forced_function_call_round_trip(client, server):  # type: ignore[no-untyped-def]
+    """tool_choice required / a named function: the output is one function_call item whose arguments obey
+    the parameters, streamed as the same item; then the call and its output go back in as items."""
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        kw = dict(model=MODEL, input=question, tools=[WEATHER_FN], tool_choice=choice, parallel_tool_calls=False,
+                  max_output_tokens=60, temperature=0)
+        r = client.responses.create(**kw)
+        assert r.status == "completed" and [o.type for o in r.output] == ["function_call"] and r.output_text == ""
+        call = r.output[0]
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.name == "get_weather"
+        args = json.loads(call.arguments)
+        jsonschema.validate(args, WEATHER_SCHEMA)
+        events = list(client.responses.create(stream=True, **kw))
+        added = [e.item for e in events if e.type == "response.output_item.added"]
+        assert [i.type for i in added] == ["function_call"] and added[0].name == "get_weather"
+        streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        done = next(e for e in events if e.type == "response.function_call_arguments.done")
+        assert json.loads(streamed) == json.loads(done.arguments) == args
+        assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == done.arguments
+
+    follow = question + [o.model_dump(exclude_none=True) for o in r.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}]
+    again = client.responses.create(model=MODEL, input=follow, tools=[WEATHER_FN], max_output_tokens=8,
+                                    temperature=0)
+    assert again.status in ("completed", "incomplete") and again.output[0].type == "message"
+    chat = question + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}]
+    assert again.usage.input_tokens == prompt_tokens(server, chat)
+    assert_idle(server)
+
+
+# ---------------------------------------------------------------- Messages API (anthropic client)
+
+def test_messages_plain_and_streamed(claude, server):  # type: ignore[no-untyped-def]
+    kw = dict(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}])
+    m = claude.messages.create(**kw)
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == MODEL
+    assert [b.type for b in m.content] == ["text"] and "4" in m.content[0].text
+    assert m.stop_reason == "end_turn" and m.stop_sequence is None
+    assert m.usage.input_tokens == prompt_tokens(server, kw["messages"]) and m.usage.output_tokens > 0
+
+    with claude.messages.stream(**kw) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == m.content[0].text and final.content[0].text == m.content[0].text
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == m.usage.output_tokens
+    events = list(claude.messages.create(stream=True, **kw))
+    types = [e.type for e in events]
+    assert types[:2] == ["message_start", "content_block_start"] and types[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == m.content[0].text
+    assert events[0].message.usage.input_tokens == m.usage.input_tokens
+    raw = [name for name, _ in sse_events(server, "/v1/messages", {**kw, "stream": True})]
+    assert raw[:2] == ["message_start", "ping"] and raw[-1] == "message_stop"  # the ping the SDK skips
+
+    top1 = claude.messages.create(**{**kw, "extra_body": {"temperature": 1.0, "top_k": 1}})
+    assert top1.content[0].text == m.content[0].text  # top_k 1 is greedy
+    cut = claude.messages.create(**{**kw, "max_tokens": 2})
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+    assert_idle(server)
+
+
+def test_messages_system_prompt_and_count_tokens(claude, server):  # type: ignore[no-untyped-def]
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+    system = [{"type": "text", "text": "You answer in one word."}]
+    m = claude.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, system=system, messages=msgs)
+    chat = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a colour."}]
+    n = prompt_tokens(server, chat)
+    assert m.usage.input_tokens == n
+    plain = post(server, "/v1/chat/completions", {"messages": chat, "max_tokens": 4, "temperature": 0}).json()
+    assert m.content[0].text == plain["choices"][0]["message"]["content"]  # the same engine path, greedy
+    assert claude.messages.count_tokens(model=MODEL, system=system, messages=msgs).input_tokens == n
+    without = claude.messages.count_tokens(model=MODEL, messages=msgs).input_tokens
+    assert without == prompt_tokens(server, chat[1:]) != n  # the template's default system prompt instead
+    # x-api-key, as Anthropic's API takes the key
+    r = httpx.post(server["url"] + "/v1/messages/count_tokens", json={"model": MODEL, "messages": msgs},
+                   headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"})
+    assert r.status_code == 200 and r.json() == {"input_tokens": without}
+
+
+def test_messages_stop_sequences(claude, server):  # type: ignore[no-untyped-def]
+    kw = dict(model=MODEL, max_tokens=16, extra_body=GREEDY, messages=[{"role": "user", "content": "Count from 1 to 9."}])
+    free = claude.messages.create(**kw).content[0].text
+    stop = next(w for w in ("3", "4", "5") if free.find(w) > 0)
+    m = claude.messages.create(stop_sequences=[stop, "zzz"], **kw)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == free[:free.index(stop)]  # the same greedy text, cut before the stop
+    with claude.messages.stream(stop_sequences=[stop, "zzz"], **kw) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    assert final.content[0].text == m.content[0].text
+
+
+def test_messages_forced_tool_round_trip(claude, server):  # type: ignore[no-untyped-def]
+    """tool_choice {type: tool} / any: one tool_use block whose input matches the input_schema, streamed the
+    same; then the tool_use and a tool_result go back in, rendered as the chat messages they stand for."""
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+                   {"type": "any", "disable_parallel_tool_use": True}):
+        kw = dict(model=MODEL, max_tokens=60, extra_body=GREEDY, messages=question, tools=[WEATHER_TOOL],
+                  tool_choice=choice)
+        m = claude.messages.create(**kw)
+        assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"], m
+        use = m.content[0]
+        assert use.id.startswith("toolu_") and use.name == "get_weather"
+        jsonschema.validate(use.input, WEATHER_SCHEMA)
+        with claude.messages.stream(**kw) as s:
+            final = s.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[0].input == use.input
+        assert final.content[0].name == "get_weather" and final.content[0].id.startswith("toolu_")
+    follow = question + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                       "content": [{"type": "text", "text": "18 C, sunny"}]}]}]
+    again = claude.messages.create(model=MODEL, max_tokens=6, extra_body=GREEDY, messages=follow, tools=[WEATHER_TOOL])
+    assert again.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    chat = question + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": use.id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "18 C, sunny"}]
+    assert again.usage.input_tokens == prompt_tokens(server, chat)
+    counted = claude.messages.count_tokens(model=MODEL, messages=follow, tools=[WEATHER_TOOL])
+    assert counted.input_tokens == again.usage.input_tokens
+    assert_idle(server)
+
+
+# ---------------------------------------------------------------- auto tool choice (the model's parser)
+STEERED = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+TIME_SCHEMA = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
+
+
+@pytest.fixture
+def steered(monkeypatch):  # type: ignore[no-untyped-def]
+    """The tiny model made to write STEERED (Hermes' <tool_call> tags) by a grammar set on the chat request
+    each API's request becomes, which neither API can ask for itself."""
+    from lmserve.server import anthropic_api, responses_api
+    from lmserve.server.protocol import StructuredOutputsBody
+
+    for cls in (responses_api.ResponsesRequest, anthropic_api.MessagesRequest):
+        def to_chat(self, original=cls.to_chat):  # type: ignore[no-untyped-def]
+            chat = original(self)
+            chat.structured_outputs = StructuredOutputsBody(grammar="root ::= " + json.dumps(STEERED))
+            return chat
+        monkeypatch.setattr(cls, "to_chat", to_chat)
+
+
+def test_auto_tool_calls_in_both_apis(client, claude, server, steered):  # type: ignore[no-untyped-def]
+    """tool_choice auto (the default with tools): the output is read by the server's tool-call parser, as
+    for chat; content and calls come back as a message and function_call items / text and tool_use blocks,
+    the same whole and streamed."""
+    q = "Weather and time in Paris?"
+    kw = dict(model=MODEL, input=q, max_output_tokens=200, temperature=0,
+              tools=[WEATHER_FN, {"type": "function", "name": "get_time", "parameters": TIME_SCHEMA}])
+    r = client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["message", "function_call", "function_call"] and r.status == "completed"
+    assert r.output_text.strip() == "Let me check."
+    calls = [(o.name, json.loads(o.arguments)) for o in r.output[1:]]
+    assert calls == [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "CET"})]
+    events = list(client.responses.create(stream=True, **kw))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["message", "function_call", "function_call"]
+    assert [(i.name, json.loads(i.arguments)) for i in done[1:]] == calls
+    assert events[-1].response.output_text == r.output_text
+    assert len({i.call_id for i in done[1:]}) == 2
+
+    tools = [WEATHER_TOOL, {"name": "get_time", "input_schema": TIME_SCHEMA}]
+    m = claude.messages.create(model=MODEL, max_tokens=200, extra_body=GREEDY, tools=tools,
+                               messages=[{"role": "user", "content": q}])
+    assert [b.type for b in m.content] == ["text", "tool_use", "tool_use"] and m.stop_reason == "tool_use"
+    assert m.content[0].text.strip() == "Let me check." and [(b.name, b.input) for b in m.content[1:]] == calls
+    with claude.messages.stream(model=MODEL, max_tokens=200, extra_body=GREEDY, tools=tools,
+                                messages=[{"role": "user", "content": q}]) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["text", "tool_use", "tool_use"] and final.stop_reason == "tool_use"
+    assert final.content[0].text == m.content[0].text and [(b.name, b.input) for b in final.content[1:]] == calls
+    # tool_choice none: the same text is plain text
+    m = claude.messages.create(model=MODEL, max_tokens=200, extra_body=GREEDY, tools=tools,
+                               tool_choice={"type": "none"}, messages=[{"role": "user", "content": q}])
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == STEERED and m.stop_reason == "end_turn"
+    assert_idle(server)
+
+
+# ---------------------------------------------------------------- bad input, in each API's own error shape
+
+RESPONSES_BAD = [
+    ({"input": "hi", "store": True}, "store"),
+    ({"input": "hi", "previous_response_id": "resp_123"}, "previous_response_id"),
+    ({}, "input"),
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+     "tools[0].parameters"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [WEATHER_FN], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"input": "hi", "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wibble"}}}},
+     "text.format.schema"),
+    ({"input": "hi", "max_output_tokens": 9000}, "max_output_tokens"),
+    ({"input": "hi", "temperature": -1}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("body,param", RESPONSES_BAD)
+def test_responses_bad_input(server, client, body, param):  # type: ignore[no-untyped-def]
+    r = post(server, "/v1/responses", {"model": MODEL, "max_output_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert (err["param"] or "").startswith(param) or err["message"].startswith(param + ":"), err
+    good_request_works(client)
+
+
+def test_responses_refusals_through_the_sdk(client, server):  # type: ignore[no-untyped-def]
+    with pytest.raises(openai.BadRequestError, match="stateless"):
+        client.responses.create(model=MODEL, input="hi", store=True)
+    r = post(server, "/v1/responses", None, raw=b'{"input": "hi", "max_output_tokens": 2, "top_p": NaN}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-9", input="hi")
+    assert_idle(server)
+
+
+MESSAGES_BAD = [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.role"),
+    ({"max_tokens": 4, "messages": []}, "messages"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": ""}]}, "messages.content"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]},
+     "messages"),
+    ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"max_tokens": 9000, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]}, "messages[0].content[0].tool_use_id"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f"}]},
+     "tools[0].input_schema"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]}, "tools[0].name"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL],
+      "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL],
+      "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "any"}},
+     "tool_choice"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": ["x"] * 40},
+     "stop_sequences"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "top_p": 2}, "top_p"),
+]
+
+
+@pytest.mark.parametrize("body,param", MESSAGES_BAD)
+def test_messages_bad_input(server, client, body, param):  # type: ignore[no-untyped-def]
+    r = httpx.post(server["url"] + "/v1/messages", json={"model": MODEL, **body}, headers={"x-api-key": KEY})
+    assert r.status_code == 400, r.text
+    data = r.json()
+    assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error", data
+    assert data["error"]["message"].startswith(param + ":") or data["error"]["message"].startswith(param + "."), data
+    good_request_works(client)
+
+
+def test_messages_errors_statuses_and_auth(claude, server, client):  # type: ignore[no-untyped-def]
+    url, msgs = server["url"] + "/v1/messages", [{"role": "user", "content": "hi"}]
+    for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(url, json={"model": MODEL, "max_tokens": 2, "messages": msgs}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+    r = httpx.post(url, json={"model": "claude-9", "max_tokens": 2, "messages": msgs}, headers={"x-api-key": KEY})
+    assert r.status_code == 404 and r.json() == {"type": "error", "error": {"type": "not_found_error",
+                                                                           "message": r.json()["error"]["message"]}}
+    r = httpx.post(url, json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * 70000}]},
+                   headers={"x-api-key": KEY})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.post(url, content=b'{"model": "smollm2-135m", "max_tokens": 2, "temperature": NaN, '
+                            b'"messages": [{"role": "user", "content": "hi"}]}',
+                   headers={"x-api-key": KEY, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("temperature")
+    r = httpx.post(server["url"] + "/v1/messages/count_tokens", json={"model": MODEL}, headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages")
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        claude.messages.create(model=MODEL, max_tokens=9000, messages=msgs)
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server["url"], api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=2, messages=msgs)
+    # x-api-key is Anthropic's header: the OpenAI routes still want a bearer token
+    r = httpx.post(server["url"] + "/v1/completions", json={"prompt": "hi"}, headers={"x-api-key": KEY})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    good_request_works(client)
+    assert_idle(server)
+
+
+def test_engine_failure_in_each_shape(server, client, monkeypatch):  # type: ignore[no-untyped-def]
+    """A request that fails inside the engine: a 500 in each API's shape, or its stream's failure event;
+    the server goes on, every block free."""
+    out = server["engine"].output
+    original = out._text
+
+    def flaky(seq, new):  # type: ignore[no-untyped-def]
+        if seq.params.max_tokens == 13:  # the marked requests
+            raise RuntimeError("boom")
+        return original(seq, new)
+
+    monkeypatch.setattr(out, "_text", flaky)
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server["url"] + "/v1/messages", json={"model": MODEL, "max_tokens": 13, "messages": msgs},
+                   headers={"x-api-key": KEY}, timeout=120)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "api_error" and "boom" in r.json()["error"]["message"]
+    events = sse_events(server, "/v1/messages", {"model": MODEL, "max_tokens": 13, "messages": msgs, "stream": True})
+    assert events[0][0] == "message_start" and events[-1][0] == "error" and "boom" in events[-1][1]["error"]["message"]
+    r = post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 13})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    events = sse_events(server, "/v1/responses", {"input": "hi", "max_output_tokens": 13, "stream": True})
+    assert events[-1][0] == "response.failed" and "boom" in events[-1][1]["response"]["error"]["message"]
+    assert events[-1][1]["response"]["status"] == "failed"
+    monkeypatch.undo()
+    good_request_works(client)
+    assert_idle(server)
