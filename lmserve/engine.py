@@ -14,7 +14,6 @@ import functools
 import logging
 import random
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from lmserve.attention import get_backend
@@ -25,37 +24,13 @@ from lmserve.kv import BlockManager, KVCache
 from lmserve.models.loader import load_model
 from lmserve.outputs import OutputProcessor, RequestOutput
 from lmserve.runner import ModelRunner, profile_kv_budget
-from lmserve.scheduler import Scheduler
+from lmserve.scheduler import EngineStats, Scheduler, SchedulerOutput  # EngineStats: part of the engine API
 from lmserve.sequence import Request, SamplingParams, Sequence
 from lmserve.spec.build import build_proposer
 from lmserve.spec.policy import SpecPolicy
 from lmserve.structured import StructuredOutputs
 
 log = logging.getLogger("lmserve")
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the cache and scheduler counters."""
-
-    block_size: int
-    num_blocks: int
-    free_blocks: int
-    cached_blocks: int
-    used_blocks: int
-    kv_capacity_tokens: int
-    prefix_hit_tokens: int
-    prompt_tokens_queried: int
-    num_preemptions: int
-    computed_tokens: int
-    peak_used_blocks: int
-    num_running: int
-    num_waiting: int
-    spec: dict | None = None  # speculative decoding counters, when it is on
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prompt_tokens_queried if self.prompt_tokens_queried else 0.0
 
 
 def init_sequence(rng: random.Random, output: OutputProcessor, structured: StructuredOutputs, seq: Sequence) -> None:
@@ -204,16 +179,25 @@ class Engine:
                                    f"(running {len(self.scheduler.running)}, waiting {len(self.scheduler.waiting)}, "
                                    f"free blocks {self.block_manager.num_free_blocks})")
             return []
-        res = self.runner.execute(out)
+        try:
+            res = self.runner.execute(out)
+        except Exception as e:  # noqa: BLE001 - a failed forward or sampler fails this step's requests alone
+            log.exception("a step failed; its %d sequences end with an error", len(out.scheduled))
+            self.scheduler.release_pins()
+            for seq, _ in out.scheduled:
+                self.output.fail(seq, f"{type(e).__name__}: {e}")
+            return self._outputs(out)
         if self.spec is not None:
             self.spec.settle(out, res.rejected)
         for seq, new in self.scheduler.update_from_output(out, res.sampled, res.rejected).items():
-            if seq.grammar is not None:  # structured output: the matcher takes the kept tokens
-                ok = self.structured.advance(seq, new)
-                if (not ok or seq.grammar.terminated) and not seq.is_finished:
-                    self.scheduler.finish(seq, "stop")
+            if seq.grammar is not None and not self.structured.advance(seq, new) and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")  # structured output: the grammar ended (or refused a token)
             self.output.process(seq, new, res.logprobs.get(seq, []))
         self.fanout.after_step(out, res.beam, self.requests)
+        return self._outputs(out)
+
+    def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """A RequestOutput for each request of the step that has one to give; finished ones forgotten."""
         outputs = []
         for rid in {seq.request_id for seq, _ in out.scheduled}:
             seqs = self.requests.get(rid)

@@ -96,6 +96,11 @@ class OutputProcessor:
             seq.output.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                                       seq.params.skip_special_tokens)
 
+    def fail(self, seq: Sequence, error: str) -> None:
+        """End a sequence with finish_reason 'error' and its reason (what the server answers with a 500)."""
+        seq.output.error = error
+        self.finish(seq, "error")
+
     def process(self, seq: Sequence, new_tokens: list[int], logprobs: list[Logprob]) -> None:
         """Text and stop strings for the tokens a step delivered, then the kept tokens' logprobs. A
         failure here ends this sequence alone (finish_reason 'error'), never the engine."""
@@ -103,8 +108,7 @@ class OutputProcessor:
             kept = self._text(seq, new_tokens)
         except Exception as e:  # one request's failure must not reach the others
             log.exception("output processing failed for %s", seq.request_id)
-            seq.output.error = f"{type(e).__name__}: {e}"
-            self.finish(seq, "error")
+            self.fail(seq, f"{type(e).__name__}: {e}")
             return
         out = seq.output
         for lp in logprobs[:kept]:  # only the tokens that stayed

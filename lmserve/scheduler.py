@@ -49,6 +49,30 @@ class SchedulerStats:
     peak_used_blocks: int = 0
 
 
+@dataclass
+class EngineStats:
+    """A snapshot of the cache and scheduler counters (Engine.stats)."""
+
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    kv_capacity_tokens: int
+    prefix_hit_tokens: int
+    prompt_tokens_queried: int
+    num_preemptions: int
+    computed_tokens: int
+    peak_used_blocks: int
+    num_running: int
+    num_waiting: int
+    spec: dict | None = None  # speculative decoding counters, when it is on
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens_queried if self.prompt_tokens_queried else 0.0
+
+
 class Scheduler:
     """Token-budget scheduler with chunked prefill, prefix-cache admission and preemption."""
 
@@ -204,9 +228,7 @@ class Scheduler:
         hashed only after the tokens they hold are back in the token list. Returns the tokens each
         sequence received.
         """
-        if self._pinned:
-            self.bm.free_blocks(self._pinned)
-            self._pinned = []
+        self.release_pins()
         rejected = rejected or {}
         bs = self.bm.block_size
         now = time.time()
@@ -228,6 +250,12 @@ class Scheduler:
             if stop is not None:
                 self.finish(seq, *stop)
         return received
+
+    def release_pins(self) -> None:
+        """The step's block copies are done (or the step failed): let go of their pinned sources."""
+        if self._pinned:
+            self.bm.free_blocks(self._pinned)
+            self._pinned = []
 
     @staticmethod
     def _append(seq: Sequence, tokens: list[int], now: float) -> tuple[list[int], tuple | None]:

@@ -157,18 +157,18 @@ class StructuredOutputs:
 
     @staticmethod
     def advance(seq: Sequence, tokens: list[int]) -> bool:
-        """Feed the tokens a sequence kept this step to its matcher; False if one was not accepted
-        (the grammar forbids it: the caller stops the sequence)."""
+        """Feed the tokens a sequence kept this step to its matcher; False when the sequence must end:
+        the grammar is complete (a stop token was accepted) or refused a token."""
         g = seq.grammar
         for tok in tokens:
             if g.terminated:
-                return True  # a stop token ended it: what follows is dropped with the finished sequence
+                break  # a stop token ended it: what follows is dropped with the finished sequence
             if not g.matcher.accept_token(tok):
                 g.failed = True
                 log.warning("structured output: token %d of request %s is not allowed by its grammar", tok,
                             seq.request_id)
                 return False
-        return True
+        return not g.terminated
 
     # ---------------------------------------------------------------- the step's bitmask
     def fill(self, rows: list[tuple[Sequence, list[int]]]) -> dict[Sequence, torch.Tensor]:

@@ -33,6 +33,11 @@ from lmserve.tokenizer import Tokenizer
 log = logging.getLogger("lmserve.server")
 
 STATS_INTERVAL_S = 0.05
+MAX_UNREAD = 1024  # outputs a request may have waiting for its reader; past it, the reader is too slow
+
+
+class SlowReaderError(RuntimeError):
+    """A request's outputs piled up unread (a client that stopped reading its stream): it was aborted."""
 
 
 class EngineDeadError(RuntimeError):
@@ -48,9 +53,16 @@ class _Stream:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     finished: bool = False
+    sent: int = 0  # outputs put (engine thread)
+    read: int = 0  # outputs taken (the reader)
 
     def put(self, item: object) -> None:
+        self.sent += 1
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    @property
+    def unread(self) -> int:
+        return self.sent - self.read
 
 
 class AsyncEngine:
@@ -146,6 +158,7 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
+                stream.read += 1
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -180,10 +193,16 @@ class AsyncEngine:
                     continue
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
-                        if out.finished:
-                            del self._streams[out.request_id]
+                    if stream is None:
+                        continue
+                    if stream.unread >= MAX_UNREAD and not out.finished:  # the reader stopped reading:
+                        self._engine.abort_request(out.request_id)  # drop it, not the engine's memory
+                        del self._streams[out.request_id]
+                        stream.put(SlowReaderError(f"{MAX_UNREAD} outputs unread: the client is not reading"))
+                        continue
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
                 if self._unpublished or time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
                     self._publish()
         except BaseException as e:  # the loop itself died: /health turns 503

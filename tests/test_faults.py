@@ -1,0 +1,90 @@
+"""Injected faults: a forward or sampler that raises for one step fails that step's requests alone
+(finish_reason 'error', a 500 at the server) and the engine goes on; a reader that stops reading its
+stream is cut off (its request aborted) instead of piling up outputs, and the others go on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lmserve import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 33, 9, 100, 3], list(range(20, 61)), [11, 12], list(range(64, 100))]
+
+
+def _run(eng, params):  # type: ignore[no-untyped-def]
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    return done
+
+
+@pytest.mark.parametrize("where", ["forward", "sampler"])
+def test_a_failing_step_fails_its_requests_alone(tiny_models, where):  # type: ignore[no-untyped-def]
+    """Two requests run at a time (max_num_seqs 2): the third step raises inside the model's forward
+    or the sampler. The two requests in it end with finish_reason 'error' and the exception's text;
+    the two still waiting then run to the same tokens as in a clean run, and every block is free."""
+    path, _ = tiny_models["llama"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    clean = _run(LLM(str(path), max_num_seqs=2).engine, params)
+    llm = LLM(str(path), max_num_seqs=2)
+    eng = llm.engine
+    calls = {"n": 0}
+    if where == "forward":
+        target, name = eng.runner, "forward"
+    else:
+        target, name = eng.runner, "sampler"
+    real = getattr(target, name)
+
+    def boom(*a, **kw):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError(f"injected {where} fault")
+        return real(*a, **kw)
+    setattr(target, name, boom)
+    done = _run(eng, params)
+    failed = {rid for rid, c in done.items() if c.finish_reason == "error"}
+    assert failed == {"0", "1"}, {rid: c.finish_reason for rid, c in done.items()}
+    assert all(f"injected {where} fault" in done[rid].error for rid in failed)
+    for rid in ("2", "3"):
+        assert done[rid].finish_reason == "length" and done[rid].token_ids == clean[rid].token_ids
+    st = llm.stats()
+    assert st.used_blocks == 0 and st.free_blocks == st.num_blocks and not eng.requests
+
+
+def test_a_reader_that_stops_reading_is_cut_off(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+    """A stream whose reader takes one output and then stops: once MAX_UNREAD outputs wait unread, its
+    request is aborted and the reader gets SlowReaderError; a request read normally beside it
+    finishes, and every block is free."""
+    from lmserve.server import async_engine as ae_mod
+    monkeypatch.setattr(ae_mod, "MAX_UNREAD", 4)
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    ae = ae_mod.AsyncEngine(llm.engine)
+    ae.start()
+    try:
+        async def main():  # type: ignore[no-untyped-def]
+            slow = ae.generate("slow", ae.process_request(PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True)))
+            first = await slow.__anext__()
+            assert not first.finished
+            fast = [o async for o in ae.generate("fast", ae.process_request(
+                PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))]
+            assert fast[-1].finished and len(fast[-1].outputs[0].token_ids) == 30
+            with pytest.raises(ae_mod.SlowReaderError):
+                async for _ in slow:
+                    pass
+        asyncio.run(main())
+        for _ in range(100):
+            if not llm.engine.requests:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert not llm.engine.requests
+    finally:
+        ae.shutdown()
+    st = llm.stats()
+    assert st.used_blocks == 0
