@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmserve.server.tool_parsers import (
-    CLOSE, MAX_TOOLS, MAX_TOOLS_BYTES, OPEN, PYTHON_TAG, TOOL_PARSERS, ContentDelta, ExtractedToolCalls,
-    HermesToolParser, Llama3JsonToolParser, ToolCall, ToolCallDelta, call_id, check_tools, parse_forced_calls,
-    parser_for_model, tools_json_schema)
+    CLOSE, OPEN, PYTHON_TAG, TOOL_PARSERS, ContentDelta, ExtractedToolCalls, HermesToolParser, Llama3JsonToolParser,
+    ToolCall, ToolCallDelta, call_id, parse_forced_calls, parser_for_model)
+from lmserve.server.tool_schema import MAX_TOOLS, MAX_TOOLS_BYTES, check_tools, tools_json_schema
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ID_RE = re.compile(r"call_[A-Za-z0-9]{24}")

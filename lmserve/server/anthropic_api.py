@@ -25,7 +25,8 @@ from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.server.errors import ApiError, invalid_request
 from lmserve.server.formatting import ChatFormatter, Formatter
 from lmserve.server.protocol import MAX_STOP, BaseRequest, ChatCompletionRequest, ChatMessage, _Body
-from lmserve.server.tool_parsers import ToolParser, check_tools
+from lmserve.server.tool_parsers import ToolParser
+from lmserve.server.tool_schema import check_tools
 from lmserve.tokenizer import Tokenizer
 
 ROUTE = "/v1/messages"

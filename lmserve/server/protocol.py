@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 from lmserve.sequence import SamplingParams, StructuredOutputsParams
-from lmserve.server.tool_parsers import check_tools, tools_json_schema
+from lmserve.server.tool_schema import check_tools, tools_json_schema
 
 MAX_N = 16
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS

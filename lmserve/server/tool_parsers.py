@@ -1,5 +1,6 @@
-"""Tool calls in chat completions: finding them in a model's output, whole or as it streams, and the
-JSON schema that forces them (tool_choice "required" or a named function).
+"""Tool calls in chat completions: finding them in a model's output, whole or as it streams, and
+reading the JSON array of calls that a forced tool_choice produces (the schema that forces it, and
+the checks of a request's tools: server/tool_schema.py).
 
 A format's parser splits an output into content and calls. `ToolParser.extract` reads a finished
 output; `ToolParser.streaming()` reads one as it grows and says what can be sent, as OpenAI stream
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +36,6 @@ PYTHON_TAG = "<|python_tag|>"  # llama 3 (a special token: only in text decoded 
 ARGUMENT_KEYS = ("arguments", "parameters")
 ID_ALPHABET = string.ascii_letters + string.digits
 ID_LENGTH = 24
-NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-MAX_TOOLS = 128
-MAX_TOOLS_BYTES = 64 * 1024  # the tools list as JSON (UTF-8)
-EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s point to
 
 
 def call_id(rng: random.Random) -> str:
@@ -320,93 +315,6 @@ def parser_for_model(architecture: str, chat_template: str | None) -> str:
     if PYTHON_TAG in t or '"parameters"' in t:
         return "llama3_json"
     return "hermes"
-
-
-def check_tools(tools: Any) -> list[dict[str, Any]]:
-    """A request's tools, checked (ValueError naming the field): each {"type": "function", "function":
-    {"name", "description"?, "parameters"?}}. Returns them with parameters an object schema (an empty
-    one where none was given)."""
-    if not isinstance(tools, list):
-        raise ValueError("tools: must be a list")
-    if len(tools) > MAX_TOOLS:
-        raise ValueError(f"tools: at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
-    try:
-        size = len(json.dumps(tools, ensure_ascii=False, allow_nan=False).encode())
-    except (TypeError, ValueError):
-        raise ValueError("tools: must be JSON") from None
-    if size > MAX_TOOLS_BYTES:
-        raise ValueError(f"tools: at most {MAX_TOOLS_BYTES} bytes of JSON are allowed, got {size}")
-    out, seen = [], set()
-    for i, t in enumerate(tools):
-        at = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise ValueError(f"{at}: must be an object")
-        if t.get("type") != "function":
-            raise ValueError(f"{at}.type: must be 'function', got {t.get('type')!r}")
-        fn = t.get("function")
-        if not isinstance(fn, dict):
-            raise ValueError(f"{at}.function: must be an object")
-        name = fn.get("name")
-        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-            raise ValueError(f"{at}.function.name: must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name!r}")
-        if name in seen:
-            raise ValueError(f"{at}.function.name: {name!r} names an earlier tool too")
-        seen.add(name)
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise ValueError(f"{at}.function.description: must be a string")
-        params = fn.get("parameters")
-        if params is None:
-            params = dict(EMPTY_PARAMETERS)
-        elif not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise ValueError(f"{at}.function.parameters: must be a JSON schema of type 'object'")
-        for key in DEFINITION_KEYS:
-            if not isinstance(params.get(key, {}), dict):
-                raise ValueError(f"{at}.function.parameters.{key}: must be an object")
-        out.append({"type": "function", "function": {**fn, "parameters": {"type": "object", **params}}})
-    return out
-
-
-def tools_json_schema(tools: Any, mode: str | dict[str, Any], parallel: bool = True) -> dict[str, Any]:
-    """The JSON schema of an output that is nothing but calls, for tool_choice "required" (mode
-    "required": any of the tools) or one function (mode its name, or the tool_choice object
-    {"type": "function", "function": {"name": ...}}; a function named "required" needs the object).
-
-    Shape: [{"name": <one of the names>, "arguments": <that function's parameters>}, ...], at least one
-    call, at most one unless parallel; the parameters' "$defs" / "definitions" move to the root (so that
-    "#/$defs/..." references resolve), ValueError where two tools define one name differently.
-    `parse_forced_calls` reads such an output."""
-    tools = check_tools(tools)
-    if not tools:
-        raise ValueError("tools: must not be empty when tool_choice is 'required' or names a function")
-    if isinstance(mode, dict):
-        fn = mode.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if mode.get("type") != "function" or not isinstance(name, str):
-            raise ValueError("tool_choice: must be 'none', 'auto', 'required' or "
-                             "{'type': 'function', 'function': {'name': ...}}")
-        mode = name
-    chosen = [(i, t["function"]) for i, t in enumerate(tools)
-              if mode == "required" or t["function"]["name"] == mode]
-    if not chosen:
-        raise ValueError(f"tool_choice.function.name: no tool is a function named {mode!r}")
-    # definitions ("#/$defs/x" references, as pydantic writes them) move to the root, where they still resolve
-    defs: dict[str, dict[str, Any]] = {}
-    items = []
-    for i, fn in chosen:
-        params = dict(fn["parameters"])
-        for key in DEFINITION_KEYS:
-            for name, d in (params.pop(key, None) or {}).items():
-                if defs.setdefault(key, {}).setdefault(name, d) != d:
-                    raise ValueError(f"tools[{i}].function.parameters.{key}.{name}: differs from the definition "
-                                     "of that name in another tool")
-        items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [fn["name"]]},
-                                                       "arguments": params},
-                      "required": ["name", "arguments"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
-                              "minItems": 1, **defs}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
 
 
 def parse_forced_calls(text: str, rng: random.Random | None = None) -> list[ToolCall]:
