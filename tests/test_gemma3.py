@@ -206,9 +206,10 @@ def test_real_gemma_270m_kv_groups_and_planner_shape(gemma_270m):  # type: ignor
     assert len(eng.kv_cache.tensors) == 3 and eng.kv_cache.layers[5] is eng.kv_cache.tensors[0]
     cfg, named = eng.model_config, ModelConfig(**SHAPES["gemma-3-270m"])
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-              "rope_theta", "rope_local_theta", "sliding_window", "layer_types", "query_pre_attn_scalar",
-              "tie_word_embeddings")
+              "rope_theta", "rope_local_theta", "sliding_window", "layer_types", "tie_word_embeddings")
     assert {f: getattr(cfg, f) for f in fields} == {f: getattr(named, f) for f in fields}
+    scale = lambda c: (c.query_pre_attn_scalar or c.head_dim) ** -0.5  # noqa: E731 (the GGUF leaves it implied)
+    assert scale(cfg) == scale(named)
     assert dataclasses.replace(named, architecture=cfg.architecture).kv_elems_per_token == cfg.kv_elems_per_token
 
 

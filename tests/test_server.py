@@ -629,3 +629,30 @@ def test_bad_tools_are_400(server, client, body, param):  # type: ignore[no-unty
     err = r.json()["error"]
     assert (err["param"] or "").startswith(param) or err["message"].startswith(param), err
     good_request_works(client)
+
+
+def test_a_slow_grammar_compile_does_not_hold_up_the_server(server, client, monkeypatch):  # type: ignore[no-untyped-def]
+    """A request whose grammar takes 2 s to compile: meanwhile /health and another request are answered
+    at once (validation runs on a worker thread, not the event loop)."""
+    structured = server["engine"].structured
+    real = structured._compile
+
+    def slow(*a):  # type: ignore[no-untyped-def]
+        time.sleep(2.0)
+        return real(*a)
+    monkeypatch.setattr(structured, "_compile", slow)
+    result = {}
+
+    def constrained() -> None:
+        result["r"] = post(server, "/v1/completions", {"prompt": "Digits:", "max_tokens": 4, "temperature": 0,
+                                                        "structured_outputs": {"regex": "[0-9]{4} ok"}})
+    th = threading.Thread(target=constrained)
+    th.start()
+    time.sleep(0.3)  # the compile is under way
+    t0 = time.monotonic()
+    assert httpx.get(server["url"] + "/health", timeout=5).status_code == 200
+    good_request_works(client)
+    elapsed = time.monotonic() - t0
+    th.join(60)
+    assert elapsed < 1.5, elapsed
+    assert result["r"].status_code == 200 and re.fullmatch(r"[0-9]{4} ok|[0-9]{1,4}", result["r"].json()["choices"][0]["text"])

@@ -292,7 +292,7 @@ def register(app: FastAPI, srv: Any) -> None:
             chat = body.to_chat()
             ids = srv.chat_ids(chat.messages, True, chat.template_kwargs())
             rid = f"msg_{uuid.uuid4().hex}"
-            jobs = [(rid, srv.engine_request(ids, chat))]
+            jobs = [(rid, await srv.prepare(ids, chat))]
         fmt = MessagesFormatter(rid, srv.served_model, srv.ae.tokenizer, chat, srv.tool_parser, len(ids))
         return await srv.respond(request, chat, jobs, fmt)
 

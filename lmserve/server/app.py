@@ -122,6 +122,12 @@ class OpenAIServer:
             ids = self.ae.tokenize(prompt)
             return self.ae.process_request(ids, body.to_sampling_params(len(ids), self.ae.max_model_len))
 
+    async def prepare(self, prompt: str | list[int], body: SamplingRequest) -> EngineRequest:
+        """engine_request on a worker thread: compiling an output constraint's grammar (the first time a
+        schema is seen) may take up to grammar_compile_timeout, which must not hold up the event loop
+        and every stream on it."""
+        return await asyncio.to_thread(self.engine_request, prompt, body)
+
     def first_check(self, jobs: list[Job]) -> None:
         """Refuse at once (before streaming starts) when the engine is dead or the queue is full."""
         if not self.ae.alive:
@@ -226,7 +232,7 @@ class OpenAIServer:
         """POST /v1/completions: one engine request per prompt."""
         body = await self.parse(request, CompletionRequest)
         rid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
-        jobs = [(f"{rid}-{i}", self.engine_request(p, body)) for i, p in enumerate(prompts)]
+        jobs = [(f"{rid}-{i}", await self.prepare(p, body)) for i, p in enumerate(prompts)]
         return await self.respond(request, body, jobs,
                                   CompletionFormatter(rid, self.served_model, self.ae.tokenizer, body, prompts))
 
@@ -235,7 +241,7 @@ class OpenAIServer:
         body = await self.parse(request, ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         ids = self.chat_ids(body.messages, body.add_generation_prompt, body.template_kwargs())
-        return await self.respond(request, body, [(rid, self.engine_request(ids, body))],
+        return await self.respond(request, body, [(rid, await self.prepare(ids, body))],
                                   ChatFormatter(rid, self.served_model, self.ae.tokenizer, body, self.tool_parser))
 
     async def tokenize(self, request: Request) -> Response:

@@ -3,7 +3,9 @@ through queues, so the event loop never runs a forward pass. It is the server's 
 Engine: tokenizer and model facts, tokenize / validate, submit and stream, abort, stats.
 
 Tokenizing and validating (`tokenize`, `process_request`) read only what never changes after
-start-up, so handlers run them on the event loop; the Request they make is queued as is.
+start-up (and the lock-guarded grammar cache), so any thread may run them: handlers run them on a
+worker thread (compiling a structured-output grammar may take seconds); the Request they make is
+queued as is.
 
 Requests enter and leave only between steps: `generate` and `abort` put work on thread-safe lists that
 the loop drains before each step; each request's outputs are pushed to its own asyncio.Queue with

@@ -341,7 +341,7 @@ def register(app: FastAPI, srv: Any) -> None:
             chat = body.to_chat()
             ids = srv.chat_ids(chat.messages, True, chat.template_kwargs())
             rid = new_id("resp")
-            jobs = [(rid, srv.engine_request(ids, chat))]
+            jobs = [(rid, await srv.prepare(ids, chat))]
         fmt = ResponsesFormatter(rid, srv.served_model, srv.ae.tokenizer, body, chat, srv.tool_parser)
         return await srv.respond(request, chat, jobs, fmt)
 
