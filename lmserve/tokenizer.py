@@ -9,6 +9,8 @@ vocabulary order).
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -133,8 +135,26 @@ class Tokenizer:
             raise ValueError("messages: this model's tokenizer has no chat template; use a plain prompt")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        # a template is code from the model's files: its output and time are bounded (the sandbox checks
+        # the clock at every call the template makes, loops' range() included)
+        deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
+        _render.deadline = deadline
+        try:
+            out, size = [], 0
+            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                                 **kwargs):
+                size += len(piece)
+                if size > TEMPLATE_MAX_CHARS:
+                    raise ValueError(f"messages: the chat template's output passed {TEMPLATE_MAX_CHARS} characters")
+                if time.monotonic() > deadline:
+                    raise TemplateTimeout()
+                out.append(piece)
+        except TemplateTimeout:
+            raise ValueError(f"messages: the chat template took longer than {TEMPLATE_MAX_SECONDS:g} s to render") from None
+        finally:
+            _render.deadline = None
+        return "".join(out)
 
 
 SPM_BUILD = "1"  # bump when _sentencepiece_bpe changes: cached tokenizers of older builds are not read
@@ -214,10 +234,26 @@ def _sentencepiece_bpe(g: Any, tokens: list[str]) -> Any:
     return raw
 
 
+TEMPLATE_MAX_CHARS = 4 * 2**20  # a rendered conversation longer than this is refused
+TEMPLATE_MAX_SECONDS = 2.0  # and one that takes longer to render
+_render = threading.local()  # this thread's render deadline (requests render on worker threads)
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past its render deadline."""
+
+
 def _compile_template(source: str) -> Any:
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Env(ImmutableSandboxedEnvironment):
+        def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # every call the template makes
+            deadline = getattr(_render, "deadline", None)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TemplateTimeout()
+            return super().call(__context, __obj, *args, **kwargs)
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -226,8 +262,7 @@ def _compile_template(source: str) -> Any:
                sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

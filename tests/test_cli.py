@@ -95,3 +95,25 @@ def test_readme_flag_table_names_every_engine_flag():
     documented = set(re.findall(r"--[a-z-]+", table))
     for f in dataclasses.fields(EngineConfig):
         assert "--" + f.name.replace("_", "-") in documented, f.name
+
+
+def test_chat_templates_are_bounded_in_output_and_time():
+    """A chat template is code from the model's files: one that renders past 4 Mi characters or runs
+    past 2 s (a loop that prints nothing included: the sandbox checks the clock at every call) is a
+    ValueError naming messages, and a normal template still renders."""
+    import time
+
+    from tokenizers import Tokenizer as Raw
+    from tokenizers.models import WordLevel
+
+    from lmserve.tokenizer import Tokenizer
+    raw = Raw(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    msgs = [{"role": "user", "content": "hi"}]
+    for tpl, why in (("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "longer"),
+                     ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "output")):
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=f"messages: the chat template.*{why}"):
+            Tokenizer(raw, chat_template=tpl).apply_chat_template(msgs)
+        assert time.monotonic() - t0 < 5
+    assert Tokenizer(raw, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}").apply_chat_template(
+        msgs) == "hi"

@@ -18,6 +18,10 @@ from lmserve.server.tool_schema import check_tools, tools_json_schema
 MAX_N = 16
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 MAX_STOP = 16
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+MAX_MESSAGES = 2048  # messages in one conversation
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_STOP_TOKEN_IDS = 64
 
 
 class _Body(BaseModel):
@@ -108,6 +112,20 @@ class SamplingRequest(BaseRequest):
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(v)}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_limits(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(v)}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_limits(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} are allowed, got {len(v)}")
+        return v
+
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
@@ -193,6 +211,8 @@ class CompletionRequest(SamplingRequest):
     def check(self) -> None:
         if not self.prompts():
             raise ValueError("prompt: must not be empty")
+        if len(self.prompts()) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(self.prompts())}")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: must be >= 1 (0 is allowed only with echo)")
         if self.suffix:
@@ -261,7 +281,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
