@@ -190,11 +190,25 @@ class Engine:
         if self.spec is not None:
             self.spec.settle(out, res.rejected)
         for seq, new in self.scheduler.update_from_output(out, res.sampled, res.rejected).items():
-            if seq.grammar is not None and not self.structured.advance(seq, new) and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")  # structured output: the grammar ended (or refused a token)
+            if seq.grammar is not None:
+                new = self._grammar_advance(seq, new)
             self.output.process(seq, new, res.logprobs.get(seq, []))
+            if seq.grammar is not None and seq.grammar.failed:
+                self.output.fail(seq, "structured output: the model produced a token its grammar does not allow")
         self.fanout.after_step(out, res.beam, self.requests)
         return self._outputs(out)
+
+    def _grammar_advance(self, seq: Sequence, new: list[int]) -> list[int]:
+        """Advance a structured-output sequence's matcher through its new tokens; tokens after the one
+        that completed the grammar, or from one it refused on, are taken back off the sequence (never
+        shown), and a complete grammar ends the sequence."""
+        kept = self.structured.advance(seq, new)
+        if kept < len(new):
+            del seq.token_ids[len(seq.token_ids) - (len(new) - kept):]
+            new = new[:kept]
+        if (seq.grammar.terminated or seq.grammar.failed) and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+        return new
 
     def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
         """A RequestOutput for each request of the step that has one to give; finished ones forgotten."""

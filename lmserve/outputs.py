@@ -99,7 +99,7 @@ class OutputProcessor:
     def fail(self, seq: Sequence, error: str) -> None:
         """End a sequence with finish_reason 'error' and its reason (what the server answers with a 500)."""
         seq.output.error = error
-        self.finish(seq, "error")
+        self.finish(seq, "error", override=True)
 
     def process(self, seq: Sequence, new_tokens: list[int], logprobs: list[Logprob]) -> None:
         """Text and stop strings for the tokens a step delivered, then the kept tokens' logprobs. A

@@ -156,19 +156,20 @@ class StructuredOutputs:
         seq.grammar = GrammarState(xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=stops))
 
     @staticmethod
-    def advance(seq: Sequence, tokens: list[int]) -> bool:
-        """Feed the tokens a sequence kept this step to its matcher; False when the sequence must end:
-        the grammar is complete (a stop token was accepted) or refused a token."""
+    def advance(seq: Sequence, tokens: list[int]) -> int:
+        """Feed the tokens a sequence kept this step to its matcher; returns how many of them stand:
+        all, or those up to the one that completed the grammar (a stop token it accepted), or those
+        before one it refused (then `failed` is set). The caller drops the rest and ends the sequence."""
         g = seq.grammar
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             if g.terminated:
-                break  # a stop token ended it: what follows is dropped with the finished sequence
+                return i  # a stop token ended it: nothing after it stands
             if not g.matcher.accept_token(tok):
                 g.failed = True
                 log.warning("structured output: token %d of request %s is not allowed by its grammar", tok,
                             seq.request_id)
-                return False
-        return not g.terminated
+                return i
+        return len(tokens)
 
     # ---------------------------------------------------------------- the step's bitmask
     def fill(self, rows: list[tuple[Sequence, list[int]]]) -> dict[Sequence, torch.Tensor]:

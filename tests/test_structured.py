@@ -234,3 +234,36 @@ def test_greedy_constrained_equals_free_when_free_conforms(smol):  # type: ignor
     got = smol.generate([p for p, _ in conforming], greedy(64, regex=pat), use_tqdm=False)
     for (_, want), o in zip(conforming, got):
         assert o.outputs[0].token_ids == want.token_ids, (o.outputs[0].text, want.text)
+
+
+def test_min_tokens_never_forces_a_token_the_grammar_forbids(smol):  # type: ignore[no-untyped-def]
+    """min_tokens longer than the grammar's whole output: once the grammar is complete only the stop
+    token is allowed, and min_tokens must not ban it (that left every logit -inf and a forbidden token
+    came out). The grammar wins: the output is the choice and the request stops, greedy and sampled."""
+    llm = smol
+    for temp in (0.0, 1.0):
+        params = SamplingParams(max_tokens=30, min_tokens=20, temperature=temp, seed=3,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        o = llm.generate(["Is the sky green? Answer:"], params, use_tqdm=False)[0].outputs[0]
+        assert o.text in ("yes", "no"), o.text
+        assert o.finish_reason == "stop", o.finish_reason
+
+
+def test_a_token_the_grammar_refuses_is_never_emitted(smol):  # type: ignore[no-untyped-def]
+    """Should a token the grammar refuses ever be kept (a bug upstream of the bitmask), it is not
+    shown: the output stays a prefix the grammar accepts and the request ends with an error."""
+    from lmserve.structured import StructuredOutputs
+    llm = smol
+    real = StructuredOutputs.fill
+
+    def allow_all(self, rows):  # type: ignore[no-untyped-def]
+        masks = real(self, rows)
+        return {s: torch.full_like(m, -1) for s, m in masks.items()}  # the mask stops masking
+
+    StructuredOutputs.fill = allow_all
+    try:
+        o = llm.generate(["Describe a person as JSON:"], greedy(40, regex=r"[0-9]+"), use_tqdm=False)[0].outputs[0]
+    finally:
+        StructuredOutputs.fill = real
+    assert o.finish_reason == "error"
+    assert re.fullmatch(r"[0-9]*", o.text), o.text

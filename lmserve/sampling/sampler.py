@@ -1,7 +1,8 @@
 """Batched sampling with per-request parameters.
 
 Order of logit processing (as vLLM v1 does): a structured-output request's grammar bitmask (tokens
-it forbids -inf), logit_bias, min_tokens masking of stop tokens, then the
+it forbids -inf), logit_bias, min_tokens masking of stop tokens (unless the grammar allows nothing
+else: a complete constraint ends the output), then the
 penalties (repetition on prompt+output, then frequency and presence on output) on the biased logits,
 then greedy argmax or temperature -> top-k -> top-p -> min-p -> sample.
 
@@ -77,7 +78,13 @@ def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: 
                           accumulate=True)
     if ban[0]:
         idx = to_device(torch.tensor(ban), dev)  # (2, K)
+        saved = logits[idx[0], idx[1]]  # (K,)
         logits[idx[0], idx[1]] = float("-inf")
+        # a row left with no finite logit (a grammar that allows only the stop token now) keeps its
+        # stop tokens: the grammar wins over min_tokens, as a finished constraint must end the output
+        dead = torch.isneginf(logits[idx[0]]).all(dim=-1)  # (K,) per banned entry: its row is all -inf
+        if bool(dead.any()):
+            logits[idx[0][dead], idx[1][dead]] = saved[dead]
     if rep[0]:
         idx = to_device(torch.tensor(rep[:2]), dev)  # (2, K)
         pen = to_device(torch.tensor(rep[2], dtype=logits.dtype), dev)  # (K,)
