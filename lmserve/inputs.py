@@ -4,6 +4,8 @@ with the field it is about, which the server turns into a 400 naming that field.
 
 from __future__ import annotations
 
+from typing import Any
+
 from lmserve.kv.block_manager import BlockManager
 from lmserve.sequence import Request, SamplingParams
 from lmserve.structured import StructuredOutputs
@@ -28,8 +30,8 @@ class InputProcessor:
         what never changes after start-up, so any thread may call it."""
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
-        self.validate(ids, params)
-        return Request(ids, params, prompt if isinstance(prompt, str) else None)
+        grammar = self.validate(ids, params)
+        return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """A prompt (text or token ids) -> validated token ids; ValueError naming the problem."""
@@ -50,8 +52,9 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The request's options, then the checks that need the model: lengths, vocabulary, KV capacity."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> Any:
+        """The request's options, then the checks that need the model: lengths, vocabulary, KV capacity.
+        Returns the compiled grammar of a structured-output request (else None)."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
         params.validate()
@@ -65,10 +68,11 @@ class InputProcessor:
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        grammar = None
         if params.structured_outputs is not None:  # a bad schema / regex / grammar fails here, naming the field
             if self.structured is None:
                 raise ValueError("structured_outputs: not available in this engine")
-            self.structured.compile(params.structured_outputs)
+            grammar = self.structured.compile(params.structured_outputs)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer, so stop strings cannot be matched; "
                              "use stop_token_ids")
@@ -84,3 +88,4 @@ class InputProcessor:
             raise ValueError(f"{field}: the request needs {need} KV blocks"
                              f"{f' ({family} sequences)' if family > 1 else ''} but the cache has "
                              f"{self.bm.num_blocks}; raise kv_cache_memory or lower max_tokens")
+        return grammar

@@ -199,6 +199,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the text, when the prompt was given as text
+    grammar: Any = None  # the compiled grammar (xgrammar) of a structured-output request
 
 
 class Status(enum.Enum):
@@ -285,6 +286,7 @@ class Sequence:
     output: OutputState = field(default_factory=OutputState, init=False)
     spec: SpecState = field(default_factory=SpecState, init=False)
     family: FamilyState = field(default_factory=FamilyState, init=False)
+    compiled_grammar: Any = None  # the request's compiled grammar (structured output), shared by its children
     grammar: Any = field(default=None, init=False)  # structured.GrammarState, written by StructuredOutputs
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ from lmserve.tokenizer import Tokenizer
 log = logging.getLogger("lmserve")
 
 CACHE_SIZE = 64  # compiled grammars kept (LRU)
-COMPILE_THREADS = 2  # concurrent compiles (one stuck past its timeout does not block the next)
+MAX_STRAGGLERS = 4  # compiles running past their timeout at once; more: a new grammar is refused
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -78,7 +78,8 @@ class StructuredOutputs:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.compile_timeout = compile_timeout  # seconds; a slower grammar is refused (ValueError)
-        self._compile_pool: ThreadPoolExecutor | None = None
+        self._inflight: dict[tuple[str, str], Future] = {}  # compiles running, by (kind, text)
+        self._stragglers: set[tuple[str, str]] = set()  # of those, the ones past their timeout
         self.width = bitmask_width(vocab_size)
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -107,22 +108,51 @@ class StructuredOutputs:
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of a constraint (cached by its text); ValueError naming the field when it
-        does not compile, or takes longer than compile_timeout (the compile goes on in the background
-        and its result is cached, but the request is refused)."""
+        does not compile, or takes longer than compile_timeout from its start.
+
+        Each compile runs on a thread of its own, so one that runs past the timeout (it goes on in the
+        background and its result is cached; the request is refused) never delays another. The same
+        text asked again while it compiles waits on that compile. At most MAX_STRAGGLERS compiles may be
+        running past their timeout at once; beyond that a new grammar is refused at once."""
         kind, text = spec.key()
+        key = (kind, text)
         with self._lock:
-            if (kind, text) in self._cache:
-                self._cache.move_to_end((kind, text))
-                return self._cache[(kind, text)]
-            compiler = self._get_compiler()
-            if self._compile_pool is None:
-                self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="lmserve-compile")
-        job = self._compile_pool.submit(self._compile, compiler, kind, text)
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            job = self._inflight.get(key)
+            if job is None:
+                if len(self._stragglers) >= MAX_STRAGGLERS:
+                    raise ValueError(f"structured_outputs.{kind}: the grammar compiler is busy with "
+                                     f"{len(self._stragglers)} grammars that ran past the timeout; try again later")
+                compiler = self._get_compiler()
+                job = self._inflight[key] = Future()
+                threading.Thread(target=self._run_compile, args=(job, compiler, kind, text), daemon=True,
+                                 name="lmserve-compile").start()
         try:
             return job.result(timeout=self.compile_timeout)
         except TimeoutError:
+            with self._lock:
+                if not job.done():
+                    self._stragglers.add(key)
             raise ValueError(f"structured_outputs.{kind}: took longer than {self.compile_timeout:g} s to compile "
                              f"(grammar_compile_timeout)") from None
+
+    @property
+    def num_stragglers(self) -> int:
+        """Compiles still running past their timeout."""
+        with self._lock:
+            return len(self._stragglers)
+
+    def _run_compile(self, job: Future, compiler: Any, kind: str, text: str) -> None:
+        try:
+            job.set_result(self._compile(compiler, kind, text))
+        except BaseException as e:  # noqa: BLE001 - handed to every waiter
+            job.set_exception(e)
+        finally:
+            with self._lock:
+                self._inflight.pop((kind, text), None)
+                self._stragglers.discard((kind, text))
 
     def _compile(self, compiler: Any, kind: str, text: str) -> Any:
         try:
@@ -147,13 +177,17 @@ class StructuredOutputs:
 
     # ---------------------------------------------------------------- per sequence
     def start(self, seq: Sequence) -> None:
-        """Give a sequence with structured_outputs its matcher (at the start of the output)."""
+        """Give a sequence with structured_outputs its matcher (at the start of the output), from the
+        grammar compiled when its request was validated (compiled here only for a Request built by
+        hand; never for a request's children, which share their parent's)."""
         spec = seq.params.structured_outputs
         if spec is None:
             return
         xgr = self._xgr()
+        if seq.compiled_grammar is None:
+            seq.compiled_grammar = self.compile(spec)
         stops = list(seq.eos_token_ids) or None
-        seq.grammar = GrammarState(xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=stops))
+        seq.grammar = GrammarState(xgr.GrammarMatcher(seq.compiled_grammar, override_stop_tokens=stops))
 
     @staticmethod
     def advance(seq: Sequence, tokens: list[int]) -> int:

@@ -267,3 +267,82 @@ def test_a_token_the_grammar_refuses_is_never_emitted(smol):  # type: ignore[no-
         StructuredOutputs.fill = real
     assert o.finish_reason == "error"
     assert re.fullmatch(r"[0-9]*", o.text), o.text
+
+
+def test_children_reuse_the_requests_compiled_grammar(smol):  # type: ignore[no-untyped-def]
+    """n = 3: the request's grammar is compiled once, when it is validated; the children forked on the
+    engine's thread take it from the request, never compile again (a compile there, slow or failing,
+    would have stopped every request in the engine)."""
+    from lmserve.structured import StructuredOutputs
+    eng = smol.engine
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=1,
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,6}-[0-9]{2}"))
+    req = eng.process_request("An identifier:", params)
+    real = StructuredOutputs._compile
+
+    def broken(self, *a):  # type: ignore[no-untyped-def]
+        raise ValueError("structured_outputs.regex: compiled on the engine's thread")
+
+    eng.structured._cache.clear()
+    StructuredOutputs._compile = broken
+    try:
+        eng.add_request("kids", req)
+        outs = []
+        while eng.has_unfinished_requests():
+            outs.extend(o for o in eng.step() if o.finished)
+    finally:
+        StructuredOutputs._compile = real
+    (out,) = outs
+    assert len(out.outputs) == 3
+    for o in out.outputs:
+        assert o.finish_reason == "stop" and re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", o.text), (o.finish_reason, o.text)
+
+
+def test_slow_compiles_do_not_starve_the_others(smol):  # type: ignore[no-untyped-def]
+    """Grammars that run past the timeout keep compiling in the background, but never hold up another
+    one: a fast grammar after three slow ones still compiles, its timeout counted from its own start;
+    the same slow grammar asked twice compiles once; past MAX_STRAGGLERS slow ones a new compile is
+    refused at once (the compiler is busy) until they finish."""
+    import threading
+    import time
+
+    from lmserve import structured as st_mod
+    s = smol.engine.structured
+    real = st_mod.StructuredOutputs._compile
+    release = threading.Event()
+    calls: list[str] = []
+
+    def slow(self, compiler, kind, text):  # type: ignore[no-untyped-def]
+        calls.append(text)
+        if text.startswith("slow"):
+            release.wait(30)
+        return real(self, compiler, kind, text)
+
+    saved = s.compile_timeout
+    st_mod.StructuredOutputs._compile = slow
+    try:
+        s.compile_timeout = 0.5
+        for i in range(st_mod.MAX_STRAGGLERS - 1):
+            with pytest.raises(ValueError, match="took longer than"):
+                s.compile(StructuredOutputsParams(regex=f"slow{i}[0-9]"))
+        assert s.compile(StructuredOutputsParams(regex="fast[0-9]{3}")) is not None  # not queued behind them
+        with pytest.raises(ValueError, match="took longer than"):
+            s.compile(StructuredOutputsParams(regex="slow0[0-9]"))  # the same one again: waits on the first
+        assert calls.count("slow0[0-9]") == 1
+        with pytest.raises(ValueError, match="took longer than"):
+            s.compile(StructuredOutputsParams(regex="slowlast[0-9]"))
+        assert s.num_stragglers == st_mod.MAX_STRAGGLERS
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match="busy"):
+            s.compile(StructuredOutputsParams(regex="slowest[0-9]"))
+        assert time.perf_counter() - t0 < 0.4  # refused at once, not after the timeout
+        release.set()
+        deadline = time.time() + 10
+        while s.num_stragglers and time.time() < deadline:
+            time.sleep(0.05)
+        assert s.num_stragglers == 0
+        assert s.compile(StructuredOutputsParams(regex="slowest[0-9]")) is not None  # free again
+    finally:
+        release.set()
+        s.compile_timeout = saved
+        st_mod.StructuredOutputs._compile = real
