@@ -664,6 +664,37 @@ def test_a_slow_grammar_compile_does_not_hold_up_the_server(server, client, monk
     assert result["r"].status_code == 200 and re.fullmatch(r"[0-9]{4} ok|[0-9]{1,4}", result["r"].json()["choices"][0]["text"])
 
 
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_a_slow_chat_template_does_not_hold_up_the_server(server, client, monkeypatch, route, body):  # type: ignore[no-untyped-def]
+    """A conversation whose template takes 1.5 s to render: meanwhile /health and another request are
+    answered at once, on every route that renders one (rendering runs on a worker thread)."""
+    tok = server["engine"].tokenizer
+    real = tok.apply_chat_template
+
+    def slow(*a, **k):  # type: ignore[no-untyped-def]
+        time.sleep(1.5)
+        return real(*a, **k)
+    monkeypatch.setattr(tok, "apply_chat_template", slow)
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("r", post(server, route, {"model": "smollm2-135m", **body})))
+    th.start()
+    time.sleep(0.3)  # the render is under way
+    t0 = time.monotonic()
+    assert httpx.get(server["url"] + "/health", timeout=5).status_code == 200
+    elapsed = time.monotonic() - t0
+    th.join(60)
+    monkeypatch.undo()
+    assert elapsed < 0.8, elapsed
+    assert result["r"].status_code == 200, result["r"].text
+    good_request_works(client)
+
+
 def test_a_conversation_is_bounded_in_messages():
     """More than MAX_MESSAGES messages is refused naming the field (checked on the body model: the
     test server's 64 KiB body limit answers 413 first)."""

@@ -290,9 +290,9 @@ def register(app: FastAPI, srv: Any) -> None:
         body = await srv.parse(request, MessagesRequest)
         with invalid_request(RENAMES):  # everything checked, and named as this API names it, first
             chat = body.to_chat()
-            ids = srv.chat_ids(chat.messages, True, chat.template_kwargs())
+            ids, req = await srv.prepare_chat(chat.messages, True, chat.template_kwargs(), chat)
             rid = f"msg_{uuid.uuid4().hex}"
-            jobs = [(rid, await srv.prepare(ids, chat))]
+            jobs = [(rid, req)]
         fmt = MessagesFormatter(rid, srv.served_model, srv.ae.tokenizer, chat, srv.tool_parser, len(ids))
         return await srv.respond(request, chat, jobs, fmt)
 
@@ -300,7 +300,7 @@ def register(app: FastAPI, srv: Any) -> None:
         body = await srv.parse(request, CountTokensRequest)
         with invalid_request(RENAMES):
             tools = body.chat_tools()
-            ids = srv.chat_ids(body.chat_messages(), True, {"tools": tools} if tools else None)
+            ids = await srv.chat_ids_async(body.chat_messages(), True, {"tools": tools} if tools else None)
         return JSONResponse({"input_tokens": len(ids)})
 
     app.add_api_route(ROUTE, create, methods=["POST"])

@@ -128,6 +128,21 @@ class OpenAIServer:
         and every stream on it."""
         return await asyncio.to_thread(self.engine_request, prompt, body)
 
+    async def prepare_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                           template_kwargs: dict[str, Any] | None, body: SamplingRequest
+                           ) -> tuple[list[int], EngineRequest]:
+        """chat_ids then engine_request, together on a worker thread: a template render (up to its 2 s
+        limit), the encoding of a long conversation and a grammar compile must not hold up the event loop."""
+        def work() -> tuple[list[int], EngineRequest]:
+            ids = self.chat_ids(messages, add_generation_prompt, template_kwargs)
+            return ids, self.engine_request(ids, body)
+        return await asyncio.to_thread(work)
+
+    async def chat_ids_async(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """chat_ids on a worker thread (for the routes that only count or return the tokens)."""
+        return await asyncio.to_thread(self.chat_ids, messages, add_generation_prompt, template_kwargs)
+
     def first_check(self, jobs: list[Job]) -> None:
         """Refuse at once (before streaming starts) when the engine is dead or the queue is full."""
         if not self.ae.alive:
@@ -240,16 +255,16 @@ class OpenAIServer:
         """POST /v1/chat/completions: the conversation through the chat template, one engine request."""
         body = await self.parse(request, ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        ids = self.chat_ids(body.messages, body.add_generation_prompt, body.template_kwargs())
-        return await self.respond(request, body, [(rid, await self.prepare(ids, body))],
+        _, req = await self.prepare_chat(body.messages, body.add_generation_prompt, body.template_kwargs(), body)
+        return await self.respond(request, body, [(rid, req)],
                                   ChatFormatter(rid, self.served_model, self.ae.tokenizer, body, self.tool_parser))
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or messages through the chat template, as token ids."""
         body = await self.parse(request, TokenizeRequest)
         tok = self.require_tokenizer()
-        ids = (self.chat_ids(body.messages, body.add_generation_prompt) if body.messages is not None
-               else tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
+        ids = (await self.chat_ids_async(body.messages, body.add_generation_prompt) if body.messages is not None
+               else await asyncio.to_thread(tok.encode, body.prompt or "", add_special_tokens=body.add_special_tokens))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.ae.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:

@@ -339,9 +339,9 @@ def register(app: FastAPI, srv: Any) -> None:
         body = await srv.parse(request, ResponsesRequest)
         with invalid_request(body.renames()):  # everything checked, and named as this API names it, first
             chat = body.to_chat()
-            ids = srv.chat_ids(chat.messages, True, chat.template_kwargs())
+            _, req = await srv.prepare_chat(chat.messages, True, chat.template_kwargs(), chat)
             rid = new_id("resp")
-            jobs = [(rid, await srv.prepare(ids, chat))]
+            jobs = [(rid, req)]
         fmt = ResponsesFormatter(rid, srv.served_model, srv.ae.tokenizer, body, chat, srv.tool_parser)
         return await srv.respond(request, chat, jobs, fmt)
 
