@@ -88,3 +88,36 @@ def test_a_reader_that_stops_reading_is_cut_off(tiny_models, monkeypatch):  # ty
         ae.shutdown()
     st = llm.stats()
     assert st.used_blocks == 0
+
+
+def test_an_http_stream_that_stops_reading_is_cut_off(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+    """The server's merge of a response's streams (OpenAIServer.stream_all) holds only a few outputs
+    in hand: when the HTTP side stops reading, the outputs wait in the request's own stream, and past
+    MAX_UNREAD the request is cut off (before, the merge drained them into a queue of its own without
+    bound, so a stalled client kept its request, and its memory, to the end)."""
+    pytest.importorskip("fastapi")
+    from lmserve.server import async_engine as ae_mod
+    from lmserve.server.app import OpenAIServer
+    monkeypatch.setattr(ae_mod, "MAX_UNREAD", 4)
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    ae = ae_mod.AsyncEngine(llm.engine)
+    ae.start()
+    srv = OpenAIServer(ae, "tiny", tool_call_parser="hermes")
+    try:
+        async def main():  # type: ignore[no-untyped-def]
+            req = ae.process_request(PROMPTS[1], SamplingParams(max_tokens=300, ignore_eos=True))
+            it = srv.stream_all([("slow", req)])
+            _, first = await it.__anext__()
+            assert not first.finished
+            for _ in range(500):  # the reader stops: wait for the request to end, one way or the other
+                if "slow" not in llm.engine.requests:
+                    break
+                await asyncio.sleep(0.02)
+            return [item async for _, item in it]
+        rest = asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert isinstance(rest[-1], ae_mod.SlowReaderError), rest[-1]
+    assert len(rest) < 40  # a handful in hand, not the 300
+    assert llm.stats().used_blocks == 0

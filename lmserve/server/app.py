@@ -206,8 +206,10 @@ class OpenAIServer:
                 task.cancel()
 
     async def stream_all(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
-        """Merge the output streams of several requests: (job index, output or error)."""
-        q: asyncio.Queue = asyncio.Queue()
+        """Merge the output streams of several requests: (job index, output or error). The merge holds
+        a few outputs per request: when the client stops reading, the rest wait in the requests' own
+        streams, where AsyncEngine cuts a stalled reader off (MAX_UNREAD)."""
+        q: asyncio.Queue = asyncio.Queue(maxsize=2 * len(jobs) + 2)
 
         async def pump(i: int, rid: str, req: EngineRequest) -> None:
             try:
