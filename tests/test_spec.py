@@ -243,3 +243,36 @@ def test_draft_model_shares_the_kv_budget(tiny_models, monkeypatch):  # type: ig
     object.__setattr__(cfg, "kv_cache_memory", None)  # as on CUDA: measured by the profile
     engine_mod.Engine(cfg)
     assert seen == [2]  # target and draft both loaded before the profile
+
+
+def test_a_windowed_draft_keeps_the_blocks_its_next_step_reads(tiny_models):  # type: ignore[no-untyped-def]
+    """A draft model with a sliding window (tiny Mistral, window 24, blocks of 4): the draft rounds
+    must not free window blocks as of their speculative positions, since a rejection rolls the mirror
+    back and its next step reads from the committed length's window (before, those blocks were freed
+    and read as the masked null block: wrong drafts, not wrong output)."""
+    from lmserve.kv.block_manager import NULL_BLOCK
+    path, _ = tiny_models["mistral"]
+    llm = spec_llm(path, "draft", block_size=4)
+    prop = llm.engine.spec.proposer
+    assert prop.bm.windows[0] == 24
+    real = prop._mirror
+    checked, missing = [0], []
+
+    def checking(seq):  # type: ignore[no-untyped-def]
+        m = real(seq)
+        start = m.num_computed_tokens  # the next draft step reads the window of this position
+        for g, table in enumerate(m.block_tables):
+            for i in range(prop.bm.first_needed(g, start), min(len(table), prop.bm.blocks_needed(start))):
+                checked[0] += 1
+                if table[i] == NULL_BLOCK:
+                    missing.append((seq.request_id, start, i))
+        return m
+
+    prop._mirror = checking
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), use_tqdm=False)
+    st = llm.stats()
+    assert st.spec["proposed"] > st.spec["accepted"] > 0  # some drafts were rejected
+    assert checked[0] > 0 and not missing, missing[:5]
+    ref = LLM(str(path), block_size=4).generate(PROMPTS, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+                                                use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]

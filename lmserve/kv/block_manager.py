@@ -157,17 +157,20 @@ class BlockManager:
             tables.append(table)
         return True
 
-    def reserve(self, tables: list[list[int]], start: int, end: int) -> list[tuple[int, int]] | None:
+    def reserve(self, tables: list[list[int]], start: int, end: int, keep_from: int | None = None
+                ) -> list[tuple[int, int]] | None:
         """Make token positions [start, end) of a sequence writable: append fresh blocks to cover
         `end`, and give the sequence a private copy of any block in the range that others still hold
         (copy-on-write). Returns the (src, dst) block copies the runner must do before writing, or
         None (changing nothing else) when the pool is short. First, windowed groups let go of the
-        blocks no step from `start` on reads."""
+        blocks no step from `keep_from` (default: `start`) on reads: a caller that may roll back
+        below `start` (a draft model's speculative steps) passes the position it may roll back to."""
         bs = self.block_size
+        horizon = start if keep_from is None else min(start, keep_from)
         if not tables:  # holds nothing yet (a draft model's new mirror): empty tables to grow
             tables.extend([] for _ in self.windows)
         for g, table in enumerate(tables):
-            for i in range(self.first_needed(g, start) - 1, -1, -1):
+            for i in range(self.first_needed(g, horizon) - 1, -1, -1):
                 if table[i] == NULL_BLOCK:
                     break  # everything before was dropped on an earlier step
                 self._release(table[i])

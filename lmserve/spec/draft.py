@@ -58,6 +58,9 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         mirrors = {i: self._mirror(s) for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0}
+        # a rejection rolls a mirror back to no less than its target's committed tokens: windowed
+        # groups keep what a step from there reads, not only what the speculative steps read
+        committed = {i: m.num_tokens for i, m in mirrors.items()}
         drafts: dict[int, list[int]] = {i: [] for i in mirrors}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in mirrors}
         active = dict(mirrors)
@@ -68,7 +71,8 @@ class DraftModelProposer:
                     del active[i]
                     continue
                 n = m.num_tokens - m.num_computed_tokens
-                if self.bm.reserve(m.block_tables, m.num_computed_tokens, m.num_computed_tokens + n) is None:
+                if self.bm.reserve(m.block_tables, m.num_computed_tokens, m.num_computed_tokens + n,
+                                   keep_from=min(committed[i], m.num_computed_tokens)) is None:
                     del active[i]  # the draft cache is full: this sequence proposes what it has
                     continue
                 batch.append((i, m, n))
