@@ -619,6 +619,28 @@ def test_auto_tool_calls_are_parsed_whole_and_streamed(client, server):  # type:
     assert_idle(server)
 
 
+def test_streamed_tool_calls_keep_every_tokens_logprobs(client, server):  # type: ignore[no-untyped-def]
+    """logprobs with tool calls, streamed: text the parser holds back (a possible <tool_call> tag) keeps
+    its tokens' logprobs for the next chunk that goes out, so the stream carries the logprob of every
+    token, the same as the whole response (before, a held-back step's logprobs were dropped)."""
+    out = 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    extra = {"structured_outputs": {"grammar": "root ::= " + json.dumps(out)}}
+    msgs = [{"role": "user", "content": "Time in Paris?"}]
+    kw = dict(model="smollm2-135m", messages=msgs, tools=[WEATHER, TIME], max_tokens=100, temperature=0,
+              logprobs=True, top_logprobs=2, extra_body=extra)
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    ref = [(t.token, t.logprob) for t in whole.logprobs.content]
+    got = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            if ch.logprobs is not None and ch.logprobs.content:
+                got += [(t.token, t.logprob) for t in ch.logprobs.content]
+    assert [t for t, _ in got] == [t for t, _ in ref] and len(ref) > 10
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref)) < 1e-3  # two runs of one greedy request
+    assert_idle(server)
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},

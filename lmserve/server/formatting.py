@@ -171,6 +171,7 @@ class ChatFormatter(Formatter):
         self.streams: dict[int, ToolCallStream] = {}  # auto mode, per choice
         self.forced: dict[int, str] = {}  # forced mode, per choice: the text so far
         self.called: set[int] = set()  # choices that made a call
+        self.held: dict[int, tuple[list[int], list[Logprob]]] = {}  # per choice: logprobs of tokens not yet sent
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished output, as the body's tool mode reads it."""
@@ -236,9 +237,13 @@ class ChatFormatter(Formatter):
                 merged[-1]["content"] += d.text
             else:
                 merged.append(d.openai())
-        lp = self.logprobs(c.delta_token_ids, new_logprobs(c)) if self.body.logprobs and c.delta_token_ids else None
+        if self.body.logprobs and c.delta_token_ids:  # held until a chunk goes out (text may be held back)
+            ids, lps = self.held.setdefault(k, ([], []))
+            ids += c.delta_token_ids
+            lps += new_logprobs(c)
         if c.finished and not merged:
             merged.append({})
+        lp = self.logprobs(*self.held.pop(k)) if merged and k in self.held else None
         out = [{"index": k, "delta": d, "logprobs": lp if j == 0 else None, "finish_reason": None,
                 "stop_reason": None} for j, d in enumerate(merged)]
         if c.finished:
