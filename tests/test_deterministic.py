@@ -61,3 +61,37 @@ def test_without_the_mode_float_weights_drift():
 def test_deterministic_needs_the_cpu_kernels():
     with pytest.raises(ValueError, match="deterministic"):
         LLM(deterministic=True, attention_backend="torch")
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from tests.test_deepseek import make_deepseek
+    path = tmp_path_factory.mktemp("det_v3")
+    make_deepseek("v3", path)
+    return path
+
+
+def test_mla_and_moe_needle_is_bit_identical(deepseek_v3):  # type: ignore[no-untyped-def]
+    """A tiny DeepSeek-V3 (MLA, sigmoid routing over 8 experts, rope over 4 channel pairs): the needle
+    alone, in a crowd, and prefilled in other chunks (a last chunk of one token, attended in the
+    absorbed form, against chunks of 64, in the expanded form) gives bit-identical logprobs. Before,
+    the router's sigmoid and the rope's cos / sin rounded an element differently by where it fell in
+    the step's tensor (a full vector or the scalar tail), and the two attention forms differed."""
+    def needle_logprobs(budget: int, crowd: int) -> tuple[list[int], torch.Tensor]:
+        llm = LLM(str(deepseek_v3), deterministic=True, max_num_batched_tokens=budget)
+        v = llm.engine.model_config.vocab_size
+        rng = random.Random(0)
+        needle = [rng.randrange(3, v) for _ in range(200)]
+        others = [[rng.randrange(3, v) for _ in range(rng.randint(5, 150))] for _ in range(crowd)]
+        p = SamplingParams(max_tokens=16, temperature=0, logprobs=0, ignore_eos=True)
+        params = [SamplingParams(max_tokens=rng.randint(4, 12), ignore_eos=True, seed=i) for i in range(crowd)]
+        outs = llm.generate(others[:crowd // 2] + [needle] + others[crowd // 2:],
+                            params[:crowd // 2] + [p] + params[crowd // 2:], use_tqdm=False)
+        o = outs[crowd // 2].outputs[0]
+        return o.token_ids, torch.tensor([x.logprob for x in o.logprobs])
+
+    alone = needle_logprobs(64, 0)
+    for budget, crowd in ((64, 20), (199, 0)):
+        other = needle_logprobs(budget, crowd)
+        assert alone[0] == other[0]
+        assert torch.equal(alone[1], other[1]), (budget, crowd, (alone[1] - other[1]).abs().max())

@@ -40,11 +40,16 @@ def _context(cache: torch.Tensor, meta: AttentionMetadata, seq: int, length: int
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, absorbed: bool | None = None) -> torch.Tensor:
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, absorbed: bool | None = None,
+                  token_at_a_time: bool = False) -> torch.Tensor:
     """Attention of the step's tokens over their sequences' cached latents (the step's own rows stored
     first, `store`): q_nope (N, H, nope), q_pe (N, H, R), cache (S, L + R), w_uk (H, nope, L), w_uv
     (H, v, L) -> (N, H, v). absorbed None: the absorbed form for one-token (decode) sequences, the
-    expanded form for longer chunks; True / False force one form for all."""
+    expanded form for longer chunks; True / False force one form for all. token_at_a_time
+    (deterministic mode): every token alone in the absorbed form, as a decode step computes it, so a
+    token's result does not depend on how its sequence was chunked."""
+    if token_at_a_time:
+        return _token_at_a_time(q_nope, q_pe, cache, meta, w_uk, w_uv, scale)
     L = w_uk.shape[2]
     out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])  # (N, H, v)
     starts = meta.query_starts_host
@@ -55,6 +60,22 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         mask = torch.arange(total, device=ctx.device)[None, :] <= pos[:, None]  # (n, T) causal
         form = absorbed_attention if (absorbed if absorbed is not None else n == 1) else expanded_attention
         out[a:a + n] = form(q_nope[a:a + n], q_pe[a:a + n], ctx[:, :L], ctx[:, L:], mask, w_uk, w_uv, scale)
+    return out
+
+
+def _token_at_a_time(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                     w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """mla_attention with each token alone: (N, H, nope), (N, H, R) -> (N, H, v)."""
+    L = w_uk.shape[2]
+    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])  # (N, H, v)
+    for i, (n, total) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        a = meta.query_starts_host[i]
+        ctx = _context(cache, meta, i, total).to(q_nope.dtype)  # (T, L + R)
+        for j in range(n):
+            t = total - n + j + 1  # the token sees positions [0, t)
+            mask = torch.ones(1, t, dtype=torch.bool, device=ctx.device)  # (1, t)
+            out[a + j:a + j + 1] = absorbed_attention(q_nope[a + j:a + j + 1], q_pe[a + j:a + j + 1], ctx[:t, :L],
+                                                      ctx[:t, L:], mask, w_uk, w_uv, scale)
     return out
 
 

@@ -21,21 +21,27 @@ from torch import nn
 INVARIANT_ROWS = 16  # deterministic mode: every product is over blocks of exactly this many rows
 
 
-def row_blocks(fn: Any, x: torch.Tensor) -> torch.Tensor:
+def row_blocks(fn: Any, x: torch.Tensor) -> Any:
     """fn(x) computed over blocks of INVARIANT_ROWS rows (the last padded with zeros): a row's result
     then never depends on how many rows came with it, whatever kernel a matmul library picks for a
-    shape (deterministic mode). x: (N, in) -> (N, out)."""
+    shape, nor whether a vectorized elementwise function (exp, sigmoid, cos) takes the element in a
+    full vector or in the scalar tail (deterministic mode). x: (N, ...) -> fn's (N, ...) tensor, or a
+    tuple of them."""
     n = x.shape[0]
     pad = (-n) % INVARIANT_ROWS
     if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])  # (N + pad, in)
-    return torch.cat([fn(x[i:i + INVARIANT_ROWS]) for i in range(0, n + pad, INVARIANT_ROWS)])[:n]
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])  # (N + pad, ...)
+    parts = [fn(x[i:i + INVARIANT_ROWS]) for i in range(0, n + pad, INVARIANT_ROWS)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(col)[:n] for col in zip(*parts))
+    return torch.cat(parts)[:n]
 
 
 def make_batch_invariant(model: nn.Module) -> None:
-    """Deterministic mode: every linear of the model (and a tied LM head) multiplies in fixed row blocks."""
+    """Deterministic mode: every linear of the model (and a tied LM head) multiplies in fixed row
+    blocks, as does every module that declares a `batch_invariant` switch (MoE routing, MLA rope)."""
     for m in model.modules():
-        if isinstance(m, LinearBase):
+        if isinstance(m, LinearBase) or hasattr(type(m), "batch_invariant"):
             m.batch_invariant = True
     model.batch_invariant = True
 

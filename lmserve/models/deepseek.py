@@ -24,7 +24,7 @@ from torch import nn
 
 from lmserve.attention import AttentionBackend, AttentionMetadata, mla
 from lmserve.config import ModelConfig
-from lmserve.layers.linear import Linear, MergedLinear
+from lmserve.layers.linear import Linear, MergedLinear, row_blocks
 from lmserve.layers.norm import RMSNorm
 from lmserve.models.cpu_decode import CpuDecodePlan
 from lmserve.models.llama import MLP, LlamaForCausalLM, norm_into_stream
@@ -90,6 +90,8 @@ class MLARotary(KeepFloat32):
     """Rope on the rope channels of q and k, cos / sin computed per step from the positions in float32
     (inv_freq stays float32 in a bf16 model, as transformers keeps it)."""
 
+    batch_invariant = False  # deterministic mode: cos / sin over fixed row blocks (layers.linear.row_blocks)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         inv, self.factor = rope_frequencies(cfg)
@@ -98,8 +100,10 @@ class MLARotary(KeepFloat32):
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (N, R/2) float32, yarn's factor included. Once per step, shared by all layers."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, R/2)
-        return freqs.cos() * self.factor, freqs.sin() * self.factor
+        def table(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            freqs = pos.float()[:, None] * self.inv_freq[None, :]  # (n, R/2)
+            return freqs.cos() * self.factor, freqs.sin() * self.factor
+        return row_blocks(table, positions) if self.batch_invariant else table(positions)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (..., R) with cos / sin broadcasting to (..., R/2) -> rotated, in x's dtype. Interleaved
@@ -132,6 +136,8 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         # the Triton backend (the one that takes CUDA-graph batches): decode steps run the latent kernel
         self.triton = bool(getattr(backend, "supports_cuda_graphs", False))
+        # deterministic mode (the cpu backend with every step as kernel rows): each token attends alone
+        self.token_at_a_time = getattr(backend, "rows_per_seq", 0) is None
 
     def latent_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layer's cache (1, S, 1, L + R) as (S, L + R) rows (a view)."""
@@ -168,7 +174,8 @@ class MLAttention(nn.Module):
             if meta.static_decode:
                 raise ValueError("MLA runs a static (CUDA-graph) decode batch on the Triton backend only")
             mla.store(cache, c_kv, k_pe, meta.slot_mapping)
-            o = mla.mla_attention(q_nope, q_pe, cache, meta, w_uk, w_uv, self.scale)  # (N, H, v)
+            o = mla.mla_attention(q_nope, q_pe, cache, meta, w_uk, w_uv, self.scale,
+                                  token_at_a_time=self.token_at_a_time)  # (N, H, v)
         return self.o_proj(o.reshape(n, self.h * self.v))  # (N, hidden)
 
 

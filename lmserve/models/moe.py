@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmserve.config import ModelConfig
-from lmserve.layers.linear import Linear, MergedLinear
+from lmserve.layers.linear import Linear, MergedLinear, row_blocks
 
 
 class Expert(nn.Module):
@@ -105,6 +105,7 @@ class SparseMoE(nn.Module):
     """Top-k routed experts (plus DeepSeek's shared experts); `gate` is the router (HF's name for it)."""
 
     float_linears = ("gate",)  # kept float under weight quantization (registry.quantize_model), as vLLM keeps it
+    batch_invariant = False  # deterministic mode: routing over fixed row blocks (layers.linear.row_blocks)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -121,8 +122,11 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, hidden) -> (weights (N, k) in x's dtype, expert ids (N, k))."""
-        weights, ids = route(self.gate(x).float(), self.k, self.renormalize,
-                             bias=getattr(self.gate, "e_score_correction_bias", None), **self.routing)
+        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return route(logits, self.k, self.renormalize, bias=getattr(self.gate, "e_score_correction_bias", None),
+                         **self.routing)
+        logits = self.gate(x).float()  # (N, E)
+        weights, ids = row_blocks(pick, logits) if self.batch_invariant else pick(logits)
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, hidden)
