@@ -192,7 +192,8 @@ class ModelRunner:
         """Logits (T, V) float32 at every position of seq's tokens (or (1, V) for the last), teacher-
         forced through the paged cache: one prefill, or with decode_from=P a prefill of the first P
         tokens and then one decode step per later token (the decode kernels and CUDA graphs, fed
-        given tokens). Takes its blocks from block_manager and frees them after.
+        given tokens). Takes its blocks from block_manager step by step (a windowed KV group lets go
+        of what its window left behind, as in serving) and frees them after.
 
         For teacher-forced checks and the naive (cache-less) baseline, which calls this once per
         generated token.
@@ -200,13 +201,14 @@ class ModelRunner:
         T = seq.num_tokens
         if decode_from is not None and not 1 <= decode_from <= T:
             raise ValueError(f"decode_from: must be in [1, {T}], got {decode_from}")
-        if not block_manager.allocate(seq.block_tables, T):
-            raise RuntimeError("score: not enough free KV blocks")
         try:
             chunks = [T] if decode_from is None else [decode_from] + [1] * (T - decode_from)
             logits = []
             with torch.inference_mode():
                 for n in chunks:
+                    start = seq.num_computed_tokens
+                    if block_manager.reserve(seq.block_tables, start, start + n) is None:
+                        raise RuntimeError("score: not enough free KV blocks")
                     hidden = self.forward(SchedulerOutput([(seq, n)]))  # (n, hidden)
                     if not last_only or seq.num_computed_tokens + n == T:
                         logits.append(self.model.compute_logits(hidden[-1:] if last_only else hidden))  # (n, V)

@@ -269,3 +269,19 @@ def test_the_sentencepiece_tokenizer_is_built_once(gemma_270m, tmp_path, monkeyp
     cached = tk.Tokenizer.from_gguf(g, (1, 106))
     for text in TEXTS:
         assert cached.encode(text) == fresh.encode(text) == hf_tok.encode(text)
+
+
+def test_score_holds_only_the_window_it_reads(gemma):  # type: ignore[no-untyped-def]
+    """LLM.score with decode_from (teacher-forced decode steps, as the eval and naive baselines use it)
+    on a 64-token sequence in a 30-block pool (blocks of 4, three groups): the local groups let go of
+    what their window left behind step by step, so it fits (before, every group took the whole
+    sequence's 16 blocks up front: 48 > 30, 'not enough free KV blocks'); the logits equal HF's."""
+    path, hf = gemma
+    llm = LLM(str(path), block_size=4, kv_cache_memory=30 * 1024, max_model_len=128)
+    assert llm.engine.block_manager.num_blocks == 30
+    ids = (PROMPTS[3] * 2)[:64]
+    got = llm.score(ids, decode_from=16)  # (64, V)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]  # (64, V)
+    assert (got - ref).abs().max() < 1e-4
+    assert llm.engine.block_manager.num_free_blocks == 30
