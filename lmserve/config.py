@@ -333,6 +333,9 @@ class EngineConfig:
     # however its prompt is chunked, whatever the prefix cache holds (CPU; linears over fixed row blocks,
     # attention a token at a time)
     deterministic: bool = False
+    # overload: seconds a request may wait for its first step; past it, it ends with an error the
+    # server answers 503 + Retry-After (None: it waits as long as it takes). A started request is never cut.
+    max_waiting_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -355,6 +358,8 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_memory", "1GiB")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.max_waiting_time is not None and not self.max_waiting_time > 0:
+            raise ValueError(f"max_waiting_time must be > 0, got {self.max_waiting_time}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 < self.gpu_memory_utilization <= 1:

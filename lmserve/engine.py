@@ -133,7 +133,8 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids)
         seq = Sequence(request_id, request.prompt_token_ids, request.params, prompt=request.prompt,
-                       eos_token_ids=eos, arrival_time=arrival_time or time.time(), compiled_grammar=request.grammar)
+                       eos_token_ids=eos, arrival_time=arrival_time or time.time(), compiled_grammar=request.grammar,
+                       priority=request.priority)
         self._init_seq(seq)
         family = self.requests[request_id] = [seq]
         self.fanout.start(seq, family)
@@ -168,12 +169,15 @@ class Engine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that advanced (finished ones last seen here)."""
+        expired = self._expire()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if self.spec is not None:
             self.spec.trim(out)
         if out.is_empty:
+            if expired:
+                return self._outputs(out, expired)
             if self.requests:  # never legitimate: validation guarantees every request can run alone
                 raise RuntimeError(f"scheduler stalled with {len(self.requests)} requests "
                                    f"(running {len(self.scheduler.running)}, waiting {len(self.scheduler.waiting)}, "
@@ -186,7 +190,7 @@ class Engine:
             self.scheduler.release_pins()
             for seq, _ in out.scheduled:
                 self.output.fail(seq, f"{type(e).__name__}: {e}")
-            return self._outputs(out)
+            return self._outputs(out, expired)
         if self.spec is not None:
             self.spec.settle(out, res.rejected)
         for seq, new in self.scheduler.update_from_output(out, res.sampled, res.rejected).items():
@@ -196,7 +200,7 @@ class Engine:
             if seq.grammar is not None and seq.grammar.failed:
                 self.output.fail(seq, "structured output: the model produced a token its grammar does not allow")
         self.fanout.after_step(out, res.beam, self.requests)
-        return self._outputs(out)
+        return self._outputs(out, expired)
 
     def _grammar_advance(self, seq: Sequence, new: list[int]) -> list[int]:
         """Advance a structured-output sequence's matcher through its new tokens; tokens after the one
@@ -210,10 +214,21 @@ class Engine:
             self.scheduler.finish(seq, "stop")
         return new
 
-    def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """A RequestOutput for each request of the step that has one to give; finished ones forgotten."""
+    def _expire(self) -> set[str]:
+        """Requests that waited past max_waiting_time for their first step end with a 503 error."""
+        limit = self.config.max_waiting_time
+        if limit is None:
+            return set()
+        expired = self.scheduler.expired(time.time() - limit)
+        for seq in expired:
+            self.output.fail(seq, f"waited more than {limit:g} s for its first step (max_waiting_time)", status=503)
+        return {seq.request_id for seq in expired}
+
+    def _outputs(self, out: SchedulerOutput, extra: set[str] = frozenset()) -> list[RequestOutput]:  # type: ignore[assignment]
+        """A RequestOutput for each request of the step that has one to give (and for `extra`: requests
+        ended before the step); finished ones forgotten."""
         outputs = []
-        for rid in {seq.request_id for seq, _ in out.scheduled}:
+        for rid in {seq.request_id for seq, _ in out.scheduled} | extra:
             seqs = self.requests.get(rid)
             if seqs is None:
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -36,10 +37,11 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order.
 
         All requests are validated before any is queued, so one bad prompt raises and runs nothing.
+        priority: one per prompt, lower first (admitted before, preempted after, higher ones).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -49,7 +51,12 @@ class LLM:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and (len(priority) != len(prompts) or
+                                     any(isinstance(x, bool) or not isinstance(x, int) for x in priority)):
+            raise ValueError(f"priority: one integer per prompt ({len(prompts)})")
         requests = [self.engine.process_request(p, sp) for p, sp in zip(prompts, plist)]  # all, before any runs
+        if priority is not None:
+            requests = [dataclasses.replace(r, priority=x) for r, x in zip(requests, priority)]
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, req in zip(ids, requests):
             self.engine.add_request(rid, req, final_only=True)

@@ -63,6 +63,7 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    error_status: int = 500  # with finish_reason "error": 500 failed inside the engine, 503 waited past max_waiting_time
 
     @property
     def finished(self) -> bool:
@@ -96,9 +97,10 @@ class OutputProcessor:
             seq.output.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                                       seq.params.skip_special_tokens)
 
-    def fail(self, seq: Sequence, error: str) -> None:
-        """End a sequence with finish_reason 'error' and its reason (what the server answers with a 500)."""
-        seq.output.error = error
+    def fail(self, seq: Sequence, error: str, status: int = 500) -> None:
+        """End a sequence with finish_reason 'error' and its reason (what the server answers with
+        `status`: 500 for a failure inside the engine, 503 for a request that waited too long)."""
+        seq.output.error, seq.output.error_status = error, status
         self.finish(seq, "error", override=True)
 
     def process(self, seq: Sequence, new_tokens: list[int], logprobs: list[Logprob]) -> None:
@@ -173,7 +175,8 @@ class OutputProcessor:
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                 cumulative_logprob=o.cumulative_logprob if s.params.needs_logprob else None,
                 logprobs=list(o.logprobs) if s.params.logprobs is not None else None,
-                delta_text=delta, delta_token_ids=delta_ids, error=o.error))
+                delta_text=delta, delta_token_ids=delta_ids, error=o.error,
+                error_status=o.error_status))
         metrics = request_metrics(seqs, finished, sum(s.num_output_tokens for s in seqs))
         return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, finished,
                              metrics, list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None)

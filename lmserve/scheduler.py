@@ -81,15 +81,38 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the tail is preempted first
+        self.running: list[Sequence] = []  # in admission order: the tail (of the worst priority) is preempted first
         self.stats = SchedulerStats()
         # copy-on-write sources of the step being run, held until its copies are done: a victim
         # preempted later in the same schedule() must not free (and the pool hand out) a source
         self._pinned: list[int] = []
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence: after every waiting one of its priority or better (lower)."""
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self._queue(seq, ahead_of_equals=False)
+
+    def _queue(self, seq: Sequence, ahead_of_equals: bool) -> None:
+        """Insert seq into the waiting queue, kept in priority order (stable: first come, first served
+        within a priority): behind its equals, or ahead of them (a preempted or deferred sequence, whose
+        request came first)."""
+        w = self.waiting
+        if not w or (w[-1].priority <= seq.priority and not ahead_of_equals):
+            w.append(seq)  # the common case: one priority, a new request
+            return
+        for i, other in enumerate(w):
+            if other.priority > seq.priority or (ahead_of_equals and other.priority == seq.priority):
+                w.insert(i, seq)
+                return
+        w.append(seq)
+
+    def expired(self, arrived_before: float) -> list[Sequence]:
+        """Waiting sequences never scheduled that arrived before the given time (max_waiting_time)."""
+        return [s for s in self.waiting if s.first_scheduled_time is None and s.arrival_time < arrived_before]
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt first: the worst priority (highest), the latest admitted."""
+        return max(reversed(self.running), key=lambda s: s.priority)
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -109,7 +132,7 @@ class Scheduler:
             n = min(todo[seq], budget)
             while (cow := self.bm.reserve(seq.block_tables, seq.num_computed_tokens,
                                           seq.num_computed_tokens + n)) is None:
-                for victim in reversed(self._family(self.running[-1], self.running)):  # tail first
+                for victim in reversed(self._family(self._victim(), self.running)):  # tail first
                     budget += scheduled.pop(victim, 0)
                     copies.pop(victim, None)  # its copy targets were just freed
                     self._preempt(victim)
@@ -198,7 +221,7 @@ class Scheduler:
             self.bm.free(seq.block_tables)
             seq.num_computed_tokens = seq.num_cached_tokens = 0
             seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
+            self._queue(seq, ahead_of_equals=True)
             return
         seq.status = Status.RUNNING
         self.running.insert(self.running.index(after) + 1, seq)
@@ -211,7 +234,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._queue(seq, ahead_of_equals=True)
 
     # ---------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, list[int]],

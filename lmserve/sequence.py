@@ -200,6 +200,7 @@ class Request:
     params: SamplingParams
     prompt: str | None = None  # the text, when the prompt was given as text
     grammar: Any = None  # the compiled grammar (xgrammar) of a structured-output request
+    priority: int = 0  # lower is served first (vLLM's convention); equal priorities: first come, first served
 
 
 class Status(enum.Enum):
@@ -228,6 +229,7 @@ class OutputState:
     logprobs: list[Logprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     error: str | None = None  # set when finish_reason == "error"
+    error_status: int = 500  # what the server answers for it: 500 (failed inside), 503 (waited too long)
     detok: Any = None  # IncrementalDetokenizer
 
 
@@ -268,6 +270,7 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.time)
     index: int = 0  # which of the request's n outputs
+    priority: int = 0  # the request's: lower is admitted first, and preempted last
 
     token_ids: list[int] = field(init=False)
     block_tables: list[list[int]] = field(default_factory=list, init=False)  # one per KV group; [] when none held

@@ -5,6 +5,7 @@ stream is cut off (its request aborted) instead of piling up outputs, and the ot
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -120,4 +121,28 @@ def test_an_http_stream_that_stops_reading_is_cut_off(tiny_models, monkeypatch):
         ae.shutdown()
     assert isinstance(rest[-1], ae_mod.SlowReaderError), rest[-1]
     assert len(rest) < 40  # a handful in hand, not the 300
+    assert llm.stats().used_blocks == 0
+
+
+def test_a_request_that_waits_too_long_is_refused_and_a_started_one_is_not(tiny_models):  # type: ignore[no-untyped-def]
+    """max_waiting_time: a request that has waited past it for its first step ends with an error the
+    server answers 503 (error_status), in the next step; one already running is never cut, however
+    long it has been in the engine."""
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), max_num_seqs=1, max_waiting_time=5.0)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    eng.add_request("old-running", PROMPTS[0], params)
+    eng.step()  # admitted at once
+    eng.requests["old-running"][0].arrival_time -= 60  # as if it had been in the engine a minute
+    eng.add_request("stale", PROMPTS[1], params, arrival_time=time.time() - 10)  # waited 10 s already
+    eng.add_request("fresh", PROMPTS[2], params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0]
+    assert done["stale"].finish_reason == "error" and done["stale"].error_status == 503
+    assert "max_waiting_time" in done["stale"].error and not done["stale"].token_ids
+    assert done["old-running"].finish_reason == "length" and done["fresh"].finish_reason == "length"
     assert llm.stats().used_blocks == 0

@@ -46,9 +46,11 @@ class Driver:
         return width <= self.sched.max_num_seqs and \
             width * self.bm.max_blocks(prompt_len + max_tokens) <= self.bm.num_blocks
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int = 8, width: int = 1) -> None:
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 8, width: int = 1, priority: int = 0) -> None:
         """A plain request (width 1) or `width` beams that advance in lock-step."""
         fam = [new_seq(rid, prompt, max_tokens, i, width) for i in range(width)]
+        for seq in fam:
+            seq.priority = priority
         self.families[rid] = fam
         if width > 1:
             self.lockstep.add(rid)
@@ -235,6 +237,36 @@ def test_preempts_the_tail_and_admits_nothing_that_step():
     assert [s.request_id for s in d.sched.waiting] == ["b", "c"]  # the victim goes to the front
     assert d.families["b"][0].num_computed_tokens == 0 and not d.families["b"][0].block_table
     d.run_until_done()
+    assert d.bm.num_free_blocks == d.bm.num_blocks
+
+
+def test_priority_orders_admission_first_come_first_served_within_one():
+    """Lower priority values are admitted first; equal ones in arrival order (the default, all 0, is
+    plain FCFS)."""
+    d = Driver(num_blocks=64, max_num_seqs=1, budget=64)
+    for rid, prio in (("a", 5), ("b", 0), ("c", 5), ("d", -1), ("e", 0)):
+        d.add(rid, [1, 2, 3], max_tokens=2, priority=prio)
+    assert [s.request_id for s in d.sched.waiting] == ["d", "b", "e", "a", "c"]
+    order = []
+    while d.sched.waiting or d.sched.running:
+        out = d.step()
+        order += [s.request_id for s, _ in out.scheduled if s.request_id not in order]
+    assert order == ["d", "b", "e", "a", "c"]
+
+
+def test_preemption_takes_the_worst_priority_not_the_latest():
+    """A pool short for two growing sequences: the one of worse priority is preempted, though the
+    better one was admitted last (FCFS alone takes the tail), and goes back ahead of its equals."""
+    d = Driver(num_blocks=4, block_size=4, budget=64)
+    d.add("low", list(range(7)), max_tokens=8, priority=3)
+    d.step()
+    d.add("high", list(range(50, 57)), max_tokens=8, priority=0)
+    high = d.families["high"][0]
+    preempted = []
+    while d.sched.waiting or d.sched.running:
+        preempted += [s.request_id for s in d.step().preempted]
+    assert preempted and set(preempted) == {"low"}  # (first come, first served alone: "high", the tail)
+    assert high.num_preemptions == 0 and high.is_finished
     assert d.bm.num_free_blocks == d.bm.num_blocks
 
 
