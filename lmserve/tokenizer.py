@@ -57,6 +57,8 @@ class Tokenizer:
         self.eos_token_ids = tuple(sorted(ids))
         self.vocab_size = raw.get_vocab_size(with_added_tokens=True)
         self._template = None
+        self._templates: dict[str, Any] = {}  # requests' own chat templates, compiled (insertion order: oldest first)
+        self._templates_lock = threading.Lock()
 
     @property
     def has_chat_template(self) -> bool:
@@ -129,32 +131,58 @@ class Tokenizer:
         return [self.raw.id_to_token(i) for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template: str | None = None, max_chars: int = 0, max_seconds: float = 0.0,
                             **kwargs: Any) -> str:
-        """Render a conversation to the prompt text the model was trained on."""
-        if not self.chat_template:
-            raise ValueError("messages: this model's tokenizer has no chat template; use a plain prompt")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        # a template is code from the model's files: its output and time are bounded (the sandbox checks
-        # the clock at every call the template makes, loops' range() included)
-        deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
+        """Render a conversation to the prompt text the model was trained on (or with `template`, a
+        request's own, compiled in the same sandbox). The output is bounded to max_chars characters and
+        max_seconds of rendering (0: TEMPLATE_MAX_CHARS / TEMPLATE_MAX_SECONDS); ValueError past either."""
+        max_chars = max_chars or TEMPLATE_MAX_CHARS
+        max_seconds = max_seconds or TEMPLATE_MAX_SECONDS
+        if template is not None:
+            compiled = self._request_template(template)
+        else:
+            if not self.chat_template:
+                raise ValueError("messages: this model's tokenizer has no chat template; use a plain prompt")
+            if self._template is None:
+                self._template = _compile_template(self.chat_template)
+            compiled = self._template
+        # a template is code (from the model's files, or a request): its output and time are bounded (the
+        # sandbox checks the clock at every call the template makes, loops' range() included)
+        deadline = time.monotonic() + max_seconds
         _render.deadline = deadline
         try:
             out, size = [], 0
-            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                                 **kwargs):
+            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs):
                 size += len(piece)
-                if size > TEMPLATE_MAX_CHARS:
-                    raise ValueError(f"messages: the chat template's output passed {TEMPLATE_MAX_CHARS} characters")
+                if size > max_chars:
+                    raise ValueError(f"messages: the chat template's output passed {max_chars} characters")
                 if time.monotonic() > deadline:
                     raise TemplateTimeout()
                 out.append(piece)
         except TemplateTimeout:
-            raise ValueError(f"messages: the chat template took longer than {TEMPLATE_MAX_SECONDS:g} s to render") from None
+            raise ValueError(f"messages: the chat template took longer than {max_seconds:g} s to render") from None
         finally:
             _render.deadline = None
         return "".join(out)
+
+    def _request_template(self, source: str) -> Any:
+        """A request's chat template, compiled once per text (a few kept); ValueError naming the field
+        when it does not compile."""
+        import jinja2
+        with self._templates_lock:
+            hit = self._templates.get(source)
+            if hit is not None:
+                return hit
+        try:
+            compiled = _compile_template(source)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat_template: does not compile: {e}") from None
+        with self._templates_lock:
+            self._templates[source] = compiled
+            while len(self._templates) > 16:
+                self._templates.pop(next(iter(self._templates)))
+        return compiled
 
 
 SPM_BUILD = "1"  # bump when _sentencepiece_bpe changes: cached tokenizers of older builds are not read

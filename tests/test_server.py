@@ -717,13 +717,81 @@ def test_a_slow_chat_template_does_not_hold_up_the_server(server, client, monkey
     good_request_works(client)
 
 
-def test_a_conversation_is_bounded_in_messages():
-    """More than MAX_MESSAGES messages is refused naming the field (checked on the body model: the
-    test server's 64 KiB body limit answers 413 first)."""
-    from pydantic import ValidationError
+def test_limits_are_the_servers_and_in_its_document(server):  # type: ignore[no-untyped-def]
+    """ServerLimits (each a `serve` flag): an app with max_n 2, max_messages 3 and max_stop 1 refuses
+    what is past them (chat and /tokenize too) naming the field and the flag, accepts what is within,
+    and its OpenAPI document states those bounds."""
+    from fastapi.testclient import TestClient
 
-    from lmserve.server.protocol import MAX_MESSAGES, ChatCompletionRequest
+    from lmserve.server.app import build_app
+    from lmserve.server.limits import ServerLimits
+    app = build_app(server["ae"], "smollm2-135m", manage_engine=False,
+                    limits=ServerLimits(max_n=2, max_messages=3, max_stop=1))
     msg = {"role": "user", "content": "hi"}
-    ChatCompletionRequest.model_validate({"messages": [msg] * MAX_MESSAGES})
-    with pytest.raises(ValidationError, match="messages"):
-        ChatCompletionRequest.model_validate({"messages": [msg] * (MAX_MESSAGES + 1)})
+    with TestClient(app) as c:
+        for route, body, param in (("/v1/completions", {"prompt": "Hi", "n": 3}, "n"),
+                                   ("/v1/completions", {"prompt": "Hi", "best_of": 3}, "best_of"),
+                                   ("/v1/completions", {"prompt": "Hi", "stop": ["a", "b"]}, "stop"),
+                                   ("/v1/chat/completions", {"messages": [msg] * 4}, "messages"),
+                                   ("/tokenize", {"messages": [msg] * 4}, "messages"),
+                                   ("/v1/messages", {"messages": [msg] * 4, "max_tokens": 2}, None)):
+            r = c.post(route, json={"max_tokens": 2, **body})
+            assert r.status_code == 400, (route, r.text)
+            if param is not None:
+                assert r.json()["error"]["param"] == param and "--max-" in r.json()["error"]["message"], r.text
+        assert c.post("/v1/completions", json={"prompt": "Hi", "n": 2, "max_tokens": 2}).status_code == 200
+        assert c.post("/v1/chat/completions", json={"messages": [msg] * 3, "max_tokens": 2}).status_code == 200
+        doc = c.get("/openapi.json").json()["components"]["schemas"]
+    assert doc["CompletionRequest"]["properties"]["n"]["maximum"] == 2
+    assert doc["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == 3
+
+
+def test_a_requests_own_chat_template_needs_the_operators_trust(server, client):  # type: ignore[no-untyped-def]
+    """chat_template in a request: a 400 naming it unless the server trusts request templates; trusted,
+    the request's template renders the prompt (in the same sandbox: one that runs past the render
+    time limit is a 400, and the server goes on)."""
+    from fastapi.testclient import TestClient
+
+    from lmserve.server.app import build_app
+    from lmserve.server.limits import ServerLimits
+    msgs = [{"role": "user", "content": "The cat sat."}]
+    r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "chat_template": "{{ 1 }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    app = build_app(server["ae"], "smollm2-135m", manage_engine=False,
+                    limits=ServerLimits(trust_request_chat_template=True, template_max_seconds=0.5))
+    tok = server["engine"].tokenizer
+    with TestClient(app) as c:
+        own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, "chat_template": own})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("[The cat sat.]", add_special_tokens=False))
+        slow = "{% for i in range(90000) %}{% for j in range(90000) %}{% endfor %}{% endfor %}"
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, "chat_template": slow})
+        assert r.status_code == 400 and "longer than 0.5 s" in r.json()["error"]["message"], r.text
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, "chat_template": "{% for %}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    good_request_works(client)
+
+
+def test_overload_a_request_past_max_waiting_time_is_a_503(server, client):  # type: ignore[no-untyped-def]
+    """With max_waiting_time (here: any wait is too long) a request that has not started is answered
+    503 with Retry-After and code queue_timeout, streamed or not; /health answers; `priority` is a field
+    (an integer: else a 400)."""
+    eng = server["engine"]
+    object.__setattr__(eng.config, "max_waiting_time", 1e-9)
+    try:
+        r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "priority": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "queue_timeout"
+        with httpx.stream("POST", server["url"] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True},
+                          timeout=30) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "queue_timeout"
+        assert httpx.get(server["url"] + "/health", timeout=5).status_code == 200
+    finally:
+        object.__setattr__(eng.config, "max_waiting_time", None)
+    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": -3}).status_code == 200
+    good_request_works(client)

@@ -20,7 +20,8 @@ from tests.test_server import free_port  # noqa: E402
 
 def test_sigterm_finishes_running_requests_and_exits_cleanly():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port),
+                             "--max-header-bytes", "4096", "--max-n", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -32,6 +33,12 @@ def test_sigterm_finishes_running_requests_and_exits_cleanly():
                 time.sleep(0.1)
         else:
             raise AssertionError("server did not come up")
+        # the limits' flags are in force: a header block past 4 KiB is refused before any routing, n past 2 too
+        big = httpx.get(url + "/health", headers={"x-pad": "a" * 8192}, timeout=5)
+        assert big.status_code == 431 and "--max-header-bytes" in big.json()["error"]["message"], big.text
+        assert httpx.get(url + "/health", headers={"x-pad": "a" * 1024}, timeout=5).status_code == 200
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 3}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-n" in r.json()["error"]["message"]
         chunks: list[dict] = []
 
         def stream() -> None:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from lmserve.server.tool_parsers import (
     CLOSE, OPEN, PYTHON_TAG, TOOL_PARSERS, ContentDelta, ExtractedToolCalls, HermesToolParser, Llama3JsonToolParser,
     ToolCall, ToolCallDelta, call_id, parse_forced_calls, parser_for_model)
-from lmserve.server.tool_schema import MAX_TOOLS, MAX_TOOLS_BYTES, check_tools, tools_json_schema
+from lmserve.server.limits import ServerLimits
+from lmserve.server.tool_schema import check_tools, tools_json_schema
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ID_RE = re.compile(r"call_[A-Za-z0-9]{24}")
@@ -563,8 +564,23 @@ def test_check_tools_fills_in_parameters() -> None:
     assert tools[1]["function"] == {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
     assert check_tools([{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}]
                        )[0]["function"]["parameters"] == {"type": "object", "properties": {}}
-    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS)]
-    assert len(check_tools(many)) == MAX_TOOLS
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]
+    assert len(check_tools(many)) == 200  # how many: the server's limit (below)
+
+
+def test_the_servers_limits_bound_the_tools() -> None:
+    """--max-tools and --max-schema-bytes (ServerLimits) bound the tools: the count and the JSON size,
+    each a ValueError naming the field and the flag; within them, nothing is said."""
+    class Body:
+        def __init__(self, tools: list) -> None:
+            self.tools = tools
+    lim = ServerLimits()
+    lim.check(Body([fn(name=f"f{i}") for i in range(lim.max_tools)]))
+    with pytest.raises(ValueError, match=r"^tools: at most 128 entries \(--max-tools\)"):
+        lim.check(Body([fn(name=f"f{i}") for i in range(lim.max_tools + 1)]))
+    with pytest.raises(ValueError, match=r"^tools: more than 65536 bytes as JSON \(--max-schema-bytes\)"):
+        lim.check(Body([fn(description="x" * lim.max_schema_bytes)]))
+    ServerLimits(max_tools=300, max_schema_bytes=2**20).check(Body([fn(name=f"f{i}") for i in range(300)]))
 
 
 def fn(**kw: Any) -> dict[str, Any]:
@@ -587,8 +603,6 @@ def fn(**kw: Any) -> dict[str, Any]:
     ([fn(parameters=[1])], "tools[0].function.parameters: "),
     ([fn(description=3)], "tools[0].function.description: "),
     ([fn(parameters={"type": "object", "$defs": [1]})], "tools[0].function.parameters.$defs: "),
-    ([fn(name=f"f{i}") for i in range(MAX_TOOLS + 1)], f"tools: at most {MAX_TOOLS} tools"),
-    ([fn(description="x" * MAX_TOOLS_BYTES)], f"tools: at most {MAX_TOOLS_BYTES} bytes"),
     ([fn(parameters={"type": "object", "default": float("nan")})], "tools: must be JSON"),
 ])
 def test_bad_tools_name_the_field(tools: Any, field: str) -> None:

@@ -19,12 +19,13 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, StrictBool, StrictInt, field_validator
+from pydantic import Field, StrictBool, field_validator
 
 from lmserve.outputs import CompletionOutput, RequestOutput
+from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
 from lmserve.server.formatting import ChatFormatter, Formatter
-from lmserve.server.protocol import MAX_STOP, BaseRequest, ChatCompletionRequest, ChatMessage, _Body
+from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Int, _Body
 from lmserve.server.tool_parsers import ToolParser
 from lmserve.server.tool_schema import check_tools
 from lmserve.tokenizer import Tokenizer
@@ -176,11 +177,11 @@ class CountTokensRequest(BaseRequest):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: StrictInt = Field(ge=1)
-    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP)
+    max_tokens: Int = Field(ge=1)
+    stop_sequences: list[str] | None = None  # bounded as chat's stop (ServerLimits.max_stop)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: StrictInt | None = None
+    top_k: Int | None = None
     stream: StrictBool = False
 
     def to_chat(self) -> ChatCompletionRequest:
@@ -250,7 +251,7 @@ class MessagesFormatter(Formatter):
         async for _, out in outputs:
             c = out.outputs[0] if isinstance(out, RequestOutput) else None
             if c is None or c.finish_reason == "error":
-                err = ApiError.engine_failure(c.error) if c is not None else ApiError.of(out)  # type: ignore[arg-type]
+                err = ApiError.engine_failure(c.error, c.error_status) if c is not None else ApiError.of(out)  # type: ignore[arg-type]
                 yield self.event("error", error=json.loads(error_response(err).body)["error"])
                 return
             for choice in self.chat.deltas(0, c):
@@ -283,8 +284,9 @@ class MessagesFormatter(Formatter):
                 return
 
 
-def register(app: FastAPI, srv: Any) -> None:
-    """Add POST /v1/messages and /v1/messages/count_tokens to the app, served by srv (the app's OpenAIServer)."""
+def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
+    """Add POST /v1/messages and /v1/messages/count_tokens to the app, served by srv (the app's
+    OpenAIServer); returns the request models they read (for the OpenAPI document)."""
 
     async def create(request: Request) -> Response:
         body = await srv.parse(request, MessagesRequest)
@@ -303,5 +305,9 @@ def register(app: FastAPI, srv: Any) -> None:
             ids = await srv.chat_ids_async(body.chat_messages(), True, {"tools": tools} if tools else None)
         return JSONResponse({"input_tokens": len(ids)})
 
-    app.add_api_route(ROUTE, create, methods=["POST"])
-    app.add_api_route(ROUTE + "/count_tokens", count_tokens, methods=["POST"])
+    app.add_api_route(ROUTE, create, methods=["POST"],
+                      **oa.generating(oa.MessageObject, MessagesRequest, oa.AnthropicErrorResponse))
+    app.add_api_route(ROUTE + "/count_tokens", count_tokens, methods=["POST"],
+                      **oa.generating(oa.CountTokensResponse, CountTokensRequest, oa.AnthropicErrorResponse,
+                                      stream=False))
+    return [MessagesRequest, CountTokensRequest]

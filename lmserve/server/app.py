@@ -9,6 +9,7 @@ anthropic_api.py) are chat completions underneath and take the same path."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -25,8 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request as EngineRequest
 from lmserve.server import anthropic_api, responses_api
+from lmserve.server import openapi as oa
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.server.errors import ApiError, invalid_request
+from lmserve.server.limits import ServerLimits
 from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Formatter
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import (BaseRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -42,7 +45,7 @@ class OpenAIServer:
     """Route handlers; holds the engine handle, limits and metrics."""
 
     def __init__(self, ae: AsyncEngine, served_model: str, api_key: str | None = None,
-                 max_body_bytes: int = 4 * 2**20, request_timeout: float | None = None,
+                 limits: ServerLimits | None = None, request_timeout: float | None = None,
                  tool_call_parser: str | None = None) -> None:
         self.ae = ae
         tok = ae.tokenizer
@@ -52,7 +55,8 @@ class OpenAIServer:
         self.tool_parser = TOOL_PARSERS[name]
         self.served_model = served_model
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits or ServerLimits()
+        self.max_body_bytes = self.limits.max_body_bytes
         self.request_timeout = request_timeout
         self.metrics = ServerMetrics(ae)
 
@@ -70,6 +74,7 @@ class OpenAIServer:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.served_model!r}",
                            param="model", code="model_not_found")
         with invalid_request():
+            self.limits.check(body)  # before anything reads the fields at length
             body.check()
         return body
 
@@ -92,8 +97,12 @@ class OpenAIServer:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "request body is not valid JSON") from None
+        except RecursionError:  # the decoder's own bound (~1,000 levels)
+            raise ApiError(400, f"request body is nested deeper than {self.limits.max_json_depth} levels") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
+        with invalid_request():
+            self.limits.check_depth(data)
         return data
 
     def require_tokenizer(self) -> Tokenizer:
@@ -103,15 +112,23 @@ class OpenAIServer:
         return self.ae.tokenizer
 
     def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """A conversation rendered by the model's chat template, as token ids; a 400 if it cannot be."""
+                 template_kwargs: dict[str, Any] | None = None, template: str | None = None) -> list[int]:
+        """A conversation rendered by the model's chat template (or a trusted request's own `template`),
+        as token ids, within the limits on messages and rendering; a 400 if it cannot be."""
         tok = self.ae.tokenizer
-        if tok is None or not tok.has_chat_template:
+        if tok is None or (template is None and not tok.has_chat_template):
             raise ApiError(400, "messages: this model has no chat template", param="messages")
+        with invalid_request():
+            self.limits.check_messages(len(messages))
+        lim = self.limits
         try:
             text = tok.apply_chat_template([m.for_template() for m in messages],
-                                           add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+                                           add_generation_prompt=add_generation_prompt, template=template,
+                                           max_chars=lim.template_max_chars, max_seconds=lim.template_max_seconds,
+                                           **(template_kwargs or {}))
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
+            if isinstance(e, ValueError) and str(e).startswith(("messages:", "chat_template:")):
+                raise ApiError.invalid(e) from None  # names its field already
             raise ApiError(400, f"messages: {e}", param="messages") from None
         return tok.encode(text, add_special_tokens=False)
 
@@ -119,8 +136,11 @@ class OpenAIServer:
         """The prompt and the body's sampling options as an engine Request: tokenized and validated once
         (the default max_tokens needs the prompt's length); a 400 naming the field if it is bad."""
         with invalid_request():
+            structured = body.structured()
+            self.limits.check_constraint(structured.key() if structured is not None else None)
             ids = self.ae.tokenize(prompt)
-            return self.ae.process_request(ids, body.to_sampling_params(len(ids), self.ae.max_model_len))
+            req = self.ae.process_request(ids, body.to_sampling_params(len(ids), self.ae.max_model_len))
+            return dataclasses.replace(req, priority=body.priority) if body.priority else req
 
     async def prepare(self, prompt: str | list[int], body: SamplingRequest) -> EngineRequest:
         """engine_request on a worker thread: compiling an output constraint's grammar (the first time a
@@ -134,7 +154,9 @@ class OpenAIServer:
         """chat_ids then engine_request, together on a worker thread: a template render (up to its 2 s
         limit), the encoding of a long conversation and a grammar compile must not hold up the event loop."""
         def work() -> tuple[list[int], EngineRequest]:
-            ids = self.chat_ids(messages, add_generation_prompt, template_kwargs)
+            with invalid_request():
+                self.limits.check(body)  # a converted body (Responses, Messages); before rendering
+            ids = self.chat_ids(messages, add_generation_prompt, template_kwargs, getattr(body, "chat_template", None))
             return ids, self.engine_request(ids, body)
         return await asyncio.to_thread(work)
 
@@ -161,7 +183,7 @@ class OpenAIServer:
         outs = await self.run_all(request, jobs)
         failed = next((c for o in outs for c in o.outputs if c.finish_reason == "error"), None)
         if failed is not None:
-            raise ApiError.engine_failure(failed.error)
+            raise ApiError.engine_failure(failed.error, failed.error_status)
         return JSONResponse(fmt.response(outs))
 
     def deadline(self) -> float | None:
@@ -249,6 +271,8 @@ class OpenAIServer:
         """POST /v1/completions: one engine request per prompt."""
         body = await self.parse(request, CompletionRequest)
         rid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
+        with invalid_request():
+            self.limits.check_prompts(len(prompts))
         jobs = [(f"{rid}-{i}", await self.prepare(p, body)) for i, p in enumerate(prompts)]
         return await self.respond(request, body, jobs,
                                   CompletionFormatter(rid, self.served_model, self.ae.tokenizer, body, prompts))
@@ -286,11 +310,15 @@ class OpenAIServer:
             "root": self.ae.info()["model"], "max_model_len": self.ae.max_model_len}]})
 
 
-def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, max_body_bytes: int = 4 * 2**20,
+def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, max_body_bytes: int | None = None,
               request_timeout: float | None = None, manage_engine: bool = True,
-              tool_call_parser: str | None = None) -> FastAPI:
-    """The ASGI app. With manage_engine, the app starts the engine loop on startup and stops it on shutdown."""
-    srv = OpenAIServer(ae, served_model, api_key, max_body_bytes, request_timeout, tool_call_parser)
+              tool_call_parser: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    """The ASGI app. With manage_engine, the app starts the engine loop on startup and stops it on
+    shutdown. limits: the bounds on requests (max_body_bytes, when given, replaces theirs)."""
+    limits = limits or ServerLimits()
+    if max_body_bytes is not None:
+        limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
+    srv = OpenAIServer(ae, served_model, api_key, limits, request_timeout, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
@@ -309,6 +337,10 @@ def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, ma
 
     @app.middleware("http")
     async def auth(request: Request, call_next):  # type: ignore[no-untyped-def]
+        size = sum(len(k) + len(v) + 4 for k, v in request.scope["headers"])  # "k: v\r\n"
+        if size > limits.max_header_bytes:  # (whatever the HTTP parser let through)
+            return error(request, ApiError(431, f"request headers of {size} bytes exceed the limit of "
+                                                f"{limits.max_header_bytes} (--max-header-bytes)"))
         if srv.api_key and request.url.path.startswith("/v1"):
             header = request.headers.get("authorization", "")
             tokens = [header[7:] if header.lower().startswith("bearer ") else ""]
@@ -328,28 +360,39 @@ def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, ma
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
-        return error(request, ApiError(e.status_code, str(e.detail), type_="invalid_request_error"))
+        return error(request, ApiError(e.status_code, str(e.detail), type_="invalid_request_error",
+                                       headers=getattr(e, "headers", None)))  # a 405's Allow
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception) -> Response:
         return error(request, ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error"))
 
-    app.add_api_route("/v1/completions", srv.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", srv.chat, methods=["POST"])
-    app.add_api_route("/v1/models", srv.models, methods=["GET"])
-    app.add_api_route("/tokenize", srv.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", srv.detokenize, methods=["POST"])
-    responses_api.register(app, srv)  # POST /v1/responses
-    anthropic_api.register(app, srv)  # POST /v1/messages, /v1/messages/count_tokens
+    app.add_api_route("/v1/completions", srv.completions, methods=["POST"],
+                      **oa.generating(oa.CompletionResponse, CompletionRequest))
+    app.add_api_route("/v1/chat/completions", srv.chat, methods=["POST"],
+                      **oa.generating(oa.ChatCompletionResponse, ChatCompletionRequest))
+    app.add_api_route("/v1/models", srv.models, methods=["GET"],
+                      responses={200: {"model": oa.ModelList}, **oa.errors(statuses=(401,))})
+    app.add_api_route("/tokenize", srv.tokenize, methods=["POST"],
+                      **oa.generating(oa.TokenizeResponse, TokenizeRequest, stream=False))
+    app.add_api_route("/detokenize", srv.detokenize, methods=["POST"],
+                      **oa.generating(oa.DetokenizeResponse, DetokenizeRequest, stream=False))
+    bodies = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    bodies += responses_api.register(app, srv)  # POST /v1/responses
+    bodies += anthropic_api.register(app, srv)  # POST /v1/messages, /v1/messages/count_tokens
+    text = {"content": {"text/plain": {"schema": {"type": "string"}}}}
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse,
+             responses={200: {"description": "ok", **text}, **oa.errors(statuses=(503,))})
     async def health() -> Response:
         if ae.alive:
             return PlainTextResponse("ok")
         return ApiError(503, "the engine loop is not running", type_="server_error").response()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus metrics", **text}})
     async def metrics() -> Response:
         return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    oa.document(app, bodies, limits.bounds(), served_model)
     return app

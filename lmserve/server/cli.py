@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -20,7 +21,11 @@ def add_parser(sub: Any) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set LMSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="request bodies above this get 413")
+    from lmserve.server.limits import ServerLimits  # (pydantic-free: the CLI loads without the server extras)
+    for flag, dest, kind, default, text in ServerLimits.flags():
+        p.add_argument(flag, dest=dest, type=kind, default=default, help=text)
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own chat_template (rendered in the same sandbox and limits)")
     p.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls are read from the output (default: from the model: hermes for Qwen "
@@ -37,16 +42,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from lmserve.engine import Engine
     from lmserve.server.app import build_app
     from lmserve.server.async_engine import AsyncEngine
+    from lmserve.server.limits import ServerLimits
 
     logging.getLogger("lmserve").setLevel(a.log_level.upper())
     engine = Engine(EngineConfig(model=a.model, **engine_kwargs(a)))
     ae = AsyncEngine(engine, max_queue=a.max_queue)
-    app = build_app(ae, a.served_model_name or a.model, a.api_key, a.max_body_bytes, a.request_timeout,
-                    tool_call_parser=a.tool_call_parser)
+    limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)})
+    app = build_app(ae, a.served_model_name or a.model, a.api_key, request_timeout=a.request_timeout,
+                    tool_call_parser=a.tool_call_parser, limits=limits)
     print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on http://{a.host}:{a.port}",
           flush=True)
     # uvicorn finishes in-flight requests on SIGTERM/SIGINT (up to 30 s), then re-raises the signal
     # under the handler that was installed before it started: make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30,
+                # the parser's own cap stays above ours, so that our 431 (with its JSON body) is what answers
+                h11_max_incomplete_event_size=max(4 * limits.max_header_bytes, 64 * 1024))
     return 0

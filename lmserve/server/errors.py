@@ -33,9 +33,13 @@ class ApiError(Exception):
         return cls(400, msg, param=param)
 
     @classmethod
-    def engine_failure(cls, error: str | None) -> "ApiError":
-        """A request that finished with finish_reason 'error' inside the engine."""
-        return cls(500, f"request failed inside the engine: {error}", type_="server_error")
+    def engine_failure(cls, error: str | None, status: int = 500) -> "ApiError":
+        """A request that finished with finish_reason 'error' inside the engine (status 503: it waited
+        past max_waiting_time for its first step; retry later)."""
+        if status == 503:
+            return cls(503, f"request not served: {error}", type_="server_error", code="queue_timeout",
+                       headers={"Retry-After": "1"})
+        return cls(status, f"request failed inside the engine: {error}", type_="server_error")
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error body."""

@@ -275,7 +275,7 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
         last[i] = item
         for c in item.outputs:
             if c.finish_reason == "error":
-                yield sse(ApiError.engine_failure(c.error).body())
+                yield sse(ApiError.engine_failure(c.error, c.error_status).body())
                 continue
             for choice in fmt.deltas(i, c):
                 yield sse(fmt.chunk([choice], usage([item]) if continuous else None))

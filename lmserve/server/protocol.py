@@ -8,20 +8,24 @@ endpoints, `to_sampling_params()`; both raise ValueError naming the field, which
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 from lmserve.sequence import SamplingParams, StructuredOutputsParams
 from lmserve.server.tool_schema import check_tools, tools_json_schema
 
-MAX_N = 16
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
-MAX_STOP = 16
-MAX_PROMPTS = 256  # prompts in one /v1/completions request
-MAX_MESSAGES = 2048  # messages in one conversation
-MAX_LOGIT_BIAS = 1024  # logit_bias entries
-MAX_STOP_TOKEN_IDS = 64
+
+
+def _integral(v: Any) -> Any:
+    """A float with no fraction is the integer JSON Schema says it is (2.0 is an integer there)."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
+
+
+Int = Annotated[StrictInt, BeforeValidator(_integral)]  # an integer field: no bools, no strings, 2.0 = 2
+# the bounds on how large a request may be (n, stop strings, messages, ...) are the server's limits,
+# each a flag: server/limits.py
 
 
 class _Body(BaseModel):
@@ -74,24 +78,25 @@ class SamplingRequest(BaseRequest):
 
     temperature: float | None = None
     top_p: float | None = None
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
-    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
+    n: Int = Field(1, ge=1)
+    best_of: Int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(None, ge=0)
+    seed: Int | None = Field(None, ge=0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    priority: Int = 0  # vLLM's: lower is admitted first (and preempted last)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # extensions (vLLM names)
-    top_k: StrictInt | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: Int = Field(0, ge=0)
     repetition_penalty: float | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: StrictBool = False
     use_beam_search: StrictBool = False
     length_penalty: float = 1.0
@@ -104,27 +109,6 @@ class SamplingRequest(BaseRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_limits(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(v)}")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_limits(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v is not None and len(v) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(v)}")
-        return v
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids_limits(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and len(v) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} are allowed, got {len(v)}")
-        return v
 
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -190,9 +174,9 @@ class SamplingRequest(BaseRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=0)
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Int | None = Field(16, ge=0)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
 
@@ -211,8 +195,6 @@ class CompletionRequest(SamplingRequest):
     def check(self) -> None:
         if not self.prompts():
             raise ValueError("prompt: must not be empty")
-        if len(self.prompts()) > MAX_PROMPTS:
-            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(self.prompts())}")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: must be >= 1 (0 is allowed only with echo)")
         if self.suffix:
@@ -281,13 +263,14 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # the request's own template: refused unless the server trusts them
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
@@ -344,4 +327,4 @@ class TokenizeRequest(BaseRequest):
 
 
 class DetokenizeRequest(BaseRequest):
-    tokens: list[StrictInt]
+    tokens: list[Int]

@@ -18,12 +18,13 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import Field, StrictBool, ValidationError, field_validator
 
 from lmserve.outputs import RequestOutput
+from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
 from lmserve.server.formatting import ChatFormatter, Formatter
-from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, _Body
+from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Int, _Body
 from lmserve.server.tool_parsers import ToolParser
 from lmserve.tokenizer import Tokenizer
 
@@ -92,7 +93,7 @@ def text_of(content: str | list[Any], at: str) -> str:
 class ResponsesRequest(BaseRequest):
     input: str | list[Any]
     instructions: str | None = None
-    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    max_output_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
@@ -286,7 +287,7 @@ class ResponsesFormatter(Formatter):
         async for _, out in outputs:
             c = out.outputs[0] if isinstance(out, RequestOutput) else None
             if c is None or c.finish_reason == "error":
-                err = ApiError.engine_failure(c.error) if c is not None else ApiError.of(out)  # type: ignore[arg-type]
+                err = ApiError.engine_failure(c.error, c.error_status) if c is not None else ApiError.of(out)  # type: ignore[arg-type]
                 failed = {**self.envelope("failed", items, None),
                           "error": {"code": err.code or err.type, "message": err.message}}
                 yield self.event("response.failed", response=failed)
@@ -332,8 +333,9 @@ class ResponsesFormatter(Formatter):
                 return
 
 
-def register(app: FastAPI, srv: Any) -> None:
-    """Add POST /v1/responses to the app, served by srv (the app's OpenAIServer)."""
+def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
+    """Add POST /v1/responses to the app, served by srv (the app's OpenAIServer); returns the request
+    models it reads (for the OpenAPI document)."""
 
     async def create(request: Request) -> Response:
         body = await srv.parse(request, ResponsesRequest)
@@ -345,4 +347,5 @@ def register(app: FastAPI, srv: Any) -> None:
         fmt = ResponsesFormatter(rid, srv.served_model, srv.ae.tokenizer, body, chat, srv.tool_parser)
         return await srv.respond(request, chat, jobs, fmt)
 
-    app.add_api_route("/v1/responses", create, methods=["POST"])
+    app.add_api_route("/v1/responses", create, methods=["POST"], **oa.generating(oa.ResponseObject, ResponsesRequest))
+    return [ResponsesRequest]

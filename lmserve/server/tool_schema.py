@@ -9,8 +9,6 @@ import re
 from typing import Any
 
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-MAX_TOOLS = 128
-MAX_TOOLS_BYTES = 64 * 1024  # the tools list as JSON (UTF-8)
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s point to
 
@@ -21,14 +19,10 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
     one where none was given)."""
     if not isinstance(tools, list):
         raise ValueError("tools: must be a list")
-    if len(tools) > MAX_TOOLS:
-        raise ValueError(f"tools: at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
-    try:
-        size = len(json.dumps(tools, ensure_ascii=False, allow_nan=False).encode())
+    try:  # (how many and how large: the server's limits, --max-tools / --max-schema-bytes)
+        json.dumps(tools, allow_nan=False)
     except (TypeError, ValueError):
         raise ValueError("tools: must be JSON") from None
-    if size > MAX_TOOLS_BYTES:
-        raise ValueError(f"tools: at most {MAX_TOOLS_BYTES} bytes of JSON are allowed, got {size}")
     out, seen = [], set()
     for i, t in enumerate(tools):
         at = f"tools[{i}]"
