@@ -336,6 +336,11 @@ class EngineConfig:
     # overload: seconds a request may wait for its first step; past it, it ends with an error the
     # server answers 503 + Retry-After (None: it waits as long as it takes). A started request is never cut.
     max_waiting_time: float | None = None
+    # preemption: host memory for swapped-out KV blocks (bytes, or "4GiB"; 0: every preemption
+    # recomputes), and how a victim is preempted: auto (swap when moving its blocks out and back costs
+    # less than recomputing its tokens, kv/swap.py, and there is room), swap (when there is room), recompute
+    swap_space: int | float | str = 0
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -358,6 +363,9 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_memory", "1GiB")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        object.__setattr__(self, "swap_space", parse_bytes(self.swap_space) if self.swap_space else 0)
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
         if self.max_waiting_time is not None and not self.max_waiting_time > 0:
             raise ValueError(f"max_waiting_time must be > 0, got {self.max_waiting_time}")
         if not self.grammar_compile_timeout > 0:

@@ -28,6 +28,7 @@ from lmserve.scheduler import EngineStats, Scheduler, SchedulerOutput  # EngineS
 from lmserve.sequence import Request, SamplingParams, Sequence
 from lmserve.spec.build import build_proposer
 from lmserve.spec.policy import SpecPolicy
+from lmserve.kv.swap import swap_is_cheaper
 from lmserve.structured import StructuredOutputs
 
 log = logging.getLogger("lmserve")
@@ -70,7 +71,16 @@ class Engine:
         self.kv_cache = KVCache(cfg, num_blocks, c.block_size, c.torch_dtype, c.device, c.kv_cache_dtype, hybrid)
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching,
                                           self.kv_cache.groups.windows, c.max_num_batched_tokens)
-        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
+        block_bytes = KVCache.bytes_per_block(**kv)
+        num_params = sum(p.numel() for p in self.model.parameters())
+        device = str(c.device)
+
+        def swap_pays(seq: Sequence, blocks: int) -> bool:  # the preemption_mode's choice for a victim
+            return c.preemption_mode == "swap" or (c.preemption_mode == "auto" and swap_is_cheaper(
+                seq.num_computed_tokens, blocks, block_bytes, num_params, device))
+        swap_blocks = int(c.swap_space) // block_bytes if c.preemption_mode != "recompute" else 0
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                   swap_blocks, swap_pays if swap_blocks else None)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, c.grammar_compile_timeout)
         self.runner = ModelRunner(self.model, self.kv_cache, c.device, self.structured)
         self.graph_capture_time: float | None = None  # seconds spent capturing decode CUDA graphs
@@ -173,6 +183,7 @@ class Engine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        self.runner.swap.apply(out.swap_out, out.swap_in, out.swap_dropped)  # before any block is written
         if self.spec is not None:
             self.spec.trim(out)
         if out.is_empty:
@@ -249,6 +260,7 @@ class Engine:
             kv_capacity_tokens=b.total * self.block_manager.block_size // self.block_manager.num_groups,
             prefix_hit_tokens=st.prefix_hit_tokens, prompt_tokens_queried=st.prompt_tokens_queried,
             num_preemptions=st.num_preemptions, computed_tokens=st.computed_tokens,
+            num_swapped=st.num_swapped, swap_free_blocks=self.scheduler.swap_free,
             peak_used_blocks=st.peak_used_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             spec=self.spec.stats.as_dict() if self.spec is not None else None)

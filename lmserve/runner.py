@@ -19,6 +19,7 @@ from lmserve.config import EngineConfig, ModelConfig
 from lmserve.graphs import DecodeGraphs
 from lmserve.kv.block_manager import BlockManager
 from lmserve.kv.cache import KVCache, slots
+from lmserve.kv.swap import HostSwap
 from lmserve.sampling.rejection import verify
 from lmserve.sampling.sampler import Sampler, TokenView, make_logprob
 from lmserve.scheduler import SchedulerOutput
@@ -50,6 +51,7 @@ class ModelRunner:
         self.model = model
         self.structured = structured  # grammar bitmasks of structured-output sequences
         self.kv_cache = kv_cache
+        self.swap = HostSwap(kv_cache)  # host copies of swapped-out sequences' blocks
         self.block_size = kv_cache.block_size
         self.device = torch.device(device)
         self.sampler = Sampler()
@@ -104,6 +106,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One step: copy-on-write copies, the forward, sampling / verification. (A step's swaps, which
+        come first, are Engine.step's call to self.swap.apply.)"""
         self.kv_cache.copy_blocks(out.block_copies)
         masks = self._grammar_masks(out)  # filled on a worker thread while the forward runs
         hidden = self.forward(out)  # (N, hidden)

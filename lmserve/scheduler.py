@@ -13,7 +13,7 @@ The scheduler owns the waiting queue and the running list; the block manager own
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,6 +28,11 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]]
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
+    # preemption by swapping (kv/swap.py), done before the copies: (sequence, its blocks) out to the
+    # host, then in to fresh blocks; host copies of sequences that ended while swapped out, dropped
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    swap_dropped: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +48,7 @@ class SchedulerStats:
     """Cumulative counters."""
 
     num_preemptions: int = 0
+    num_swapped: int = 0  # preemptions that swapped the KV out (the rest recompute)
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     prompt_tokens_queried: int = 0  # tokens looked up in the prefix cache at admission
     computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
@@ -66,6 +72,8 @@ class EngineStats:
     peak_used_blocks: int
     num_running: int
     num_waiting: int
+    num_swapped: int = 0  # preemptions that swapped the KV out instead of recomputing
+    swap_free_blocks: int = 0  # host swap space left, in blocks
     spec: dict | None = None  # speculative decoding counters, when it is on
 
     @property
@@ -76,8 +84,15 @@ class EngineStats:
 class Scheduler:
     """Token-budget scheduler with chunked prefill, prefix-cache admission and preemption."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 swap_blocks: int = 0, swap_pays: Callable[[Sequence, int], bool] | None = None) -> None:
         self.bm = block_manager
+        # preemption by swapping: host space in blocks, and whether a victim with that many blocks swaps
+        self.swap_free = swap_blocks
+        self.swap_pays = swap_pays
+        self._swap_out: list[tuple[Sequence, list[int]]] = []
+        self._swap_in: list[tuple[Sequence, list[int]]] = []
+        self._swap_dropped: list[Sequence] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -134,8 +149,8 @@ class Scheduler:
                                           seq.num_computed_tokens + n)) is None:
                 for victim in reversed(self._family(self._victim(), self.running)):  # tail first
                     budget += scheduled.pop(victim, 0)
-                    copies.pop(victim, None)  # its copy targets were just freed
-                    self._preempt(victim)
+                    pending = copies.pop(victim, None)  # its copy targets were just freed
+                    self._preempt(victim, dict((dst, src) for src, dst in pending or ()))
                     preempted.append(victim)
                 if seq.status is not Status.RUNNING:
                     break
@@ -160,7 +175,10 @@ class Scheduler:
         self.stats.computed_tokens += sum(scheduled.values())
         used = self.bm.num_blocks - self.bm.num_free_blocks
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
-        return SchedulerOutput(list(scheduled.items()), preempted, [c for cs in copies.values() for c in cs])
+        out = SchedulerOutput(list(scheduled.items()), preempted, [c for cs in copies.values() for c in cs],
+                              self._swap_out, self._swap_in, self._swap_dropped)
+        self._swap_out, self._swap_in, self._swap_dropped = [], [], []
+        return out
 
     def _admit(self, gang: list[Sequence], budget: int) -> list[tuple[Sequence, int]] | None:
         """Admit a waiting sequence, or the waiting beams of one request together (a half-admitted
@@ -168,7 +186,18 @@ class Scheduler:
         each member's first chunk. Members past the token budget are admitted with 0 tokens and
         prefill from the next step. None (changing nothing) when the pool is short."""
         taken: list[tuple[Sequence, int, int]] = []  # (seq, cached tokens, new tokens)
+        swapped_in: list[tuple[Sequence, list[int]]] = []
         for seq in gang:
+            if seq.swapped is not None:  # its KV comes back from the host into fresh blocks
+                got = self._swap_back(seq, budget)
+                if got is None:
+                    for s, _, _ in taken:
+                        self.bm.free(s.block_tables)
+                    return None
+                swapped_in.append((seq, got[1]))
+                taken.append((seq, seq.num_computed_tokens, got[0]))
+                budget -= got[0]
+                continue
             use_cache = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
             # a forking sequence must have its fork-point token (the prompt's last) left to run
             limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None
@@ -182,16 +211,38 @@ class Scheduler:
             taken.append((seq, cached, n))
             budget -= n
         now = time.time()
+        restored = dict(swapped_in)
         for seq, cached, n in taken:
             self.waiting.remove(seq)
-            seq.num_computed_tokens = seq.num_cached_tokens = cached
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
+            if seq in restored:  # keeps its num_computed_tokens: nothing to recompute
+                self.swap_free += len(restored[seq])
+                seq.swapped = None
+                self._swap_in.append((seq, restored[seq]))
+                continue
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
             self.stats.prefix_hit_tokens += cached
             self.stats.prompt_tokens_queried += seq.num_tokens
         return [(seq, n) for seq, _, n in taken]
+
+    def _swap_back(self, seq: Sequence, budget: int) -> tuple[int, list[int]] | None:
+        """Blocks for a swapped-out sequence: fresh ones in its old places, plus what its next chunk
+        needs. Returns (tokens to run, the restored blocks in saved order), or None (nothing held)
+        when the pool is short."""
+        tables = self.bm.restore(seq.swapped)
+        if tables is None:
+            return None
+        restored = [b for t in tables for b in t if b >= 0]  # NULL_BLOCK (< 0): out of a window
+        n = min(self._tokens_to_compute(seq), budget)
+        start = seq.num_computed_tokens
+        if self.bm.reserve(tables, start, start + n, keep_from=start) is None:
+            self.bm.free(tables)
+            return None
+        seq.block_tables = tables
+        return n, restored
 
     @staticmethod
     def _family(seq: Sequence, queue: Iterable[Sequence]) -> list[Sequence]:
@@ -226,11 +277,24 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.insert(self.running.index(after) + 1, seq)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and requeue it at the front for recomputation."""
+    def _preempt(self, seq: Sequence, pending_copies: dict[int, int] | None = None) -> None:
+        """Free a running sequence's blocks and requeue it ahead of its equals: its KV swapped out to
+        the host when swap_pays says so and there is room (it resumes where it was), else to be
+        recomputed. pending_copies (dst -> src): copy-on-write copies of this step not done yet, whose
+        destination blocks hold nothing yet (the source is saved in their place)."""
         self.running.remove(seq)
+        self.bm.shrink(seq.block_tables, seq.num_computed_tokens)  # blocks past what it computed hold nothing
+        blocks = [b for t in seq.block_tables for b in t if b >= 0]
+        if (self.swap_pays is not None and seq.num_computed_tokens > 0 and 0 < len(blocks) <= self.swap_free
+                and self.swap_pays(seq, len(blocks))):
+            copies = pending_copies or {}
+            self._swap_out.append((seq, [copies.get(b, b) for b in blocks]))
+            self.swap_free -= len(blocks)
+            seq.swapped = [[b if b < 0 else 0 for b in t] for t in seq.block_tables]
+            self.stats.num_swapped += 1
+        else:
+            seq.num_computed_tokens = 0
         self.bm.free(seq.block_tables)
-        seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -317,6 +381,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if seq.swapped is not None:  # its host copy is let go
+                self.swap_free += sum(1 for t in seq.swapped for b in t if b >= 0)
+                seq.swapped = None
+                self._swap_dropped.append(seq)
         self.bm.free(seq.block_tables)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -291,6 +291,7 @@ class Sequence:
     family: FamilyState = field(default_factory=FamilyState, init=False)
     compiled_grammar: Any = None  # the request's compiled grammar (structured output), shared by its children
     grammar: Any = field(default=None, init=False)  # structured.GrammarState, written by StructuredOutputs
+    swapped: Any = field(default=None, init=False)  # Scheduler: its tables' shape while its KV is on the host
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -146,3 +146,39 @@ def test_a_request_that_waits_too_long_is_refused_and_a_started_one_is_not(tiny_
     assert "max_waiting_time" in done["stale"].error and not done["stale"].token_ids
     assert done["old-running"].finish_reason == "length" and done["fresh"].finish_reason == "length"
     assert llm.stats().used_blocks == 0
+
+
+def test_a_response_whose_client_left_leaves_no_task_behind(tiny_models):  # type: ignore[no-untyped-def]
+    """The client of a streamed response goes away while the merge's queue is full: the merge's
+    pump task ends at once and the request is aborted (before, the pump waited forever in its
+    `finally` to put an end marker on a queue nobody read: a task, and its outputs, per such client)."""
+    pytest.importorskip("fastapi")
+    from lmserve.server import async_engine as ae_mod
+    from lmserve.server.app import OpenAIServer
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    ae = ae_mod.AsyncEngine(llm.engine)
+    ae.start()
+    srv = OpenAIServer(ae, "tiny", tool_call_parser="hermes")
+    try:
+        async def main():  # type: ignore[no-untyped-def]
+            req = ae.process_request(PROMPTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
+            it = srv.stream_all([("gone", req)])
+            await it.__anext__()
+            await asyncio.sleep(0.5)  # the pump fills the merge's queue and waits on it
+            await it.aclose()  # the client went away
+            for _ in range(50):
+                left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                if not left:
+                    break
+                await asyncio.sleep(0.02)
+            return left
+        left = asyncio.run(main())
+        for _ in range(100):
+            if not llm.engine.requests:
+                break
+            time.sleep(0.02)
+    finally:
+        ae.shutdown()
+    assert not left, left
+    assert not llm.engine.requests and llm.stats().used_blocks == 0

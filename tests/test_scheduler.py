@@ -30,9 +30,12 @@ class Driver:
     """Engine + runner stand-in around a real Scheduler and BlockManager."""
 
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16,
-                 prefix_caching: bool = True, seed: int = 0, windows: tuple[int | None, ...] = (None,)) -> None:
+                 prefix_caching: bool = True, seed: int = 0, windows: tuple[int | None, ...] = (None,),
+                 swap_blocks: int = 0) -> None:
         self.bm = BlockManager(num_blocks, block_size, prefix_caching, windows, max_step_tokens=budget)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget)
+        self.swap_blocks = swap_blocks  # host swap space: every victim that fits swaps (else recomputes)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, swap_blocks, (lambda s, n: True) if swap_blocks else None)
+        self.host: dict[Sequence, list[list[int | None]]] = {}  # what HostSwap holds
         self.bs = block_size
         self.content: dict[int, list[int | None]] = {}
         self.families: dict[str, list[Sequence]] = {}
@@ -99,6 +102,13 @@ class Driver:
                 del s.token_ids[len(s.token_ids) - (s.spec.num_draft - keep):]
                 s.spec.num_draft = keep
         self.check_step(out)
+        for key in out.swap_dropped:  # the runner (HostSwap.apply): drops, outs, ins, then copies
+            self.host.pop(key)
+        for s, blocks in out.swap_out:
+            self.host[s] = [list(self.content.get(b, [None] * self.bs)) for b in blocks]
+        for s, blocks in out.swap_in:
+            for b, data in zip(blocks, self.host.pop(s), strict=True):
+                self.content[b] = data
         for src, dst in out.block_copies:  # the runner: copies, then the forward writes K/V
             self.content[dst] = list(self.content.get(src, [None] * self.bs))
         sampled: dict[Sequence, list[int]] = {}
@@ -270,6 +280,36 @@ def test_preemption_takes_the_worst_priority_not_the_latest():
     assert d.bm.num_free_blocks == d.bm.num_blocks
 
 
+def test_a_victim_swaps_out_and_resumes_where_it_was():
+    """With swap space, the victim's computed blocks go to the host (the output lists them), it keeps
+    its computed tokens, and on readmission fresh blocks are listed to copy them back into: nothing
+    is recomputed (the driver checks every computed token's KV is back in place); without swap space,
+    or with too little, the same workload recomputes the victim's tokens."""
+    runs = {}
+    for swap in (0, 1, 8):
+        d = Driver(num_blocks=4, block_size=4, budget=64, swap_blocks=swap)
+        d.add("a", list(range(7)), max_tokens=8)
+        d.add("b", list(range(50, 57)), max_tokens=8)
+        b = d.families["b"][0]
+        d.step()
+        d.step()
+        out = d.step()  # a needs a third block: b (the tail) is preempted
+        assert [s.request_id for s in out.preempted] == ["b"]
+        if swap == 8:
+            assert [(s.request_id, len(blocks)) for s, blocks in out.swap_out] == [("b", 2)]
+            assert b.num_computed_tokens == 8 and b.swapped is not None and d.sched.swap_free == 6
+        else:  # no room on the host (b holds 2 blocks): recompute
+            assert not out.swap_out and b.num_computed_tokens == 0
+        swapped_in = []
+        while d.pending:
+            swapped_in += [(s.request_id, len(blocks)) for s, blocks in d.step().swap_in]
+        assert swapped_in == ([("b", 2)] if swap == 8 else [])
+        assert d.sched.swap_free == swap and d.bm.num_free_blocks == 4
+        runs[swap] = d.sched.stats
+    assert runs[8].num_swapped == 1 and runs[0].num_swapped == runs[1].num_swapped == 0
+    assert runs[8].computed_tokens == runs[0].computed_tokens - 8  # b's 8 computed tokens, not run again
+
+
 # ---------------------------------------------------------------- families (defects 1 and 7)
 def test_beams_are_preempted_and_readmitted_as_a_whole():
     d = Driver(num_blocks=12, block_size=4, budget=64)
@@ -377,13 +417,16 @@ events = st.lists(st.tuples(st.sampled_from(["add", "add", "beam", "abort", "for
 @settings(max_examples=120, deadline=None)
 @given(events=events, num_blocks=st.integers(6, 20), block_size=st.sampled_from([2, 4]),
        budget=st.sampled_from([4, 8, 32]), max_draft=st.integers(0, 3), prefix=st.booleans(),
-       windows=st.sampled_from([(None,), (None, 4), (None, 3, 3)]))
-def test_random_workload_invariants(events, num_blocks, block_size, budget, max_draft, prefix, windows):  # type: ignore[no-untyped-def]
+       windows=st.sampled_from([(None,), (None, 4), (None, 3, 3)]), swap=st.sampled_from([0, 0, 4, 64]))
+def test_random_workload_invariants(events, num_blocks, block_size, budget, max_draft, prefix, windows, swap):  # type: ignore[no-untyped-def]
     """Random arrivals, beams, aborts, forks and speculative accept counts under a tight pool, with one
-    KV group or full + sliding-window groups: reference counts equal holders, every computed token's
-    KV is where its sequence reads it (a windowed group: the tokens its window still sees), every
-    cached block's hash is the hash of its tokens, nothing stalls, and all blocks are free at the end."""
-    d = Driver(num_blocks, block_size, max_num_seqs=6, budget=budget, prefix_caching=prefix, windows=windows)
+    KV group or full + sliding-window groups, victims recomputed or swapped to the host (a little or a
+    lot of swap space): reference counts equal holders, every computed token's KV is where its sequence
+    reads it (a windowed group: the tokens its window still sees; a swapped sequence: back where it
+    resumes), every cached block's hash is the hash of its tokens, nothing stalls, and all blocks (and
+    all swap space) are free at the end."""
+    d = Driver(num_blocks, block_size, max_num_seqs=6, budget=budget, prefix_caching=prefix, windows=windows,
+               swap_blocks=swap)
     prefixes = [[1, 2, 3, 0] * 4, [3, 2, 1, 0] * 3, [2, 2]]
     for i, (ev, r) in enumerate(events):
         rng = random.Random(r)
@@ -406,3 +449,4 @@ def test_random_workload_invariants(events, num_blocks, block_size, budget, max_
     d.run_until_done(max_draft=max_draft)
     assert not d.families
     assert d.bm.num_free_blocks == num_blocks
+    assert d.sched.swap_free == swap and not d.host

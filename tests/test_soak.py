@@ -3,7 +3,7 @@ character tokenizer, deterministic mode), for LMSERVE_SOAK_SECONDS (default 40; 
 run). Each client loops: a random greedy request, streamed; 30% of them hang up at a random point, 5%
 are bad requests. Afterwards: no good request got an error, every good output that ran to its end
 equals the same request run alone, the KV pool is all free, no request / stream / connection / thread
-is left behind, and RSS is flat (its slope over the run is reported)."""
+(nor task on the server's loop) is left behind, and RSS is flat (its slope over the run is reported)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ def test_soak_256_streaming_clients_with_disconnects_and_bad_requests(tiny_model
     llm = LLM(str(path), max_model_len=128, max_num_seqs=64, deterministic=True)
     ae = AsyncEngine(llm.engine, max_queue=1024)
     app = build_app(ae, "tiny")
+
+    @app.get("/_tasks")  # (the test's own route) tasks alive on the server's event loop
+    async def tasks() -> dict:  # type: ignore[type-arg]
+        return {"n": len(asyncio.all_tasks())}
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
@@ -61,6 +65,7 @@ def test_soak_256_streaming_clients_with_disconnects_and_bad_requests(tiny_model
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1/completions"
     threads_before = threading.active_count()
+    tasks_before = httpx.get(f"http://127.0.0.1:{port}/_tasks").json()["n"]
     stats = {"good": 0, "hung_up": 0, "bad": 0, "errors": []}
     finished: dict[tuple[str, int], str] = {}  # (prompt, max_tokens) -> text, for requests that ran to the end
     rss: list[tuple[float, float]] = []
@@ -134,6 +139,8 @@ def test_soak_256_streaming_clients_with_disconnects_and_bad_requests(tiny_model
             time.sleep(0.05)
         assert not stats["errors"], stats["errors"][:5]
         assert not eng.requests and not ae._streams
+        tasks_after = httpx.get(f"http://127.0.0.1:{port}/_tasks").json()["n"]
+        assert tasks_after <= tasks_before + 2, (tasks_before, tasks_after)  # no task left behind by a request
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
         # every good output that ran to its end equals the request run alone (a sample, for time)
         sample = random.Random(0).sample(sorted(finished), min(60, len(finished)))

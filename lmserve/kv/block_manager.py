@@ -157,6 +157,14 @@ class BlockManager:
             tables.append(table)
         return True
 
+    def restore(self, template: list[list[int]]) -> list[list[int]] | None:
+        """Fresh blocks in the places of a swapped-out sequence's tables (NULL_BLOCK where it held none:
+        out of a window); None (changing nothing) when the pool is short."""
+        need = sum(1 for t in template for b in t if b != NULL_BLOCK)
+        if need > len(self.free_queue):
+            return None
+        return [[NULL_BLOCK if b == NULL_BLOCK else self._take_free() for b in t] for t in template]
+
     def reserve(self, tables: list[list[int]], start: int, end: int, keep_from: int | None = None
                 ) -> list[tuple[int, int]] | None:
         """Make token positions [start, end) of a sequence writable: append fresh blocks to cover

@@ -9,6 +9,7 @@ anthropic_api.py) are chat completions underneath and take the same path."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -235,14 +236,16 @@ class OpenAIServer:
 
         async def pump(i: int, rid: str, req: EngineRequest) -> None:
             try:
-                async for out in self.ae.generate(rid, req):
-                    if out.finished:
-                        self.metrics.observe(out)
-                    await q.put((i, out))
+                async with contextlib.aclosing(self.ae.generate(rid, req)) as outs:  # closed (aborted) at once
+                    async for out in outs:
+                        if out.finished:
+                            self.metrics.observe(out)
+                        await q.put((i, out))
+            except asyncio.CancelledError:
+                raise  # the merge is gone: nobody to tell (waiting on a full queue here would never end)
             except Exception as e:
                 await q.put((i, e))
-            finally:
-                await q.put((i, None))
+            await q.put((i, None))
 
         tasks = [asyncio.ensure_future(pump(i, *j)) for i, j in enumerate(jobs)]
         deadline = self.deadline()
