@@ -816,6 +816,35 @@ def part_throughput(p: Part, s: dict) -> None:
         p.fail("recompiled while timed")
 
 
+def part_swap(p: Part, s: dict) -> None:
+    """Preemption by swapping on the device (pinned host copies): 12 requests in a pool of a quarter
+    of what they need, every victim swapped; greedy tokens equal an unpreempted pool's."""
+    from lmserve import LLM, SamplingParams
+    from lmserve.kv.cache import KVCache
+    llm_big = LLM(s["model"], **_engine_opts(s, kv_cache_memory=s["kv_small"], enable_prefix_caching=False))
+    cfg, dtype = llm_big.engine.model_config, llm_big.engine.config.torch_dtype
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, llm_big.engine.vocab_size) for _ in range(rng.randint(16, 96))] for _ in range(12)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm_big.generate(prompts, params, use_tqdm=False)]
+    del llm_big
+    _free(s["device"])
+    need = sum(-(-(len(x) + 48) // 16) for x in prompts)  # blocks of 16 all of them need at once
+    per_block = KVCache.bytes_per_block(cfg, 16, dtype)
+    llm = LLM(s["model"], **_engine_opts(s, kv_cache_memory=per_block * max(need // 4, 16), block_size=16,
+                                         enable_prefix_caching=False, preemption_mode="swap", swap_space="1GiB"))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    st = llm.stats()
+    same = sum(a == b for a, b in zip(got, ref))
+    p.put(swap={"preemptions": st.num_preemptions, "swapped": st.num_swapped, "same": same})
+    p.row("swap preemption: preemptions (swapped) / outputs equal to an unpreempted pool",
+          f"{st.num_preemptions} ({st.num_swapped}) / {same} of {len(prompts)}")
+    if st.num_swapped == 0:
+        p.fail("no preemption swapped")
+    if same != len(prompts):
+        p.fail("swapped outputs differ")
+
+
 def part_hf(p: Part, s: dict) -> None:
     """HF transformers on the same weights: `generate` at batch 1 (first: it is short), then on the
     throughput workload, beside lmserve's figure from the throughput part."""
@@ -846,6 +875,7 @@ PARTS: list[tuple[str, float, float, PartFn]] = [
     ("batch-1 decode", 45, 5, part_batch1),
     ("quant matmul", 90, 8, part_quant_matmul),
     ("throughput", 90, 6, part_throughput),
+    ("swap", 30, 6, part_swap),
     ("hf baseline", 130, 12, part_hf),
 ]
 NEEDS_TRITON = {"fusions", "kernels", "correctness", "quant matmul"}
