@@ -119,7 +119,12 @@ class Tokenizer:
                    chat_template=template, eos_token_ids=eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of text; ValueError naming the prompt for text that is not Unicode a tokenizer can
+        take (a lone surrogate, which JSON's \\ud800 escapes can carry)."""
+        try:
+            ids = self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            raise ValueError("prompt: the text is not valid Unicode (a lone surrogate)") from None
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids

@@ -25,7 +25,7 @@ from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
 from lmserve.server.formatting import ChatFormatter, Formatter
-from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Int, _Body
+from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Float, Int, _Body
 from lmserve.server.tool_parsers import ToolParser
 from lmserve.server.tool_schema import check_tools
 from lmserve.tokenizer import Tokenizer
@@ -179,8 +179,8 @@ class CountTokensRequest(BaseRequest):
 class MessagesRequest(CountTokensRequest):
     max_tokens: Int = Field(ge=1)
     stop_sequences: list[str] | None = None  # bounded as chat's stop (ServerLimits.max_stop)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     top_k: Int | None = None
     stream: StrictBool = False
 

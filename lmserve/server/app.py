@@ -131,7 +131,10 @@ class OpenAIServer:
             if isinstance(e, ValueError) and str(e).startswith(("messages:", "chat_template:")):
                 raise ApiError.invalid(e) from None  # names its field already
             raise ApiError(400, f"messages: {e}", param="messages") from None
-        return tok.encode(text, add_special_tokens=False)
+        try:
+            return tok.encode(text, add_special_tokens=False)
+        except ValueError as e:  # text the tokenizer cannot take (a lone surrogate in a message)
+            raise ApiError(400, f"messages: {str(e).partition(': ')[2]}", param="messages") from None
 
     def engine_request(self, prompt: str | list[int], body: SamplingRequest) -> EngineRequest:
         """The prompt and the body's sampling options as an engine Request: tokenized and validated once
@@ -292,8 +295,9 @@ class OpenAIServer:
         """POST /tokenize: a prompt, or messages through the chat template, as token ids."""
         body = await self.parse(request, TokenizeRequest)
         tok = self.require_tokenizer()
-        ids = (await self.chat_ids_async(body.messages, body.add_generation_prompt) if body.messages is not None
-               else await asyncio.to_thread(tok.encode, body.prompt or "", add_special_tokens=body.add_special_tokens))
+        with invalid_request():
+            ids = (await self.chat_ids_async(body.messages, body.add_generation_prompt) if body.messages is not None
+                   else await asyncio.to_thread(tok.encode, body.prompt or "", add_special_tokens=body.add_special_tokens))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.ae.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:

@@ -156,7 +156,10 @@ class CountTokensResponse(_Out):
     input_tokens: int
 
 
-SSE = {"text/event-stream": {"schema": {"type": "string"}}}  # with "stream": true
+# with "stream": true: server-sent events, each with a `data` line (a JSON chunk, or [DONE]) and, on the
+# Responses and Messages routes, an `event` name
+SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}}}
 
 
 def generating(ok: type[BaseModel], body: type[BaseModel], error_model: type[BaseModel] = ErrorResponse,

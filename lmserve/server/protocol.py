@@ -24,6 +24,16 @@ def _integral(v: Any) -> Any:
 
 
 Int = Annotated[StrictInt, BeforeValidator(_integral)]  # an integer field: no bools, no strings, 2.0 = 2
+
+
+def _number(v: Any) -> Any:
+    """A JSON number as a float field takes it: no bools, no strings (pydantic's lax float takes both)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError("Input should be a number")
+    return float(v)
+
+
+Float = Annotated[float, BeforeValidator(_number)]  # a number field: an integer or a float, nothing else
 # the bounds on how large a request may be (n, stop strings, messages, ...) are the server's limits,
 # each a flag: server/limits.py
 
@@ -76,30 +86,30 @@ class StructuredOutputsBody(_Body):
 class SamplingRequest(BaseRequest):
     """Fields shared by completions and chat completions."""
 
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     n: Int = Field(1, ge=1)
     best_of: Int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: Int | None = Field(None, ge=0)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    logit_bias: dict[str, Float] | None = None
     user: str | None = None
     priority: Int = 0  # vLLM's: lower is admitted first (and preempted last)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # extensions (vLLM names)
     top_k: Int | None = None
-    min_p: float | None = None
+    min_p: Float | None = None
     min_tokens: Int = Field(0, ge=0)
-    repetition_penalty: float | None = None
+    repetition_penalty: Float | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: StrictBool = False
     use_beam_search: StrictBool = False
-    length_penalty: float = 1.0
+    length_penalty: Float = 1.0
     early_stopping: StrictBool = False
     continuous_usage_stats: StrictBool = False
     # constrained decoding: OpenAI's response_format; vLLM's structured_outputs and its older guided_* names

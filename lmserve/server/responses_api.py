@@ -24,7 +24,7 @@ from lmserve.outputs import RequestOutput
 from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
 from lmserve.server.formatting import ChatFormatter, Formatter
-from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Int, _Body
+from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Float, Int, _Body
 from lmserve.server.tool_parsers import ToolParser
 from lmserve.tokenizer import Tokenizer
 
@@ -94,8 +94,8 @@ class ResponsesRequest(BaseRequest):
     input: str | list[Any]
     instructions: str | None = None
     max_output_tokens: Int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
