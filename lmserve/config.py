@@ -333,12 +333,9 @@ class EngineConfig:
     # however its prompt is chunked, whatever the prefix cache holds (CPU; linears over fixed row blocks,
     # attention a token at a time)
     deterministic: bool = False
-    # overload: seconds a request may wait for its first step; past it, it ends with an error the
-    # server answers 503 + Retry-After (None: it waits as long as it takes). A started request is never cut.
-    max_waiting_time: float | None = None
-    # preemption: host memory for swapped-out KV blocks (bytes, or "4GiB"; 0: every preemption
-    # recomputes), and how a victim is preempted: auto (swap when moving its blocks out and back costs
-    # less than recomputing its tokens, kv/swap.py, and there is room), swap (when there is room), recompute
+    max_waiting_time: float | None = None  # s before a first step; past it a 503 (a started request: never cut)
+    # preemption: host memory for swapped-out KV (bytes or "4GiB"; 0: recompute only); auto swaps when that
+    # costs less than recomputing (kv/swap.py) and there is room, swap when there is room, recompute never
     swap_space: int | float | str = 0
     preemption_mode: str = "auto"
 

@@ -21,6 +21,7 @@ from lmserve.config import EngineConfig
 from lmserve.fanout import FanOut
 from lmserve.inputs import InputProcessor
 from lmserve.kv import BlockManager, KVCache
+from lmserve.kv.swap import swap_policy
 from lmserve.models.loader import load_model
 from lmserve.outputs import OutputProcessor, RequestOutput
 from lmserve.runner import ModelRunner, profile_kv_budget
@@ -28,7 +29,6 @@ from lmserve.scheduler import EngineStats, Scheduler, SchedulerOutput  # EngineS
 from lmserve.sequence import Request, SamplingParams, Sequence
 from lmserve.spec.build import build_proposer
 from lmserve.spec.policy import SpecPolicy
-from lmserve.kv.swap import swap_is_cheaper
 from lmserve.structured import StructuredOutputs
 
 log = logging.getLogger("lmserve")
@@ -71,16 +71,9 @@ class Engine:
         self.kv_cache = KVCache(cfg, num_blocks, c.block_size, c.torch_dtype, c.device, c.kv_cache_dtype, hybrid)
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching,
                                           self.kv_cache.groups.windows, c.max_num_batched_tokens)
-        block_bytes = KVCache.bytes_per_block(**kv)
-        num_params = sum(p.numel() for p in self.model.parameters())
-        device = str(c.device)
-
-        def swap_pays(seq: Sequence, blocks: int) -> bool:  # the preemption_mode's choice for a victim
-            return c.preemption_mode == "swap" or (c.preemption_mode == "auto" and swap_is_cheaper(
-                seq.num_computed_tokens, blocks, block_bytes, num_params, device))
-        swap_blocks = int(c.swap_space) // block_bytes if c.preemption_mode != "recompute" else 0
-        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
-                                   swap_blocks, swap_pays if swap_blocks else None)
+        swap = swap_policy(c.preemption_mode, int(c.swap_space), KVCache.bytes_per_block(**kv),
+                           sum(p.numel() for p in self.model.parameters()), str(c.device))
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, *swap)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, c.grammar_compile_timeout)
         self.runner = ModelRunner(self.model, self.kv_cache, c.device, self.structured)
         self.graph_capture_time: float | None = None  # seconds spent capturing decode CUDA graphs
@@ -187,13 +180,11 @@ class Engine:
         if self.spec is not None:
             self.spec.trim(out)
         if out.is_empty:
-            if expired:
-                return self._outputs(out, expired)
-            if self.requests:  # never legitimate: validation guarantees every request can run alone
+            if self.requests and not expired:  # never legitimate: every request can run alone (validation)
                 raise RuntimeError(f"scheduler stalled with {len(self.requests)} requests "
                                    f"(running {len(self.scheduler.running)}, waiting {len(self.scheduler.waiting)}, "
                                    f"free blocks {self.block_manager.num_free_blocks})")
-            return []
+            return self._outputs(out, expired)
         try:
             res = self.runner.execute(out)
         except Exception as e:  # noqa: BLE001 - a failed forward or sampler fails this step's requests alone
@@ -205,35 +196,23 @@ class Engine:
         if self.spec is not None:
             self.spec.settle(out, res.rejected)
         for seq, new in self.scheduler.update_from_output(out, res.sampled, res.rejected).items():
-            if seq.grammar is not None:
-                new = self._grammar_advance(seq, new)
+            if seq.grammar is not None:  # tokens past a complete grammar, or from a refused one, go
+                new = self.structured.keep(seq, new, self.scheduler.finish)
             self.output.process(seq, new, res.logprobs.get(seq, []))
             if seq.grammar is not None and seq.grammar.failed:
                 self.output.fail(seq, "structured output: the model produced a token its grammar does not allow")
         self.fanout.after_step(out, res.beam, self.requests)
         return self._outputs(out, expired)
 
-    def _grammar_advance(self, seq: Sequence, new: list[int]) -> list[int]:
-        """Advance a structured-output sequence's matcher through its new tokens; tokens after the one
-        that completed the grammar, or from one it refused on, are taken back off the sequence (never
-        shown), and a complete grammar ends the sequence."""
-        kept = self.structured.advance(seq, new)
-        if kept < len(new):
-            del seq.token_ids[len(seq.token_ids) - (len(new) - kept):]
-            new = new[:kept]
-        if (seq.grammar.terminated or seq.grammar.failed) and not seq.is_finished:
-            self.scheduler.finish(seq, "stop")
-        return new
-
     def _expire(self) -> set[str]:
-        """Requests that waited past max_waiting_time for their first step end with a 503 error."""
+        """Requests none of whose sequences started within max_waiting_time end with a 503 error (n > 1
+        children may wait for room after their parent has started: not a request that waited)."""
         limit = self.config.max_waiting_time
-        if limit is None:
-            return set()
-        expired = self.scheduler.expired(time.time() - limit)
-        for seq in expired:
+        waited = {s.request_id for s in self.scheduler.expired(time.time() - limit)} if limit else set()
+        rids = {r for r in waited if all(s.first_scheduled_time is None for s in self.requests.get(r, []))}
+        for seq in (s for r in rids for s in self.requests[r]):
             self.output.fail(seq, f"waited more than {limit:g} s for its first step (max_waiting_time)", status=503)
-        return {seq.request_id for seq in expired}
+        return rids
 
     def _outputs(self, out: SchedulerOutput, extra: set[str] = frozenset()) -> list[RequestOutput]:  # type: ignore[assignment]
         """A RequestOutput for each request of the step that has one to give (and for `extra`: requests

@@ -283,7 +283,10 @@ class Scheduler:
         recomputed. pending_copies (dst -> src): copy-on-write copies of this step not done yet, whose
         destination blocks hold nothing yet (the source is saved in their place)."""
         self.running.remove(seq)
+        if seq.num_computed_tokens == seq.num_tokens:  # a beam waiting on its siblings: its log-probs go
+            seq.num_computed_tokens -= 1  # with the preemption, so it resumes one token back to get them again
         self.bm.shrink(seq.block_tables, seq.num_computed_tokens)  # blocks past what it computed hold nothing
+        self.bm.drop_out_of_window(seq.block_tables, seq.num_computed_tokens)  # nor those its next step won't read
         blocks = [b for t in seq.block_tables for b in t if b >= 0]
         if (self.swap_pays is not None and seq.num_computed_tokens > 0 and 0 < len(blocks) <= self.swap_free
                 and self.swap_pays(seq, len(blocks))):

@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,6 +37,7 @@ log = logging.getLogger("lmserve")
 
 CACHE_SIZE = 64  # compiled grammars kept (LRU)
 MAX_STRAGGLERS = 4  # compiles running past their timeout at once; more: a new grammar is refused
+MAX_COMPILING = 8  # distinct grammars compiling at once (stragglers included); more: refused at once
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -78,7 +81,7 @@ class StructuredOutputs:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.compile_timeout = compile_timeout  # seconds; a slower grammar is refused (ValueError)
-        self._inflight: dict[tuple[str, str], Future] = {}  # compiles running, by (kind, text)
+        self._inflight: dict[tuple[str, str], tuple[Future, float]] = {}  # compiles running: (job, start time)
         self._stragglers: set[tuple[str, str]] = set()  # of those, the ones past their timeout
         self.width = bitmask_width(vocab_size)
         self._compiler: Any = None
@@ -112,25 +115,27 @@ class StructuredOutputs:
 
         Each compile runs on a thread of its own, so one that runs past the timeout (it goes on in the
         background and its result is cached; the request is refused) never delays another. The same
-        text asked again while it compiles waits on that compile. At most MAX_STRAGGLERS compiles may be
-        running past their timeout at once; beyond that a new grammar is refused at once."""
+        text asked again while it compiles waits on that compile, within the time left of its timeout.
+        At most MAX_COMPILING grammars compile at once, and MAX_STRAGGLERS of them past their timeout;
+        beyond either, a new grammar is refused at once (a ValueError saying the compiler is busy)."""
         kind, text = spec.key()
         key = (kind, text)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-            job = self._inflight.get(key)
-            if job is None:
-                if len(self._stragglers) >= MAX_STRAGGLERS:
-                    raise ValueError(f"structured_outputs.{kind}: the grammar compiler is busy with "
-                                     f"{len(self._stragglers)} grammars that ran past the timeout; try again later")
+            running = self._inflight.get(key)
+            if running is None:
+                if len(self._stragglers) >= MAX_STRAGGLERS or len(self._inflight) >= MAX_COMPILING:
+                    raise ValueError(f"structured_outputs.{kind}: the grammar compiler is busy ({len(self._inflight)} "
+                                     f"compiling, {len(self._stragglers)} past the timeout); try again later")
                 compiler = self._get_compiler()
-                job = self._inflight[key] = Future()
-                threading.Thread(target=self._run_compile, args=(job, compiler, kind, text), daemon=True,
+                running = self._inflight[key] = (Future(), time.monotonic())
+                threading.Thread(target=self._run_compile, args=(running[0], compiler, kind, text), daemon=True,
                                  name="lmserve-compile").start()
+        job, started = running
         try:
-            return job.result(timeout=self.compile_timeout)
+            return job.result(timeout=max(0.0, self.compile_timeout - (time.monotonic() - started)))
         except TimeoutError:
             with self._lock:
                 if not job.done():
@@ -204,6 +209,17 @@ class StructuredOutputs:
                             seq.request_id)
                 return i
         return len(tokens)
+
+    def keep(self, seq: Sequence, new: list[int], finish: Callable[[Sequence, str], None]) -> list[int]:
+        """The new tokens that stand for a structured-output sequence (advance): those after the one
+        that completed the grammar, or from one it refused on, are taken back off it (never shown); a
+        complete (or refused) grammar ends it with finish (Scheduler.finish)."""
+        kept = self.advance(seq, new)
+        if kept < len(new):
+            del seq.token_ids[len(seq.token_ids) - (len(new) - kept):]
+        if (seq.grammar.terminated or seq.grammar.failed) and not seq.is_finished:
+            finish(seq, "stop")
+        return new[:kept]
 
     # ---------------------------------------------------------------- the step's bitmask
     def fill(self, rows: list[tuple[Sequence, list[int]]]) -> dict[Sequence, torch.Tensor]:

@@ -154,7 +154,7 @@ class Tokenizer:
         # a template is code (from the model's files, or a request): its output and time are bounded (the
         # sandbox checks the clock at every call the template makes, loops' range() included)
         deadline = time.monotonic() + max_seconds
-        _render.deadline = deadline
+        _render.deadline, _render.max_chars = deadline, max_chars
         try:
             out, size = [], 0
             for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -282,11 +282,28 @@ def _compile_template(source: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Env(ImmutableSandboxedEnvironment):
+        # `*` and `**` can build a huge value in one operation, with no call for the clock check to see
+        # ({{ "x" * 10**9 }}, {{ 9**9**9 }}): their operands are bounded (and nothing is folded at compile time)
+        intercepted_binops = frozenset(["*", "**"])
+
         def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # every call the template makes
             deadline = getattr(_render, "deadline", None)
             if deadline is not None and time.monotonic() > deadline:
                 raise TemplateTimeout()
             return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            limit = getattr(_render, "max_chars", None) or TEMPLATE_MAX_CHARS
+            ints = isinstance(left, int) and isinstance(right, int)
+            if operator == "**" and ints and abs(left) > 1 and right * abs(left).bit_length() > 4096:
+                raise jinja2.exceptions.SecurityError("chat template: a power too large")
+            if operator == "*":
+                if ints and left.bit_length() + right.bit_length() > 4096:
+                    raise jinja2.exceptions.SecurityError("chat template: a product too large")
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and n * len(seq) > limit:
+                        raise jinja2.exceptions.SecurityError(f"chat template: a repetition past {limit} items")
+            return super().call_binop(context, operator, left, right)
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)

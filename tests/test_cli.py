@@ -117,3 +117,26 @@ def test_chat_templates_are_bounded_in_output_and_time():
         assert time.monotonic() - t0 < 5
     assert Tokenizer(raw, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}").apply_chat_template(
         msgs) == "hi"
+
+
+def test_one_operation_cannot_build_a_huge_value_in_a_template():
+    """`*` and `**` make a huge value with no call for the clock check to see ({{ 'x' * 10**9 }},
+    {{ 9 ** (9 ** 9) }}, which jinja would even fold while compiling): their operands are bounded, so such a
+    template fails at once (a request's own template, with the server's trust, too)."""
+    import time
+
+    import jinja2
+    from tokenizers import Tokenizer as Raw
+    from tokenizers.models import WordLevel
+
+    from lmserve.tokenizer import Tokenizer
+    raw = Raw(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    msgs = [{"role": "user", "content": "hi"}]
+    tok = Tokenizer(raw, chat_template="{{ messages[0]['content'] }}")
+    for tpl in ("{{ 'x' * 10**9 }}", "{{ 9 ** (9 ** 9) }}", "{{ 2 ** (10 ** 7) }}", "{{ [1, 2] * 10**8 }}",
+                "{% set n = 10**1000 %}{% set m = n * n %}{{ m * m * m }}"):
+        t0 = time.monotonic()
+        with pytest.raises((jinja2.exceptions.SecurityError, ValueError)):
+            tok.apply_chat_template(msgs, template=tpl)
+        assert time.monotonic() - t0 < 2, tpl
+    assert tok.apply_chat_template(msgs, template="{{ 'ab' * 3 }}{{ 2 ** 10 }}") == "ababab1024"

@@ -182,3 +182,21 @@ def test_a_response_whose_client_left_leaves_no_task_behind(tiny_models):  # typ
         ae.shutdown()
     assert not left, left
     assert not llm.engine.requests and llm.stats().used_blocks == 0
+
+
+def test_a_started_request_is_not_expired_for_a_child_still_waiting(tiny_models):  # type: ignore[no-untyped-def]
+    """n = 2 with a one-token prompt: the children are queued from the start, and with room for one
+    sequence the second waits while the first runs; past max_waiting_time the request is not ended
+    (it has started), both outputs finish (before, the waiting child failed it with a 503)."""
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), max_num_seqs=1, max_waiting_time=5.0)
+    eng = llm.engine
+    eng.add_request("pair", [7], SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=0, ignore_eos=True))
+    eng.step()
+    for seq in eng.requests["pair"]:
+        seq.arrival_time -= 60
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    (out,) = done
+    assert [c.finish_reason for c in out.outputs] == ["length", "length"], [c.error for c in out.outputs]

@@ -310,6 +310,23 @@ def test_a_victim_swaps_out_and_resumes_where_it_was():
     assert runs[8].computed_tokens == runs[0].computed_tokens - 8  # b's 8 computed tokens, not run again
 
 
+def test_a_swapped_sequence_with_nothing_left_to_run_resumes_one_token_back():
+    """A beam that has computed its last token waits, log-probs in hand, for its siblings; preempted,
+    it loses them (FanOut drops a victim's log-probs), so swapped it must come back with its last token
+    to run again, not with nothing to run (its family would wait on it forever: a stall)."""
+    bm = BlockManager(16, 4, False)
+    sched = Scheduler(bm, 4, 64, swap_blocks=16, swap_pays=lambda s, n: True)
+    seq = new_seq("beam", list(range(6)), max_tokens=4, index=0, width=2)
+    sched.add(seq)
+    sched.schedule()
+    assert seq.num_computed_tokens == 0  # (scheduled: the step's tokens count once update_from_output runs)
+    seq.num_computed_tokens = seq.num_tokens  # as after the step: the beam has nothing left to compute
+    sched._preempt(seq)
+    assert seq.swapped is not None and seq.num_computed_tokens == seq.num_tokens - 1
+    out = sched.schedule()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("beam", 1)] and len(out.swap_in) == 1
+
+
 # ---------------------------------------------------------------- families (defects 1 and 7)
 def test_beams_are_preempted_and_readmitted_as_a_whole():
     d = Driver(num_blocks=12, block_size=4, budget=64)

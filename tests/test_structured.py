@@ -346,3 +346,41 @@ def test_slow_compiles_do_not_starve_the_others(smol):  # type: ignore[no-untype
         release.set()
         s.compile_timeout = saved
         st_mod.StructuredOutputs._compile = real
+
+
+def test_compiles_in_flight_are_capped(smol, monkeypatch):  # type: ignore[no-untyped-def]
+    """At most MAX_COMPILING distinct grammars compile at once: past that a new one is refused at once
+    as busy (before, every distinct grammar started a thread, and its waiter held a worker thread for
+    the whole timeout), while one already compiling is still waited on."""
+    import threading
+    import time
+
+    from lmserve import structured as st_mod
+    s = smol.engine.structured
+    real = st_mod.StructuredOutputs._compile
+    release = threading.Event()
+
+    def slow(self, compiler, kind, text):  # type: ignore[no-untyped-def]
+        if text.startswith("held"):
+            release.wait(30)
+        return real(self, compiler, kind, text)
+
+    monkeypatch.setattr(st_mod.StructuredOutputs, "_compile", slow)
+    monkeypatch.setattr(st_mod, "MAX_COMPILING", 2)
+    results: dict = {}
+    threads = [threading.Thread(target=lambda i=i: results.setdefault(i, s.compile(
+        StructuredOutputsParams(regex=f"held{i}[0-9]")))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(100):
+        if len(s._inflight) == 2:
+            break
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="busy"):
+        s.compile(StructuredOutputsParams(regex="other[0-9]"))
+    assert time.perf_counter() - t0 < 0.5
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 2 and s.compile(StructuredOutputsParams(regex="other[0-9]")) is not None

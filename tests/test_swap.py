@@ -66,3 +66,19 @@ def test_the_cost_rule():
     assert swap_is_cheaper(100, 7, block_bytes, params, "cpu")
     assert not swap_is_cheaper(100, 7, block_bytes, params, "cuda:0")
     assert swap_is_cheaper(100_000, 7, block_bytes, params, "cuda")  # a windowed sequence: few blocks, many tokens
+
+
+def test_beams_and_children_swap_and_finish_as_unpreempted(tiny_models):  # type: ignore[no-untyped-def]
+    """Beam search (families preempted as a whole) and n = 3 children under a pool they do not fit,
+    preempted by swapping, in a small token budget (families prefill unevenly): the same outputs as
+    an unpreempted pool, and nothing stalls."""
+    path, _ = tiny_models["llama"]
+    beam = SamplingParams(max_tokens=16, use_beam_search=True, best_of=3, n=2, ignore_eos=True)
+    kids = SamplingParams(max_tokens=16, n=3, temperature=0.8, seed=4, ignore_eos=True)
+    prompts, params = PROMPTS[:4], [beam, kids, beam, kids]
+    ref = LLM(str(path), block_size=4, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    llm = tight(path, 28, preemption_mode="swap", swap_space="64MiB", max_num_batched_tokens=8)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
+    st = llm.stats()
+    assert st.num_swapped > 0 and st.used_blocks == 0

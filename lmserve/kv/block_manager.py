@@ -177,12 +177,7 @@ class BlockManager:
         horizon = start if keep_from is None else min(start, keep_from)
         if not tables:  # holds nothing yet (a draft model's new mirror): empty tables to grow
             tables.extend([] for _ in self.windows)
-        for g, table in enumerate(tables):
-            for i in range(self.first_needed(g, horizon) - 1, -1, -1):
-                if table[i] == NULL_BLOCK:
-                    break  # everything before was dropped on an earlier step
-                self._release(table[i])
-                table[i] = NULL_BLOCK
+        self.drop_out_of_window(tables, horizon)
         shared = [(table, i) for table in tables for i in range(start // bs, min(len(table), -(-end // bs)))
                   if self.ref_count[table[i]] > 1]
         grow = sum(max(0, self.blocks_needed(end) - len(table)) for table in tables)
@@ -198,6 +193,16 @@ class BlockManager:
         for table in tables:
             table.extend(self._take_free() for _ in range(self.blocks_needed(end) - len(table)))
         return copies
+
+    def drop_out_of_window(self, tables: list[list[int]], start: int) -> None:
+        """Windowed groups let go of the blocks no step from token `start` on reads (NULL_BLOCK in their
+        place); full-attention groups keep everything."""
+        for g, table in enumerate(tables):
+            for i in range(min(self.first_needed(g, start), len(table)) - 1, -1, -1):
+                if table[i] == NULL_BLOCK:
+                    break  # everything before was dropped on an earlier step
+                self._release(table[i])
+                table[i] = NULL_BLOCK
 
     def shrink(self, tables: list[list[int]], num_tokens: int) -> None:
         """Release the blocks past what num_tokens needs (speculative rollback)."""

@@ -8,6 +8,7 @@ copies from, carries them out before the step's copy-on-write copies and forward
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,20 @@ def swap_is_cheaper(tokens: int, blocks: int, block_bytes: int, num_params: int,
     swap_s = 2 * blocks * block_bytes / COPY_BYTES_PER_S[kind]
     recompute_s = tokens * 2 * num_params / FLOPS[kind]
     return swap_s < recompute_s
+
+
+def swap_policy(mode: str, swap_space: int, block_bytes: int, num_params: int, device: str
+                ) -> tuple[int, Callable[[Any, int], bool] | None]:
+    """The scheduler's swap settings for an engine: (host space in blocks, whether a victim holding
+    that many blocks swaps), from preemption_mode: swap (when there is room), recompute (never), auto
+    (when swap_is_cheaper for its computed tokens)."""
+    blocks = swap_space // block_bytes if mode != "recompute" else 0
+    if not blocks:
+        return 0, None
+
+    def pays(seq: Any, n: int) -> bool:
+        return mode == "swap" or swap_is_cheaper(seq.num_computed_tokens, n, block_bytes, num_params, device)
+    return blocks, pays
 
 
 class HostSwap:

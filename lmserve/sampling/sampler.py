@@ -82,8 +82,10 @@ def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: 
         logits[idx[0], idx[1]] = float("-inf")
         # a row left with no finite logit (a grammar that allows only the stop token now) keeps its
         # stop tokens: the grammar wins over min_tokens, as a finished constraint must end the output
-        dead = torch.isneginf(logits[idx[0]]).all(dim=-1)  # (K,) per banned entry: its row is all -inf
-        if bool(dead.any()):
+        rows = idx[0].unique()  # (R,) the rows with a ban
+        dead_rows = rows[torch.isneginf(logits[rows]).all(dim=-1)]  # rows left with no finite logit
+        if dead_rows.numel():
+            dead = torch.isin(idx[0], dead_rows)  # (K,) banned entries in those rows
             logits[idx[0][dead], idx[1][dead]] = saved[dead]
     if rep[0]:
         idx = to_device(torch.tensor(rep[:2]), dev)  # (2, K)

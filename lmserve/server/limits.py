@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (errors.py needs fastapi; the CLI reads the limits' flags without it)
+    from lmserve.server.errors import ApiError
 
 KIB = 1024
 
@@ -66,6 +69,32 @@ class ServerLimits:
         if _field(body, "chat_template") is not None and not self.trust_request_chat_template:
             raise ValueError("chat_template: a request's own chat template is refused by this server "
                              "(start it with --trust-request-chat-template to allow it)")
+
+    def decode_json(self, raw: bytes) -> dict[str, Any]:
+        """A request body's JSON: an object, nested within max_json_depth; else an ApiError 400."""
+        from lmserve.server.errors import ApiError
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "request body is not valid JSON") from None
+        except RecursionError:  # the decoder's own bound (~1,000 levels)
+            raise ApiError(400, f"request body is nested deeper than {self.max_json_depth} levels") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        try:
+            self.check_depth(data)
+        except ValueError as e:
+            raise ApiError.invalid(e) from None
+        return data
+
+    def check_headers(self, headers: list[tuple[bytes, bytes]]) -> ApiError | None:
+        """A 431 when a request's header block (as "name: value\\r\\n" lines) is over max_header_bytes."""
+        from lmserve.server.errors import ApiError
+        size = sum(len(k) + len(v) + 4 for k, v in headers)
+        if size > self.max_header_bytes:
+            return ApiError(431, f"request headers of {size} bytes exceed the limit of {self.max_header_bytes} "
+                                 f"(--max-header-bytes)")
+        return None
 
     def check_depth(self, data: Any) -> None:
         """A parsed body nested at most max_json_depth deep (deeper would reach recursive code later:

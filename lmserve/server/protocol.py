@@ -30,7 +30,10 @@ def _number(v: Any) -> Any:
     """A JSON number as a float field takes it: no bools, no strings (pydantic's lax float takes both)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError("Input should be a number")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ValueError("Input should be a finite number") from None
 
 
 Float = Annotated[float, BeforeValidator(_number)]  # a number field: an integer or a float, nothing else
