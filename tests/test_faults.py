@@ -5,6 +5,7 @@ stream is cut off (its request aborted) instead of piling up outputs, and the ot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -91,21 +92,31 @@ def test_a_reader_that_stops_reading_is_cut_off(tiny_models, monkeypatch):  # ty
     assert st.used_blocks == 0
 
 
+@contextlib.contextmanager
+def merging_server(tiny_models):  # type: ignore[no-untyped-def]
+    """A tiny model's engine under a running AsyncEngine, with the server's route logic (OpenAIServer,
+    no HTTP) over it: (llm, async engine, server); the engine loop stops at the end."""
+    pytest.importorskip("fastapi")
+    from lmserve.server.app import OpenAIServer
+    from lmserve.server.async_engine import AsyncEngine
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    ae = AsyncEngine(llm.engine)
+    ae.start()
+    try:
+        yield llm, ae, OpenAIServer(ae, "tiny", tool_call_parser="hermes")
+    finally:
+        ae.shutdown()
+
+
 def test_an_http_stream_that_stops_reading_is_cut_off(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
     """The server's merge of a response's streams (OpenAIServer.stream_all) holds only a few outputs
     in hand: when the HTTP side stops reading, the outputs wait in the request's own stream, and past
     MAX_UNREAD the request is cut off (before, the merge drained them into a queue of its own without
     bound, so a stalled client kept its request, and its memory, to the end)."""
-    pytest.importorskip("fastapi")
     from lmserve.server import async_engine as ae_mod
-    from lmserve.server.app import OpenAIServer
     monkeypatch.setattr(ae_mod, "MAX_UNREAD", 4)
-    path, _ = tiny_models["llama"]
-    llm = LLM(str(path))
-    ae = ae_mod.AsyncEngine(llm.engine)
-    ae.start()
-    srv = OpenAIServer(ae, "tiny", tool_call_parser="hermes")
-    try:
+    with merging_server(tiny_models) as (llm, ae, srv):
         async def main():  # type: ignore[no-untyped-def]
             req = ae.process_request(PROMPTS[1], SamplingParams(max_tokens=300, ignore_eos=True))
             it = srv.stream_all([("slow", req)])
@@ -117,8 +128,6 @@ def test_an_http_stream_that_stops_reading_is_cut_off(tiny_models, monkeypatch):
                 await asyncio.sleep(0.02)
             return [item async for _, item in it]
         rest = asyncio.run(main())
-    finally:
-        ae.shutdown()
     assert isinstance(rest[-1], ae_mod.SlowReaderError), rest[-1]
     assert len(rest) < 40  # a handful in hand, not the 300
     assert llm.stats().used_blocks == 0
@@ -152,15 +161,7 @@ def test_a_response_whose_client_left_leaves_no_task_behind(tiny_models):  # typ
     """The client of a streamed response goes away while the merge's queue is full: the merge's
     pump task ends at once and the request is aborted (before, the pump waited forever in its
     `finally` to put an end marker on a queue nobody read: a task, and its outputs, per such client)."""
-    pytest.importorskip("fastapi")
-    from lmserve.server import async_engine as ae_mod
-    from lmserve.server.app import OpenAIServer
-    path, _ = tiny_models["llama"]
-    llm = LLM(str(path))
-    ae = ae_mod.AsyncEngine(llm.engine)
-    ae.start()
-    srv = OpenAIServer(ae, "tiny", tool_call_parser="hermes")
-    try:
+    with merging_server(tiny_models) as (llm, ae, srv):
         async def main():  # type: ignore[no-untyped-def]
             req = ae.process_request(PROMPTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
             it = srv.stream_all([("gone", req)])
@@ -178,8 +179,6 @@ def test_a_response_whose_client_left_leaves_no_task_behind(tiny_models):  # typ
             if not llm.engine.requests:
                 break
             time.sleep(0.02)
-    finally:
-        ae.shutdown()
     assert not left, left
     assert not llm.engine.requests and llm.stats().used_blocks == 0
 

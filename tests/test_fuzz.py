@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections import Counter
 
@@ -27,7 +26,7 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 
 from lmserve import LLM  # noqa: E402
 from tests.conftest import char_tokenizer_model  # noqa: E402
-from tests.test_server import free_port  # noqa: E402
+from tests.test_server import serving  # noqa: E402
 
 EXAMPLES = int(os.environ.get("LMSERVE_FUZZ_EXAMPLES", "80"))
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] if m['content'] is string else '' }}\n"
@@ -45,17 +44,8 @@ def fuzz_server(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
     llm = LLM(str(path), max_model_len=96, max_num_seqs=32)
     ae = AsyncEngine(llm.engine, max_queue=64)
     app = build_app(ae, "tiny", max_body_bytes=64 * 1024)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "ae": ae, "engine": llm.engine, "app": app}
-    srv.should_exit = True
-    th.join(30)
+    with serving(app) as (url, _):
+        yield {"url": url, "ae": ae, "engine": llm.engine, "app": app}
 
 
 def idle(server) -> None:  # type: ignore[no-untyped-def]

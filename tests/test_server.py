@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -25,12 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smol):  # type: ignore[no-untyped-def]
-    from lmserve.server.app import build_app
-    from lmserve.server.async_engine import AsyncEngine
-    ae = AsyncEngine(smol.engine, max_queue=64)
-    app = build_app(ae, "smollm2-135m", api_key=KEY, max_body_bytes=64 * 1024)
+@contextlib.contextmanager
+def serving(app):  # type: ignore[no-untyped-def]
+    """The app under uvicorn on a free loopback port, in a thread: (base url, the uvicorn Server)."""
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
@@ -39,9 +37,21 @@ def server(smol):  # type: ignore[no-untyped-def]
         if srv.started:
             break
         time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "ae": ae, "engine": smol.engine, "llm": smol, "srv": app.state.server}
-    srv.should_exit = True
-    th.join(30)
+    try:
+        yield f"http://127.0.0.1:{port}", srv
+    finally:
+        srv.should_exit = True
+        th.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(smol):  # type: ignore[no-untyped-def]
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    ae = AsyncEngine(smol.engine, max_queue=64)
+    app = build_app(ae, "smollm2-135m", api_key=KEY, max_body_bytes=64 * 1024)
+    with serving(app) as (url, _):
+        yield {"url": url, "ae": ae, "engine": smol.engine, "llm": smol, "srv": app.state.server}
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ equals the same request run alone, the KV pool is all free, no request / stream 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -22,7 +23,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from lmserve import LLM  # noqa: E402
 from lmserve.layers import cpu_native  # noqa: E402
 from tests.conftest import char_tokenizer_model  # noqa: E402
-from tests.test_server import free_port  # noqa: E402
+from tests.test_server import serving  # noqa: E402
 
 SECONDS = float(os.environ.get("LMSERVE_SOAK_SECONDS", "40"))
 CLIENTS = 256
@@ -57,15 +58,11 @@ def test_soak_256_streaming_clients_with_disconnects_and_bad_requests(tiny_model
     @app.get("/_tasks")  # (the test's own route) tasks alive on the server's event loop
     async def tasks() -> dict:  # type: ignore[type-arg]
         return {"n": len(asyncio.all_tasks())}
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    while not srv.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    stack = contextlib.ExitStack()
+    base, srv = stack.enter_context(serving(app))
+    url = base + "/v1/completions"
     threads_before = threading.active_count()
-    tasks_before = httpx.get(f"http://127.0.0.1:{port}/_tasks").json()["n"]
+    tasks_before = httpx.get(base + "/_tasks").json()["n"]
     stats = {"good": 0, "hung_up": 0, "bad": 0, "errors": []}
     finished: dict[tuple[str, int], str] = {}  # (prompt, max_tokens) -> text, for requests that ran to the end
     rss: list[tuple[float, float]] = []
@@ -139,7 +136,7 @@ def test_soak_256_streaming_clients_with_disconnects_and_bad_requests(tiny_model
             time.sleep(0.05)
         assert not stats["errors"], stats["errors"][:5]
         assert not eng.requests and not ae._streams
-        tasks_after = httpx.get(f"http://127.0.0.1:{port}/_tasks").json()["n"]
+        tasks_after = httpx.get(base + "/_tasks").json()["n"]
         assert tasks_after <= tasks_before + 2, (tasks_before, tasks_after)  # no task left behind by a request
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
         # every good output that ran to its end equals the request run alone (a sample, for time)
@@ -155,7 +152,6 @@ def test_soak_256_streaming_clients_with_disconnects_and_bad_requests(tiny_model
         assert stats["good"] > CLIENTS and stats["hung_up"] > 0 and stats["bad"] > 0
         assert rss[-1][1] - rss[len(rss) // 4][1] < 150  # flat: no growth with the requests served
     finally:
-        srv.should_exit = True
-        th.join(30)
+        stack.close()  # the server stops
     assert not srv.server_state.connections
     assert threading.active_count() <= threads_before  # no thread left behind by the requests
