@@ -13,30 +13,9 @@ from typing import Any
 
 import torch
 
+from lmserve.utils import parse_bytes  # noqa: F401 - part of this module's API
+
 DEFAULT_MODEL = "smollm2-135m"
-
-_UNITS = {"b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """A byte count, parsed exactly: a number is bytes (123, 2e9); a string needs its unit
-    ('2GiB', '512MiB', '1e9B', '500MB'; KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB of 10). No
-    unit is ever guessed: '512B' is 512 bytes, and '2' is refused."""
-    if isinstance(value, bool):
-        raise ValueError(f"kv_cache_memory: expected a byte count, got {value!r}")
-    if isinstance(value, (int, float)):
-        n = float(value)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]+)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"kv_cache_memory: cannot parse {value!r}: give a number of bytes or a size "
-                             f"with its unit, e.g. '2GiB', '512MiB', '1000000B'")
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not n > 0 or n != int(n):
-        raise ValueError(f"kv_cache_memory must be a positive whole number of bytes, got {value!r}")
-    return int(n)
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -338,6 +317,11 @@ class EngineConfig:
     # costs less than recomputing (kv/swap.py) and there is room, swap when there is room, recompute never
     swap_space: int | float | str = 0
     preemption_mode: str = "auto"
+    # tensor parallelism (lmserve/parallel): ranks sharing every layer (one process each); the network
+    # interface they bind to; seconds a collective may wait before its peer counts as lost
+    tensor_parallel_size: int = 1
+    distributed_interface: str | None = None
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -363,6 +347,13 @@ class EngineConfig:
         object.__setattr__(self, "swap_space", parse_bytes(self.swap_space) if self.swap_space else 0)
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.tensor_parallel_size < 1 or not self.distributed_timeout > 0:
+            raise ValueError(f"tensor_parallel_size must be >= 1 and distributed_timeout > 0, got "
+                             f"{self.tensor_parallel_size} and {self.distributed_timeout}")
+        if self.tensor_parallel_size > 1 and (self.swap_space or self.preemption_mode == "swap"):
+            raise ValueError("preemption_mode: swapping is not mirrored across tensor-parallel ranks; use recompute")
+        if self.tensor_parallel_size > 1 and on_cuda and self.kv_cache_memory is None:
+            raise ValueError("kv_cache_memory: give each tensor-parallel rank's KV budget (no memory profile yet)")
         if self.max_waiting_time is not None and not self.max_waiting_time > 0:
             raise ValueError(f"max_waiting_time must be > 0, got {self.max_waiting_time}")
         if not self.grammar_compile_timeout > 0:

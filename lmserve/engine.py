@@ -19,10 +19,11 @@ from typing import Any
 from lmserve.attention import get_backend
 from lmserve.config import EngineConfig
 from lmserve.fanout import FanOut
-from lmserve.inputs import InputProcessor
+from lmserve.inputs import InputProcessor, init_sequence
 from lmserve.kv import BlockManager, KVCache
 from lmserve.kv.swap import swap_policy
 from lmserve.models.loader import load_model
+from lmserve.parallel.driver import load_tensor_parallel
 from lmserve.outputs import OutputProcessor, RequestOutput
 from lmserve.runner import ModelRunner, profile_kv_budget
 from lmserve.scheduler import EngineStats, Scheduler, SchedulerOutput  # EngineStats: part of the engine API
@@ -30,18 +31,9 @@ from lmserve.sequence import Request, SamplingParams, Sequence
 from lmserve.spec.build import build_proposer
 from lmserve.spec.policy import SpecPolicy
 from lmserve.structured import StructuredOutputs
+from lmserve.utils import EngineFatalError
 
 log = logging.getLogger("lmserve")
-
-
-def init_sequence(rng: random.Random, output: OutputProcessor, structured: StructuredOutputs, seq: Sequence) -> None:
-    """A new sequence's generator (request seed + child index, else a draw from the engine's RNG; on
-    the host: a draw costs no device call), output state and, with structured_outputs, its grammar
-    matcher."""
-    p = seq.params
-    seq.generator = random.Random(p.seed + seq.index if p.seed is not None else rng.randrange(2**63))
-    output.start(seq)
-    structured.start(seq)
 
 
 class Engine:
@@ -50,7 +42,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = c = config
-        self.model_config, self.model, self.tokenizer = load_model(config)
+        self.model_config, self.model, self.tokenizer = (load_tensor_parallel if c.tensor_parallel_size > 1 else load_model)(c)
         cfg = self.model_config
         self.max_model_len = min(cfg.max_position_embeddings, c.max_model_len or cfg.max_position_embeddings)
         draft = None  # a draft model's weights are loaded before the memory profile, so it counts them
@@ -63,12 +55,15 @@ class Engine:
         draft_budget = 0 if draft is None else \
             self.kv_budget * draft[0].kv_elems_per_token // (draft[0].kv_elems_per_token + cfg.kv_elems_per_token)
         hybrid = not c.disable_hybrid_kv_cache_manager
-        kv = dict(cfg=cfg, block_size=c.block_size, dtype=c.torch_dtype, kv_cache_dtype=c.kv_cache_dtype,
+        kvc = getattr(self.model, "local_config", cfg)  # tensor parallel: this rank's share of the KV heads
+        kv = dict(cfg=kvc, block_size=c.block_size, dtype=c.torch_dtype, kv_cache_dtype=c.kv_cache_dtype,
                   hybrid=hybrid)  # + scales
         num_blocks = KVCache.blocks_for_budget(**kv, budget=self.kv_budget - draft_budget)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={self.kv_budget} bytes holds no KV block of {KVCache.bytes_per_block(**kv)} bytes")
-        self.kv_cache = KVCache(cfg, num_blocks, c.block_size, c.torch_dtype, c.device, c.kv_cache_dtype, hybrid)
+        self.kv_cache = KVCache(kvc, num_blocks, c.block_size, c.torch_dtype, c.device, c.kv_cache_dtype, hybrid)
+        if c.tensor_parallel_size > 1:  # the other ranks build their caches alike; block copies mirrored
+            self.model.attach(self.kv_cache)
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching,
                                           self.kv_cache.groups.windows, c.max_num_batched_tokens)
         swap = swap_policy(c.preemption_mode, int(c.swap_space), KVCache.bytes_per_block(**kv),
@@ -101,7 +96,7 @@ class Engine:
 
     def _use_graphs(self) -> bool:
         c = self.config
-        if c.enforce_eager or not str(c.device).startswith("cuda"):
+        if c.enforce_eager or c.tensor_parallel_size > 1 or not str(c.device).startswith("cuda"):
             return False
         if not get_backend(c.attention_backend, c.device).supports_cuda_graphs:
             log.info("attention backend %r cannot run in a CUDA graph: decode runs eagerly", c.attention_backend)
@@ -187,6 +182,8 @@ class Engine:
             return self._outputs(out, expired)
         try:
             res = self.runner.execute(out)
+        except EngineFatalError:  # a lost tensor-parallel rank: nothing more can run
+            raise
         except Exception as e:  # noqa: BLE001 - a failed forward or sampler fails this step's requests alone
             log.exception("a step failed; its %d sequences end with an error", len(out.scheduled))
             self.scheduler.release_pins()
@@ -243,6 +240,9 @@ class Engine:
             peak_used_blocks=st.peak_used_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             spec=self.spec.stats.as_dict() if self.spec is not None else None)
+
+    def close(self) -> None:  # stops the other tensor-parallel ranks (nothing to do for one process)
+        getattr(self.model, "close", lambda: None)()
 
     def info(self) -> dict[str, Any]:
         return {"model": self.config.model, "architecture": self.model_config.architecture,

@@ -4,10 +4,12 @@ with the field it is about, which the server turns into a 400 naming that field.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from lmserve.kv.block_manager import BlockManager
-from lmserve.sequence import Request, SamplingParams
+from lmserve.outputs import OutputProcessor
+from lmserve.sequence import Request, SamplingParams, Sequence
 from lmserve.structured import StructuredOutputs
 from lmserve.tokenizer import Tokenizer
 
@@ -89,3 +91,13 @@ class InputProcessor:
                              f"{f' ({family} sequences)' if family > 1 else ''} but the cache has "
                              f"{self.bm.num_blocks}; raise kv_cache_memory or lower max_tokens")
         return grammar
+
+
+def init_sequence(rng: random.Random, output: OutputProcessor, structured: StructuredOutputs, seq: Sequence) -> None:
+    """A new sequence's generator (request seed + child index, else a draw from the engine's RNG; on
+    the host: a draw costs no device call), output state and, with structured_outputs, its grammar
+    matcher."""
+    p = seq.params
+    seq.generator = random.Random(p.seed + seq.index if p.seed is not None else rng.randrange(2**63))
+    output.start(seq)
+    structured.start(seq)

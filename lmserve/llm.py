@@ -104,3 +104,13 @@ class LLM:
     def stats(self) -> EngineStats:
         """Cache and scheduler counters: blocks total/free/cached, prefix hits, preemptions."""
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks); also at interpreter exit, or `with LLM(...)`."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

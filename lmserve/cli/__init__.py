@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -33,8 +34,24 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; a bad option or a missing file is one `error:` line and exit status 2."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0:
+        return torchrun_rank(args)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def torchrun_rank(args: argparse.Namespace) -> int:
+    """Under torchrun every rank runs the same command: rank 0 runs it, the others follow rank 0 with
+    the command line's engine config (tensor_parallel_size = WORLD_SIZE)."""
+    from lmserve.cli.engine_args import engine_kwargs
+    from lmserve.config import EngineConfig
+    from lmserve.parallel.worker import run
+
+    if not hasattr(args, "tensor_parallel_size"):
+        print(f"error: `lmserve {args.cmd}` loads no model: run it without torchrun", file=sys.stderr)
+        return 2
+    kw = {**engine_kwargs(args), "tensor_parallel_size": int(os.environ["WORLD_SIZE"])}
+    return run(EngineConfig(model=args.model, **kw), int(os.environ["RANK"]), "env://")

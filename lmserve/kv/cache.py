@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from typing import Any
+
 import torch
 
 from lmserve.config import ModelConfig
@@ -184,6 +186,7 @@ class KVCache:
             for _ in range(self.groups.layers_per_group)]
         self.layers = [self.tensors[self.groups.place(i)[1]] for i in range(cfg.num_layers)]
         self.layer_groups = tuple(self.groups.place(i)[0] for i in range(cfg.num_layers))
+        self.mirror: Any = None  # tensor parallel, rank 0: sends each block copy to the other ranks' caches
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
@@ -210,6 +213,8 @@ class KVCache:
         layer copies its scales too."""
         if not copies:
             return
+        if self.mirror is not None:
+            self.mirror(copies)
         bs = self.block_size
         dev = self.tensors[0].device
         off = torch.arange(bs, device=dev)

@@ -51,11 +51,11 @@ class LinearBase(nn.Module):
     With batch_invariant (deterministic mode) over fixed blocks of rows (`row_blocks`)."""
 
     batch_invariant = False
+    reduce: Any = None  # tensor parallel, a row-parallel layer: the TPGroup whose all-reduce sums its output
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.batch_invariant and x.dim() == 2:
-            return row_blocks(super().__call__, x)
-        return super().__call__(x)
+        y = row_blocks(super().__call__, x) if self.batch_invariant and x.dim() == 2 else super().__call__(x)
+        return y if self.reduce is None else self.reduce.all_reduce(y)
 
     def __init__(self, in_features: int, sizes: int | Sequence[int], bias: bool = False) -> None:
         super().__init__()

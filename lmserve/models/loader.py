@@ -167,13 +167,14 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> Iterator[tuple[str, torch
         yield "lm_head.weight", mat(cfg.vocab_size, h)
 
 
-def load_model(config: EngineConfig, num_layers: int | None = None
+def load_model(config: EngineConfig, num_layers: int | None = None, shard: Any = None
                ) -> tuple[ModelConfig, torch.nn.Module, Tokenizer | None]:
     """Resolve config.model on disk, build our model (its linears quantized as config.quantization
     asks), load its weights, and its tokenizer.
 
     num_layers keeps only the first N decoder layers (with the final norm and head): a truncated
-    copy, the honest baseline draft model for speculative decoding on a CPU.
+    copy, the honest baseline draft model for speculative decoding on a CPU. shard(model, cfg): cuts
+    the loaded model to one tensor-parallel rank's part (parallel/shard.py) before it moves to its device.
     """
     src = resolve_model(config.model)
     backend = get_backend(config.attention_backend, config.device, config.deterministic)
@@ -200,6 +201,8 @@ def load_model(config: EngineConfig, num_layers: int | None = None
         weights = ((n, t) for n, t in weights
                    if not (n.startswith("model.layers.") and int(n.split(".")[2]) >= num_layers))
     model.load_weights(weights)
+    if shard is not None:
+        shard(model, cfg)
     use_cpu_kernels(model)  # serving wants their decode speed; the layers' own default is the fp32 path
     model = model.to(device=config.device, dtype=config.torch_dtype).eval()
     if config.deterministic:

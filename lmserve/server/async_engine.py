@@ -23,7 +23,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from lmserve.engine import Engine, EngineStats
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request, SamplingParams
 from lmserve.tokenizer import Tokenizer
+from lmserve.utils import EngineFatalError
 
 log = logging.getLogger("lmserve.server")
 
@@ -81,6 +82,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self.error: BaseException | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None  # the server: exit non-zero
         self._stats = engine.stats()  # no thread yet: safe to read here
         self._stats_at = time.monotonic()
         self._unpublished = 0  # requests handed to the engine since the last snapshot
@@ -95,6 +97,16 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+
+    def die(self, error: BaseException) -> None:
+        """A fatal error (EngineFatalError: a tensor-parallel rank lost), from any thread: /health turns
+        503, requests in flight fail, and on_fatal runs."""
+        with self._lock:
+            first, self.error = self.error is None or not self._stop.is_set(), self.error or error
+            self._stop.set()
+        self._wake.set()
+        if first and self.on_fatal is not None:
+            self.on_fatal(error)
 
     @property
     def alive(self) -> bool:
@@ -189,6 +201,8 @@ class AsyncEngine:
                     continue
                 try:
                     outputs = self._engine.step()
+                except EngineFatalError:
+                    raise
                 except Exception as e:  # a failed forward: fail the requests in flight, keep serving
                     log.exception("engine step failed")
                     self._fail_all(e)
@@ -212,6 +226,8 @@ class AsyncEngine:
             self.error = e
         finally:
             self._fail_all(EngineDeadError("the server is shutting down"), pending_too=True)
+        if isinstance(self.error, EngineFatalError):
+            self.die(self.error)
 
     def _drain(self) -> None:
         with self._lock:

@@ -47,6 +47,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.getLogger("lmserve").setLevel(a.log_level.upper())
     engine = Engine(EngineConfig(model=a.model, **engine_kwargs(a)))
     ae = AsyncEngine(engine, max_queue=a.max_queue)
+    ae.on_fatal = exit_soon
+    if hasattr(engine.model, "on_lost"):  # tensor parallel: a rank lost while idle is fatal too
+        engine.model.on_lost = ae.die
     limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)})
     app = build_app(ae, a.served_model_name or a.model, a.api_key, request_timeout=a.request_timeout,
                     tool_call_parser=a.tool_call_parser, limits=limits)
@@ -58,4 +61,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30,
                 # the parser's own cap stays above ours, so that our 431 (with its JSON body) is what answers
                 h11_max_incomplete_event_size=max(4 * limits.max_header_bytes, 64 * 1024))
+    engine.close()
     return 0
+
+
+def exit_soon(error: BaseException, grace_s: float = 2.0) -> None:
+    """The engine cannot go on (a tensor-parallel rank lost): /health answers 503 for grace_s, then the
+    process exits with status 1, from whichever thread noticed (uvicorn holds the main one)."""
+    import threading
+    import time
+
+    def stop() -> None:
+        print(f"error: the engine stopped: {error}", file=sys.stderr, flush=True)
+        time.sleep(grace_s)
+        os._exit(1)
+    threading.Thread(target=stop, daemon=True).start()
