@@ -11,6 +11,11 @@ All figures are lower bounds from first principles:
   decode step time  >= max(bytes moved / bandwidth, FLOPs / peak)
                        bytes = weight bytes + batch x context x KV bytes/token; FLOPs = 2 x params x batch + attention
   ridge point        = peak FLOP/s / bandwidth  (a kernel below it is memory-bound)
+  tensor parallel N  = weights / N per rank (vocab, heads and MLP channels split), KV heads / N per rank (at
+                       least one: replicated when fewer than N); per decode step 2 x layers + 1 all-reduces of
+                       batch x hidden x dtype bytes (after attention and the MLP, the embedding), each moving
+                       2 (N - 1) / N of it over a rank's link (ring), + the logits gather to rank 0; step time
+                       >= the per-rank roofline + collectives x (latency + bytes / link bandwidth)
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ DEVICES: dict[str, tuple[float, float, float]] = {
     "l4": (24, 0.3, 121),
     "cpu": (24, 0.019, 0.1),
 }
+# name -> (link GB/s one way, latency of one small collective in us) between the ranks of a group: NVLink
+# (H100 / H200: 18 links, 450 GB/s; A100: 300), PCIe 4 x16 (L4), and for "cpu" gloo on loopback between
+# two processes on 2 cores as measured here (scripts/bench_tp_link.py: ~0.3 ms a small all-reduce, 1 GB/s)
+LINKS: dict[str, tuple[float, float]] = {"h100": (450, 10), "h200": (450, 10), "a100-80g": (300, 10),
+                                         "a100-40g": (300, 10), "l4": (32, 20), "cpu": (1, 300)}
 
 
 @dataclass
@@ -145,8 +155,10 @@ def _config_from_path(name: str):  # type: ignore[no-untyped-def]
 
 def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", kv_dtype: str | None = None,
          batch: int = 1, seq_len: int = 1024, mem_util: float = 0.9,
-         batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512)) -> dict[str, Any]:
-    """Every figure of the cost model, as a dict (the CLI prints it; tests assert on it)."""
+         batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512), tp: int = 1,
+         link: tuple[float, float] = LINKS["h100"]) -> dict[str, Any]:
+    """Every figure of the cost model, as a dict (the CLI prints it; tests assert on it). tp: tensor-
+    parallel ranks (memory and bounds per rank); link: (GB/s, us per collective) between them."""
     mem_gb, bw_tbs, tflops = device
     wb = DTYPE_BYTES[dtype]
     kb = DTYPE_BYTES[kv_dtype or dtype]
@@ -207,7 +219,33 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
         "prefill_ms_lower_bound": t_pre * 1e3,
         "prefill_bound": "compute" if prefill_flops / peak >= prefill_bytes / bw else "memory",
         "table": [step(b) for b in batches],
+        "tensor_parallel": None if tp == 1 else tensor_parallel(m, tp, wb, kb, kv_tok, bw, peak, link, batch, seq_len),
     }
+
+
+def tensor_parallel(m: PlanModel, tp: int, wb: float, kb: float, kv_tok: float, bw: float, peak: float,
+                    link: tuple[float, float], batch: int, seq_len: int) -> dict[str, Any]:
+    """Per-rank memory and the decode step bound over `tp` ranks (see the module docstring)."""
+    kv_heads = max(1, -(-m.kv_heads // tp))  # the most any rank holds; one replicated when fewer than ranks
+    kv_rank_tok = kv_tok * kv_heads / m.kv_heads
+    link_bw, latency = link[0] * 1e9, link[1] * 1e-6
+    msg = batch * m.hidden * wb  # one all-reduce's tensor
+    reduces = 2 * m.layers + 1
+    ring = 2 * (tp - 1) / tp * msg  # bytes over each rank's link per all-reduce
+    gather = batch * m.vocab * 4 * (tp - 1) / tp  # float32 logits slices to rank 0
+    t_comm = reduces * (latency + ring / link_bw) + latency + gather / link_bw
+
+    def bound(ranks: int) -> float:
+        moved = m.active_params * wb / ranks + batch * kv_tok * seq_len * (kv_heads / m.kv_heads if ranks > 1 else 1)
+        return max(moved / bw, (2 * m.active_params * batch + 4 * batch * seq_len * m.heads * m.head_dim * m.layers)
+                   / ranks / peak)
+
+    t1, tn = bound(1), bound(tp) + t_comm
+    return {"size": tp, "weight_bytes_per_rank": m.params * wb / tp, "kv_heads_per_rank": kv_heads, "kv_replicated": m.kv_heads < tp,
+            "kv_bytes_per_token_per_rank": kv_rank_tok, "all_reduces_per_step": reduces,
+            "all_reduce_bytes": msg, "link_bytes_per_step": reduces * ring + gather,
+            "link_gbs": link[0], "collective_latency_us": link[1], "comm_ms": t_comm * 1e3,
+            "step_ms_tp1": t1 * 1e3, "step_ms": tn * 1e3, "speedup": t1 / tn}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -249,6 +287,17 @@ def render(r: dict[str, Any]) -> str:
     for row in r["table"]:
         lines.append(f"{row['batch']:>6} {row['kv_gb']:>9.2f} {'yes' if row['fits'] else 'NO':>5} "
                      f"{row['step_ms']:>9.3f} {row['tokens_per_s']:>12,.0f} {row['bound']}")
+    t = r["tensor_parallel"]
+    if t:
+        lines += ["", f"tensor parallel over {t['size']} ranks: weights {_fmt_bytes(t['weight_bytes_per_rank'])} per rank; "
+                  f"KV {t['kv_bytes_per_token_per_rank']:,.0f} bytes/token per rank ({t['kv_heads_per_rank']} KV heads"
+                  f"{', each replicated' if t['kv_replicated'] else ''})",
+                  f"  per decode step at batch {r['decode']['batch']}: {t['all_reduces_per_step']} all-reduces of "
+                  f"{_fmt_bytes(t['all_reduce_bytes'])} + the logits gather = {_fmt_bytes(t['link_bytes_per_step'])} "
+                  f"over each link; at {t['link_gbs']} GB/s and {t['collective_latency_us']} us a collective: "
+                  f"{t['comm_ms']:.3f} ms",
+                  f"  batch-{r['decode']['batch']} step bound: {t['step_ms']:.3f} ms over {t['size']} ranks against "
+                  f"{t['step_ms_tp1']:.3f} ms on one ({t['speedup']:.2f}x)"]
     return "\n".join(lines)
 
 
@@ -274,13 +323,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharing every layer")
+    p.add_argument("--link-gbs", type=float, default=None, help="link GB/s between ranks (default: by device)")
+    p.add_argument("--link-latency-us", type=float, default=None, help="us per small collective (default: by device)")
     p.add_argument("--json", action="store_true")
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
     base = DEVICES[a.device]
     dev = (a.mem_gb or base[0], a.bandwidth_tbs or base[1], a.tflops or base[2])
-    r = plan(model_from_args(a), dev, a.dtype, a.kv_dtype, a.batch, a.seq_len, a.gpu_memory_utilization)
+    if a.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {a.tensor_parallel_size}")
+    link = (a.link_gbs or LINKS[a.device][0], a.link_latency_us or LINKS[a.device][1])
+    r = plan(model_from_args(a), dev, a.dtype, a.kv_dtype, a.batch, a.seq_len, a.gpu_memory_utilization,
+             tp=a.tensor_parallel_size, link=link)
     print(json.dumps(r, indent=2) if a.json else render(r))
     return 0
 

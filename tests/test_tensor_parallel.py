@@ -147,6 +147,20 @@ def test_the_default_model_over_2_and_3_ranks_equals_one_process(smol):
             assert [o.outputs[0].token_ids for o in tp.generate(prompts, GREEDY, use_tqdm=False)] == want
 
 
+def test_the_default_gguf_model_over_2_ranks_decodes_as_one_does():
+    # the default load (GGUF blocks; on VNNI CPUs int8 activations and the CPU decode plan, whose all-
+    # reduces sit between its C calls): teacher-forced decode steps over real text agree with one process
+    # on the next token as quantization noise allows (a missing or doubled all-reduce agrees on ~nothing)
+    text = ("The quick brown fox jumps over the lazy dog. Serving a language model is a memory problem: "
+            "the weights stream from memory for every token, and the KV cache decides how many requests fit.")
+    with LLM(kv_cache_memory="64MiB") as one:
+        want = one.score(text, decode_from=8).argmax(-1)  # (T,)
+    with LLM(kv_cache_memory="64MiB", tensor_parallel_size=2) as two:
+        got = two.score(text, decode_from=8).argmax(-1)
+    agree = (got == want).float().mean().item()
+    assert agree >= 0.9, f"top-1 agreement {agree:.2%} over {len(want)} positions"
+
+
 def test_the_int8_model_over_2_ranks_equals_the_int8_model_in_one(tiny_models, monkeypatch):
     # float activations (our kernels' AVX-512 / AVX2 path): with int8 activations (VNNI) a partial sum's
     # last bit can move an activation's int8 rounding, and the two differ by that rounding, not by TP
@@ -222,3 +236,42 @@ def test_when_rank_0_dies_the_other_rank_exits_with_a_clear_error(tiny_models):
         proc.wait()
     assert waited < 10, f"rank 1 still running {waited:.1f} s after rank 0 died"
     assert "error: tensor-parallel rank 1" in err and "failed" in err
+
+
+def test_the_server_turns_503_and_exits_nonzero_when_a_rank_dies(tiny_models):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from tests.test_server import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--model",
+                             str(tiny_models["llama"][0]), "--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("server did not come up")
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5, 9, 13], "max_tokens": 4, "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            (worker,) = map(int, f.read().split())
+        os.kill(worker, signal.SIGKILL)
+        t0, statuses = time.monotonic(), set()
+        while proc.poll() is None and time.monotonic() - t0 < 30:
+            try:
+                statuses.add(httpx.get(url + "/health", timeout=1).status_code)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        assert proc.wait(30) == 1 and time.monotonic() - t0 < 30
+        assert 503 in statuses  # the grace before exit: /health said why
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert "error: the engine stopped" in out and "tensor-parallel" in out, out[-3000:]

@@ -57,7 +57,9 @@ class CpuDecodePlan:
     def __init__(self, model: Any) -> None:
         cfg = model.cfg
         self.model, self.lib = model, cpu_native.lib()
-        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        attn = model.layers[0].self_attn  # its head counts: a tensor-parallel shard's own
+        self.h, self.hkv, self.d = attn.h, attn.hkv, cfg.head_dim
+        self.reduce = attn.o_proj.reduce  # tensor parallel: the all-reduce after o and down (else None)
         self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
         self.layers = [self.read_layer(layer) for layer in model.layers]
         self.rotary = model.layers[0].self_attn.rotary
@@ -145,6 +147,8 @@ class CpuDecodePlan:
                                      lens.data_ptr(), b, h, hkv, d, meta.block_size, scale, window, att.data_ptr(),
                                      self.simd, threads, new_k, new_k + hkv * d * 4, slots.data_ptr(), width, width)
             o_mm(lib, att, tmp, threads)
+            if self.reduce is not None:
+                self.reduce.all_reduce(tmp)
             lib.lm_add_rmsnorm(tmp.data_ptr(), hd, res.data_ptr(), hd, w_post.data_ptr(), self.eps, b, hd,
                                hbuf.data_ptr(), res.data_ptr(), threads)
             gate_up = torch.empty(b, gu_mm.n)  # (B, 2I)
@@ -153,6 +157,8 @@ class CpuDecodePlan:
             lib.lm_silu_and_mul(gate_up.data_ptr(), b, gu_mm.n // 2, act.data_ptr(), threads)
             x = torch.empty(b, hd)  # (B, hidden)
             down_mm(lib, act, x, threads)
+            if self.reduce is not None:
+                self.reduce.all_reduce(x)
         return x, res
 
 
@@ -219,6 +225,8 @@ class GemmaDecodePlan(CpuDecodePlan):
                                      scale, window, att.data_ptr(), self.simd, threads, new_k, new_k + hkv * d * 4,
                                      slots.data_ptr(), width, width)
             o_mm(lib, att, tmp, threads)
+            if self.reduce is not None:
+                self.reduce.all_reduce(tmp)
             lib.lm_add_rmsnorm(tmp.data_ptr(), hd, None, 0, w_post_attn.data_ptr(), eps, b, hd, normed.data_ptr(), None,
                                threads)  # the attention block's output norm
             lib.lm_add_rmsnorm(normed.data_ptr(), hd, res.data_ptr(), hd, w_pre_ff.data_ptr(), eps, b, hd,
@@ -228,6 +236,8 @@ class GemmaDecodePlan(CpuDecodePlan):
             act = torch.empty(b, gu_mm.n // 2)  # (B, I)
             lib.lm_gelu_tanh_and_mul(gate_up.data_ptr(), b, gu_mm.n // 2, act.data_ptr(), threads)
             down_mm(lib, act, tmp, threads)
+            if self.reduce is not None:
+                self.reduce.all_reduce(tmp)
             x = torch.empty(b, hd)  # (B, hidden): the MLP block's output, normed
             lib.lm_add_rmsnorm(tmp.data_ptr(), hd, None, 0, w_post_ff.data_ptr(), eps, b, hd, x.data_ptr(), None, threads)
         return x, res

@@ -112,8 +112,8 @@ class TPModel(nn.Module):
                 raise
 
     def _heartbeat(self, every: float) -> None:
-        while not self._stop.wait(every / 2):
-            if time.monotonic() - self._last < every / 2 or not self.tp.lock.acquire(blocking=False):
+        while not self._stop.wait(every):
+            if time.monotonic() - self._last < every or not self.tp.lock.acquire(blocking=False):
                 continue
             try:
                 self._send(step.NOOP)
@@ -190,6 +190,6 @@ def load_tensor_parallel(config: EngineConfig) -> tuple[ModelConfig, TPModel, An
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
-    proxy = TPModel(model, tp, cfg, local[0], workers, config.distributed_timeout / 2)
+    proxy = TPModel(model, tp, cfg, local[0], workers, min(1.0, config.distributed_timeout / 4))
     atexit.register(proxy.close)
     return cfg, proxy, tokenizer

@@ -162,6 +162,6 @@ def shard_model(model: LlamaForCausalLM, cfg: ModelConfig, tp: TPGroup) -> Model
     emb.tp, emb.vocab_start, emb.vocab_count = tp, vocab.start, vocab.stop - vocab.start
     if model.lm_head is not None:
         shard_linear(model.lm_head, rows=[vocab])
-    model._cpu_plan = None  # the CPU decode plan runs whole layers in C: not for a shard
+    model.__dict__.pop("_cpu_plan", None)  # the CPU decode plan is built on first use, from the shard
     return dataclasses.replace(cfg, num_heads=qh.stop - qh.start, num_kv_heads=kvh.stop - kvh.start,
                                intermediate_size=inter.stop - inter.start)
