@@ -13,7 +13,7 @@ All figures are lower bounds from first principles:
   ridge point        = peak FLOP/s / bandwidth  (a kernel below it is memory-bound)
   tensor parallel N  = weights / N per rank (vocab, heads and MLP channels split), KV heads / N per rank (at
                        least one: replicated when fewer than N); per decode step 2 x layers + 1 all-reduces of
-                       batch x hidden x dtype bytes (after attention and the MLP, the embedding), each moving
+                       batch x hidden x activation bytes (fp32 on a CPU, else 2) (after attention and the MLP, the embedding), each moving
                        2 (N - 1) / N of it over a rank's link (ring), + the logits gather to rank 0; step time
                        >= the per-rank roofline + collectives x (latency + bytes / link bandwidth)
 """
@@ -156,9 +156,10 @@ def _config_from_path(name: str):  # type: ignore[no-untyped-def]
 def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", kv_dtype: str | None = None,
          batch: int = 1, seq_len: int = 1024, mem_util: float = 0.9,
          batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512), tp: int = 1,
-         link: tuple[float, float] = LINKS["h100"]) -> dict[str, Any]:
+         link: tuple[float, float] = LINKS["h100"], act_bytes: int | None = None) -> dict[str, Any]:
     """Every figure of the cost model, as a dict (the CLI prints it; tests assert on it). tp: tensor-
-    parallel ranks (memory and bounds per rank); link: (GB/s, us per collective) between them."""
+    parallel ranks (memory and bounds per rank); link: (GB/s, us per collective) between them; act_bytes:
+    an activation's bytes (default 4 with fp32 weights, else 2; lmserve on a CPU computes in fp32)."""
     mem_gb, bw_tbs, tflops = device
     wb = DTYPE_BYTES[dtype]
     kb = DTYPE_BYTES[kv_dtype or dtype]
@@ -219,17 +220,18 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
         "prefill_ms_lower_bound": t_pre * 1e3,
         "prefill_bound": "compute" if prefill_flops / peak >= prefill_bytes / bw else "memory",
         "table": [step(b) for b in batches],
-        "tensor_parallel": None if tp == 1 else tensor_parallel(m, tp, wb, kb, kv_tok, bw, peak, link, batch, seq_len),
+        "tensor_parallel": None if tp == 1 else tensor_parallel(m, tp, wb, kv_tok, bw, peak, link, batch, seq_len,
+                                                          act_bytes or (4 if wb >= 4 else 2)),
     }
 
 
-def tensor_parallel(m: PlanModel, tp: int, wb: float, kb: float, kv_tok: float, bw: float, peak: float,
-                    link: tuple[float, float], batch: int, seq_len: int) -> dict[str, Any]:
+def tensor_parallel(m: PlanModel, tp: int, wb: float, kv_tok: float, bw: float, peak: float,
+                    link: tuple[float, float], batch: int, seq_len: int, act_bytes: int) -> dict[str, Any]:
     """Per-rank memory and the decode step bound over `tp` ranks (see the module docstring)."""
     kv_heads = max(1, -(-m.kv_heads // tp))  # the most any rank holds; one replicated when fewer than ranks
     kv_rank_tok = kv_tok * kv_heads / m.kv_heads
     link_bw, latency = link[0] * 1e9, link[1] * 1e-6
-    msg = batch * m.hidden * wb  # one all-reduce's tensor
+    msg = batch * m.hidden * act_bytes  # one all-reduce's activations
     reduces = 2 * m.layers + 1
     ring = 2 * (tp - 1) / tp * msg  # bytes over each rank's link per all-reduce
     gather = batch * m.vocab * 4 * (tp - 1) / tp  # float32 logits slices to rank 0
@@ -336,7 +338,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {a.tensor_parallel_size}")
     link = (a.link_gbs or LINKS[a.device][0], a.link_latency_us or LINKS[a.device][1])
     r = plan(model_from_args(a), dev, a.dtype, a.kv_dtype, a.batch, a.seq_len, a.gpu_memory_utilization,
-             tp=a.tensor_parallel_size, link=link)
+             tp=a.tensor_parallel_size, link=link, act_bytes=4 if a.device == "cpu" else None)
     print(json.dumps(r, indent=2) if a.json else render(r))
     return 0
 

@@ -101,3 +101,28 @@ def test_a_deepseek_config_is_planned_as_mla(tmp_path):
     r = plan(m, DEVICES["h100"], "bf16")
     assert r["attention_kind"] == "MLA" and r["kv_bytes_per_token"] == 4 * (64 + 16) * 2
     assert r["kv_bytes_per_token"] == ModelConfig.from_hf(cfg).kv_elems_per_token * 2
+
+
+def test_tensor_parallel_worked_example(capsys):
+    # Llama-3.1-8B over 4 H100s, bf16, batch 1, 1024 tokens: by hand from the published shape
+    m = model_from_name("llama-3.1-8b")
+    r = plan(m, DEVICES["h100"], "bf16", tp=4, link=(450, 10))
+    t = r["tensor_parallel"]
+    assert t["weight_bytes_per_rank"] == m.params * 2 / 4
+    assert t["kv_heads_per_rank"] == 2 and not t["kv_replicated"]  # 8 KV heads over 4 ranks
+    assert t["kv_bytes_per_token_per_rank"] == 2 * 32 * 2 * 128 * 2  # K and V x layers x 2 heads x 128 x bf16
+    assert t["all_reduces_per_step"] == 2 * 32 + 1 and t["all_reduce_bytes"] == 4096 * 2
+    comm = 65 * (10e-6 + 1.5 * 8192 / 450e9) + 10e-6 + 128256 * 4 * 0.75 / 450e9  # ring: 2 (N - 1) / N
+    assert math.isclose(t["comm_ms"], comm * 1e3, rel_tol=1e-9)
+    one = m.params * 2 / 3.35e12 + 1024 * r["kv_bytes_per_token"] / 3.35e12  # memory-bound at batch 1
+    assert math.isclose(t["step_ms_tp1"], one * 1e3, rel_tol=1e-9)
+    quarter = m.params * 2 / 4 / 3.35e12 + 1024 * r["kv_bytes_per_token"] / 4 / 3.35e12
+    assert math.isclose(t["step_ms"], (quarter + comm) * 1e3, rel_tol=1e-9)
+    assert 2 < t["speedup"] < 4  # less than 4x: the collectives' latency
+    # fewer KV heads than ranks: one replicated per rank
+    mqa = plan(mk(4, 1, heads=8), DEVICES["h100"], "bf16", tp=4)["tensor_parallel"]
+    assert mqa["kv_heads_per_rank"] == 1 and mqa["kv_replicated"]
+    assert main(["plan", "--model", "llama-3.1-8b", "--tensor-parallel-size", "4", "--link-gbs", "450",
+                 "--link-latency-us", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel over 4 ranks" in out and f"{t['speedup']:.2f}x" in out

@@ -275,3 +275,26 @@ def test_the_server_turns_503_and_exits_nonzero_when_a_rank_dies(tiny_models):
             proc.kill()
     out = proc.stdout.read()
     assert "error: the engine stopped" in out and "tensor-parallel" in out, out[-3000:]
+
+
+def test_nothing_between_ranks_is_pickled():
+    # the vLLM / SGLang class (CVE-2025-30165, -47277): a rank that unpickles what arrives runs what arrives.
+    # Every message here is a tensor; torch.distributed's *_object* collectives pickle, so none is used.
+    import ast
+    from pathlib import Path
+
+    import lmserve.parallel as pkg
+    banned = {"pickle", "cloudpickle", "marshal", "dill", "broadcast_object_list", "send_object_list",
+              "recv_object_list", "all_gather_object", "gather_object", "scatter_object_list", "eval", "exec"}
+    for src in Path(pkg.__file__).parent.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(src.read_text())):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update(a.name.split(".")[0] for a in node.names)
+                names.add((getattr(node, "module", None) or "").split(".")[0])
+        assert not names & banned, (src.name, names & banned)
+        assert "load" not in names or src.name != "step.py"  # no torch.load of a payload

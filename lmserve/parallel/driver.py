@@ -157,9 +157,11 @@ def spawn_workers(config: EngineConfig, init: str) -> list[subprocess.Popen]:
     size = config.tensor_parallel_size
     blob = json.dumps(dataclasses.asdict(config))
     threads = max(1, torch.get_num_threads() // size)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where lmserve is
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     procs = []
     for rank in range(1, size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "PYTHONPATH": path,
                CONFIG_ENV: blob, INIT_ENV: init, "LMSERVE_THREADS": str(threads)}
         procs.append(subprocess.Popen([sys.executable, "-m", "lmserve.parallel.worker"], env=env))
     return procs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -67,6 +68,7 @@ def run(config: EngineConfig, rank: int, init: str) -> int:
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us, or its death does
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(**json.loads(os.environ[CONFIG_ENV]))
     return run(config, int(os.environ["RANK"]), os.environ[INIT_ENV])
