@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "lmserve"
 # the floors above the core, top first: the front doors (command line, server, benchmarks, planner;
 # they may use each other's leaves, e.g. the engine flags), the offline API, the engine itself
-FLOORS = (("lmserve.cli", "lmserve.server", "lmserve.bench", "lmserve.plan"), ("lmserve.llm",), ("lmserve.engine",))
+FLOORS = (("lmserve.cli", "lmserve.server", "lmserve.router", "lmserve.bench", "lmserve.plan"), ("lmserve.llm",), ("lmserve.engine",))
 
 
 def module_name(path: Path) -> str:

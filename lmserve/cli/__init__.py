@@ -21,11 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     from lmserve.bench import cli as bench_cli
     from lmserve.cli import chat, generate, quantize
     from lmserve.cli import eval as eval_cli
+    from lmserve.router import cli as router_cli
     from lmserve.server import cli as server_cli
 
     p = argparse.ArgumentParser(prog="lmserve", description="LLM inference and serving engine")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for command in (generate, chat, plan, server_cli, bench_cli, quantize, eval_cli):
+    for command in (generate, chat, plan, server_cli, router_cli, bench_cli, quantize, eval_cli):
         command.add_parser(sub)
     return p
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; a bad option or a missing file is one `error:` line and exit status 2."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (serve --data-parallel passes it on)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0:
         return torchrun_rank(args)
     try:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request as EngineRequest
-from lmserve.server import anthropic_api, responses_api
+from lmserve.server import anthropic_api, disagg, responses_api
 from lmserve.server import openapi as oa
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.server.errors import ApiError, invalid_request
@@ -171,6 +171,8 @@ class OpenAIServer:
     async def respond(self, request: Request, body: SamplingRequest, jobs: list[Job], fmt: Formatter) -> Response:
         """Run the jobs: one JSON response when they have all finished, or (body.stream) SSE chunks as they go."""
         self.first_check(jobs)
+        if disagg.PUSH_HEADER in request.headers:  # a prefill instance: the prompt only, its KV to a decode one
+            return await disagg.prefill_and_push(self, request, jobs, request.headers[disagg.PUSH_HEADER])
         if body.stream:
             return StreamingResponse(fmt.events(self.stream_all(jobs), *body.usage_flags()),
                                      media_type="text/event-stream")

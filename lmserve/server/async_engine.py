@@ -68,6 +68,11 @@ class _Stream:
         return self.sent - self.read
 
 
+def _settle(done: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if not done.done():
+        done.set_exception(exc) if exc is not None else done.set_result(result)
+
+
 class AsyncEngine:
     """Owns the engine thread. All Engine mutation happens on that thread."""
 
@@ -77,6 +82,7 @@ class AsyncEngine:
         self._lock = threading.RLock()
         self._pending: list[tuple[str, Request, _Stream]] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[Engine], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -183,6 +189,18 @@ class AsyncEngine:
             if not stream.finished:
                 self.abort(request_id)
 
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """fn(engine) on the engine thread between steps (what reads or writes the KV cache: a KV transfer);
+        its result, or its exception, here."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        with self._lock:
+            self._calls.append((fn, loop, done))
+        self._wake.set()
+        return await done
+
     def abort(self, request_id: str) -> None:
         """Abort a request (applied between steps)."""
         with self._lock:
@@ -233,7 +251,14 @@ class AsyncEngine:
         with self._lock:
             pending, self._pending = self._pending, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
             self._unpublished += len(pending)
+        for fn, loop, done in calls:
+            try:
+                result, exc = fn(self._engine), None
+            except Exception as e:  # the caller's alone
+                result, exc = None, e
+            loop.call_soon_threadsafe(_settle, done, result, exc)
         for rid, request, stream in pending:
             try:
                 self._engine.add_request(rid, request)
@@ -259,5 +284,8 @@ class AsyncEngine:
         if pending_too:
             with self._lock:
                 pending, self._pending = self._pending, []
+                calls, self._calls = self._calls, []
             for _, _, stream in pending:
                 stream.put(error)
+            for _, loop, done in calls:
+                loop.call_soon_threadsafe(_settle, done, None, error)

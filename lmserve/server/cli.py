@@ -31,15 +31,29 @@ def add_parser(sub: Any) -> None:
                    help="how tool calls are read from the output (default: from the model: hermes for Qwen "
                         "and <tool_call> templates, llama3_json for Llama 3)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                   help="prefill / decode disaggregation: a prefill instance runs prompts and pushes their KV "
+                        "to a --kv-peer; a decode instance takes KV and generates (lmserve router --prefill)")
+    p.add_argument("--kv-peer", action="append", default=[], help="prefill: a decode instance's URL it may push to")
+    p.add_argument("--data-parallel", type=int, default=1,
+                   help="N engine processes on local ports behind a router on --host / --port (lmserve router)")
+    from lmserve.router.cli import add_router_args
+    add_router_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    if a.data_parallel > 1:
+        from lmserve.router.cli import run_data_parallel
+        return run_data_parallel(a, a.argv)
+    if a.data_parallel < 1:
+        raise ValueError(f"data_parallel must be >= 1, got {a.data_parallel}")
     import uvicorn
 
     from lmserve.config import EngineConfig
     from lmserve.engine import Engine
+    from lmserve.server import disagg
     from lmserve.server.app import build_app
     from lmserve.server.async_engine import AsyncEngine
     from lmserve.server.limits import ServerLimits
@@ -53,6 +67,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)})
     app = build_app(ae, a.served_model_name or a.model, a.api_key, request_timeout=a.request_timeout,
                     tool_call_parser=a.tool_call_parser, limits=limits)
+    disagg.register(app, app.state.server, a.role, tuple(a.kv_peer))
     print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on http://{a.host}:{a.port}",
           flush=True)
     # uvicorn finishes in-flight requests on SIGTERM/SIGINT (up to 30 s), then re-raises the signal

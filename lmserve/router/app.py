@@ -1,0 +1,231 @@
+"""The router's app: an OpenAI-compatible front that forwards each request to one replica (policy.py).
+
+Forwarding is byte-for-byte: the request's body and headers (Authorization included: the replicas
+check the key) go to the replica as they came, and its status, headers and body come back as they
+are, a stream chunk by chunk, so a client sees what the replica said, its 4xx errors included. The
+router reads a body only to find its routing text and whether it streams.
+
+Disaggregation (`prefill`: a second Router over prefill instances): a generating request first goes,
+not streamed, to a prefill instance with the header naming the decode replica picked for it; that
+instance runs the prompt and pushes its KV blocks to the decode replica (server/disagg.py); then the
+request goes to the decode replica as usual, where its prompt hits those blocks. A prefill that fails
+is counted and skipped: the decode replica then computes the prompt itself.
+
+Failures: a replica that cannot be reached, or drops a request before its first byte reached the
+client, is marked down and the request goes to the next one (`retries`); once bytes were streamed,
+a replica that dies ends the stream with an SSE error event (`replica_failed`), since a generation
+cannot be resumed elsewhere. A background task polls each replica's /health and /metrics (running +
+waiting: the load `least-load` and `prefix` balance on) and brings replicas back when they answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from lmserve.router.policy import Replica, Router, routing_text
+
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+PUSH_HEADER = "x-lmserve-kv-push"  # = lmserve.server.disagg.PUSH_HEADER (the router does not import the server)
+HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+       "proxy-authorization", "proxy-connection", "trailer"}
+BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The OpenAI error body, as the replicas answer."""
+    return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
+                                   "invalid_request_error", "param": None, "code": code}}, status, headers=headers)
+
+
+class _Metrics:
+    def __init__(self, router: Router) -> None:
+        self.registry = r = CollectorRegistry()
+        self.router = router
+        self.requests = Counter("lmserve_router_requests", "Requests routed, by replica", ["replica"], registry=r)
+        self.retries = Counter("lmserve_router_retries", "Requests sent to another replica after one failed", registry=r)
+        self.broken = Counter("lmserve_router_failed_streams", "Streams cut by a replica failure after bytes were sent",
+                              registry=r)
+        self.queue = Histogram("lmserve_router_queue_seconds", "Arrival to the replica's response headers",
+                               buckets=BUCKETS, registry=r)
+        self.prefills = Counter("lmserve_router_prefills", "Disaggregated prefills by outcome (pushed, failed, "
+                                "skipped: no prefill instance up)", ["outcome"], registry=r)
+        self.prefill_time = Histogram("lmserve_router_prefill_seconds", "A prefill and its KV push",
+                                      buckets=BUCKETS, registry=r)
+        r.register(self)
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        up = GaugeMetricFamily("lmserve_router_replica_up", "1 while the replica answers its health check",
+                               labels=["replica"])
+        load = GaugeMetricFamily("lmserve_router_replica_load", "Requests in flight or queued at the replica",
+                                 labels=["replica"])
+        for rep in self.router.replicas:
+            up.add_metric([rep.url], 1.0 if rep.healthy else 0.0)
+            load.add_metric([rep.url], float(rep.load))
+        yield up
+        yield load
+        yield GaugeMetricFamily("lmserve_router_prefix_hit_rate", "Prompt prefix characters matched as routed / "
+                                "looked up (policy prefix)", value=self.router.prefix_hit_rate)
+
+
+def parse_load(metrics_text: str) -> int:
+    """running + waiting from a replica's Prometheus text."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("lmserve_num_requests_running", "lmserve_num_requests_waiting"):
+            total += float(value)
+    return int(total)
+
+
+async def check(client: httpx.AsyncClient, rep: Replica) -> None:
+    """One health check: /health 200 -> up (and its load from /metrics); anything else -> down."""
+    try:
+        ok = (await client.get(rep.url + "/health", timeout=2.0)).status_code == 200
+        if ok:
+            rep.reported = parse_load((await client.get(rep.url + "/metrics", timeout=2.0)).text)
+    except (httpx.HTTPError, ValueError):
+        ok = False
+    rep.healthy = ok
+
+
+def build_router_app(router: Router, health_interval: float = 1.0, max_body_bytes: int = 4 << 20,
+                     timeout: float = 600.0, prefill: Router | None = None) -> FastAPI:
+    """The router's FastAPI app over `router` (replicas start down until their first health check);
+    with `prefill`, its replicas prefill for `router`'s, which decode (disaggregation)."""
+    metrics = _Metrics(router)
+    state: dict[str, Any] = {}
+
+    async def health_loop() -> None:
+        while True:
+            await asyncio.gather(*(check(state["client"], r) for r in everyone))
+            await asyncio.sleep(health_interval)
+
+    everyone = router.replicas + (prefill.replicas if prefill is not None else [])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits) as client:
+            state["client"] = client
+            await asyncio.gather(*(check(client, r) for r in everyone))
+            task = asyncio.create_task(health_loop())
+            try:
+                yield
+            finally:
+                task.cancel()
+
+    app = FastAPI(title="lmserve router", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if router.healthy():
+            return PlainTextResponse("ok")
+        return error(503, "no replica is healthy", "no_healthy_replica", {"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def forward(request: Request, path: str) -> Response:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            return error(413, f"request body over {max_body_bytes} bytes", "body_too_large")
+        body = await request.body()
+        if len(body) > max_body_bytes:
+            return error(413, f"request body over {max_body_bytes} bytes", "body_too_large")
+        try:
+            parsed = json.loads(body) if body else None
+        except (ValueError, RecursionError):
+            parsed = None  # the replica will say what is wrong with it
+        text = routing_text("/" + path, parsed)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
+        url = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+        t0, first = time.monotonic(), None
+        if prefill is not None and request.method == "POST" and "/" + path in GENERATING and isinstance(parsed, dict):
+            first = router.pick(text)  # the decode replica, told to the prefill instance
+            if first is not None:
+                await prefill_for(first, url, headers, parsed, text)
+        return await send(request.method, url, headers, body, text, t0, first)
+
+    async def prefill_for(decode: Replica, url: str, headers: list, parsed: dict, text: str) -> None:
+        assert prefill is not None
+        rep = prefill.pick(text)
+        if rep is None:
+            metrics.prefills.labels("skipped").inc()
+            return
+        t0 = time.monotonic()
+        body = json.dumps({k: v for k, v in parsed.items() if k != "stream_options"} | {"stream": False}).encode()
+        rep.in_flight += 1
+        try:
+            r = await state["client"].post(rep.url + url, content=body, headers=[
+                *((k, v) for k, v in headers if k.lower() != "content-type"), ("content-type", "application/json"),
+                (PUSH_HEADER, decode.url)])
+            ok = r.status_code == 200
+        except httpx.TransportError:
+            rep.healthy, ok = False, False
+        finally:
+            rep.in_flight -= 1
+        metrics.prefills.labels("pushed" if ok else "failed").inc()
+        metrics.prefill_time.observe(time.monotonic() - t0)
+
+    async def send(method: str, url: str, headers: list, body: bytes, text: str, t0: float,
+                   first: Replica | None = None) -> Response:
+        tried: set[str] = set()
+        client: httpx.AsyncClient = state["client"]
+        while True:
+            rep = first if first is not None and first.healthy and not tried else router.pick(text, tried)
+            if rep is None:
+                what = "every replica failed this request" if tried else "no replica is healthy"
+                return error(503, what, "no_healthy_replica", {"Retry-After": "1"})
+            if tried:
+                metrics.retries.inc()
+            tried.add(rep.url)
+            rep.in_flight += 1
+            rep.requests += 1
+            metrics.requests.labels(rep.url).inc()
+            upstream = None
+            try:
+                upstream = await client.send(client.build_request(method, rep.url + url, headers=headers, content=body),
+                                             stream=True)
+                metrics.queue.observe(time.monotonic() - t0)
+                chunks = upstream.aiter_raw()
+                first = await anext(chunks, b"")  # nothing has reached the client yet: a failure here retries
+            except httpx.TransportError:
+                rep.healthy, rep.failures = False, rep.failures + 1
+                rep.in_flight -= 1
+                if upstream is not None:
+                    await upstream.aclose()
+                continue
+            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP}
+            return StreamingResponse(relay(rep, upstream, first, chunks), upstream.status_code, headers=out_headers)
+
+    async def relay(rep: Replica, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes]
+                    ) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+        except httpx.TransportError as e:  # bytes were sent: the request cannot move; say so and end
+            rep.healthy, rep.failures = False, rep.failures + 1
+            metrics.broken.inc()
+            err = {"error": {"message": f"the replica serving this stream failed: {type(e).__name__}",
+                             "type": "server_error", "param": None, "code": "replica_failed"}}
+            yield f"data: {json.dumps(err)}\n\n".encode()
+        finally:
+            rep.in_flight -= 1
+            await upstream.aclose()
+
+    return app

@@ -1,0 +1,147 @@
+"""Prefill / decode disaggregation: a prompt's KV blocks move from one engine to another as raw bytes
+(kv/transfer.py) and land in the receiver's prefix cache; behind the router (`--prefill`), a request
+prefilled on one process and decoded on another gives the colocated tokens, greedy and seeded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from lmserve import LLM
+from lmserve.kv.transfer import HEADER, export_prefix, import_prefix
+from lmserve.sequence import SamplingParams
+
+PROMPT = [5, 9, 13, 7, 21, 3, 44, 8, 17, 4, 99, 100, 3, 61, 62, 70, 71, 72, 30, 31, 40, 41, 50, 51, 52, 53, 54, 55,
+          56, 57, 58, 59, 60, 61, 2, 3, 4, 5, 6, 7]  # 40 tokens: two full blocks and a tail
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def test_blocks_moved_between_engines_are_prefix_hits_with_the_same_tokens(tiny_models):
+    folder = str(tiny_models["llama"][0])
+    with LLM(folder, kv_cache_memory="16MiB") as a, LLM(folder, kv_cache_memory="16MiB") as b:
+        want = a.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        payload = export_prefix(a.engine, PROMPT)
+        assert len(payload) == HEADER.size + 8 * 32 + 2 * 2 * 32 * 2 * 16 * 4  # 2 layers, K/V, 32 tokens, 2 x 16 fp32
+        assert import_prefix(b.engine, payload) == 2
+        assert import_prefix(b.engine, payload) == 0  # already cached: nothing written twice
+        out = b.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want
+        assert b.stats().prefix_hit_tokens == 32  # the two moved blocks, not recomputed
+        # the moved KV is the KV: corrupt it and the output changes
+        with LLM(folder, kv_cache_memory="16MiB") as c:
+            bad = bytearray(payload)
+            bad[-4096:] = bytes(4096)
+            import_prefix(c.engine, bytes(bad))
+            assert c.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids != want
+
+
+def test_a_transfer_that_does_not_fit_is_refused_by_field(tiny_models):
+    with LLM(str(tiny_models["llama"][0]), kv_cache_memory="16MiB") as a, \
+            LLM(str(tiny_models["llama"][0]), kv_cache_memory="16MiB", block_size=32) as b, \
+            LLM(str(tiny_models["qwen3"][0]), kv_cache_memory="16MiB") as q:
+        a.generate([PROMPT], GREEDY, use_tqdm=False)
+        payload = export_prefix(a.engine, PROMPT)
+        with pytest.raises(ValueError, match="block_size 16 does not match this instance's 32"):
+            import_prefix(b.engine, payload)
+        with pytest.raises(ValueError, match="kv_heads 2 does not match this instance.s 1"):
+            import_prefix(q.engine, payload)
+        with pytest.raises(ValueError, match="payload length"):
+            import_prefix(a.engine, payload[:-1])
+        with pytest.raises(ValueError, match="magic"):
+            import_prefix(a.engine, b"XXXX" + payload[4:])
+        with pytest.raises(ValueError, match="shorter than its header"):
+            import_prefix(a.engine, b"LMKV")
+
+
+# ---------------------------------------------------------------- two processes behind the router
+
+def _serve(folder: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    from tests.test_server import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--model", folder, "--port", str(port),
+                             "--kv-cache-memory", "16MiB", *flags], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait(url: str) -> None:
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not come up")
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_disaggregated_output_equals_colocated_token_for_token(tiny_models, tmp_path):
+    pytest.importorskip("uvicorn")
+    from lmserve.router.app import build_router_app
+    from lmserve.router.policy import Replica, Router
+    from tests.conftest import char_tokenizer_model
+    from tests.test_server import serving
+    folder = str(char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars"))  # a token is a character
+    dec, dec_url = _serve(folder, "--role", "decode")
+    pre, pre_url = _serve(folder, "--role", "prefill", "--kv-peer", dec_url)
+    try:
+        _wait(dec_url)
+        _wait(pre_url)
+        seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+        with LLM(folder, kv_cache_memory="16MiB") as colocated:
+            outs = colocated.generate([PROMPT, PROMPT], [GREEDY, seeded], use_tqdm=False)
+            want = [o.outputs[0].text for o in outs]
+            assert len(set(outs[0].outputs[0].token_ids)) > 3 and want[0] != want[1]
+        router = Router([Replica(dec_url)], "least-load")
+        with serving(build_router_app(router, health_interval=0.2, prefill=Router([Replica(pre_url)], "least-load"))) \
+                as (url, _):
+            got = []
+            for extra in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}):
+                r = httpx.post(url + "/v1/completions", timeout=60, json={
+                    "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, **extra})
+                assert r.status_code == 200, r.text
+                got.append(r.json())
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}) as s:
+                chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+            router_metrics = httpx.get(url + "/metrics").text
+        decode_metrics = httpx.get(dec_url + "/metrics").text
+        assert [g["choices"][0]["text"] for g in got] == want  # one character per token: token for token
+        assert "".join(c["choices"][0]["text"] for c in chunks) == got[0]["choices"][0]["text"]
+        assert _metric(router_metrics, 'lmserve_router_prefills_total{outcome="pushed"}') == 3
+        # the decode instance computed only the tails: 2 of each prompt's 2.5 blocks came from the prefill
+        assert _metric(decode_metrics, "lmserve_prefix_cache_hit_tokens") >= 3 * 32
+    finally:
+        for p in (pre, dec):
+            p.kill()
+            p.wait()
+
+
+def test_a_prefill_instance_pushes_only_to_its_peers(tiny_models):
+    folder = str(tiny_models["llama"][0])
+    pre, pre_url = _serve(folder, "--role", "prefill", "--kv-peer", "http://127.0.0.1:9")
+    both, both_url = _serve(folder)
+    try:
+        _wait(pre_url)
+        _wait(both_url)
+        body = {"prompt": PROMPT, "max_tokens": 4}
+        r = httpx.post(pre_url + "/v1/completions", json=body, headers={"x-lmserve-kv-push": "http://evil:80"})
+        assert r.status_code == 403 and "--kv-peer" in r.json()["error"]["message"]
+        r = httpx.post(both_url + "/v1/completions", json=body, headers={"x-lmserve-kv-push": "http://127.0.0.1:9"})
+        assert r.status_code == 400 and "--role prefill" in r.json()["error"]["message"]
+        assert httpx.post(both_url + "/v1/internal/kv", content=b"LMKV").status_code == 404  # only a decode instance
+        r = httpx.post(pre_url + "/v1/completions", json=body, headers={"x-lmserve-kv-push": "http://127.0.0.1:9"})
+        assert r.status_code == 502 and "could not be reached" in r.json()["error"]["message"]
+    finally:
+        for p in (pre, both):
+            p.kill()
+            p.wait()

@@ -1,0 +1,255 @@
+"""The router (lmserve/router): forwards byte-compatibly (the same greedy tokens, streams and errors as
+a replica asked directly), routes by prompt prefix or load, retries a request a dead replica had not
+started streaming, and ends a started stream with a clear error."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from lmserve import LLM  # noqa: E402
+from lmserve.router.policy import CHUNK, Replica, Router, chain, routing_text  # noqa: E402
+from tests.test_server import BAD, KEY, free_port, serving  # noqa: E402
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+# ---------------------------------------------------------------- the policy alone
+
+def _router(policy: str, n: int = 2, balance: int = 4) -> Router:
+    return Router([Replica(f"http://r{i}", healthy=True) for i in range(n)], policy, balance)
+
+
+def test_round_robin_and_least_load_and_health():
+    r = _router("round-robin", 3)
+    assert [r.pick("x").url for _ in range(6)] == ["http://r0", "http://r1", "http://r2"] * 2
+    r.replicas[1].healthy = False
+    assert {r.pick("x").url for _ in range(4)} == {"http://r0", "http://r2"}
+    assert r.pick("x", exclude={"http://r0", "http://r2"}) is None
+    ll = _router("least-load", 3)
+    ll.replicas[0].in_flight, ll.replicas[1].reported, ll.replicas[2].in_flight = 5, 2, 3
+    assert ll.pick("x").url == "http://r1"
+
+
+def test_prefix_routing_follows_the_longest_shared_prefix_within_the_balance():
+    r = _router("prefix", 2, balance=2)
+    system = "You are a careful assistant. " * 20  # 580 characters: 9 blocks
+    first = r.pick(system + "question one").url
+    r.replicas[[x.url for x in r.replicas].index(first)].in_flight = 2
+    # the other replica is idle, but within the balance the prefix wins
+    assert r.pick(system + "question two").url == first
+    assert r.prefix_hit_rate > 0.4
+    # an unrelated prompt goes to the least-loaded replica
+    other = r.pick("z" * 300).url
+    assert other != first
+    # past the balance, load wins over the prefix
+    r.replicas[[x.url for x in r.replicas].index(first)].in_flight = 9
+    assert r.pick(system + "question three").url == other
+    # a prefix is a chain: the same block after a different start is not a hit
+    assert chain("a" * CHUNK + "b" * CHUNK)[1] != chain("c" * CHUNK + "b" * CHUNK)[1]
+
+
+def test_routing_text_of_each_api():
+    assert routing_text("/v1/completions", {"prompt": "hello"}) == "hello"
+    assert routing_text("/v1/completions", {"prompt": [1, 2]}) == "[1, 2]"
+    chat = routing_text("/v1/chat/completions", {"messages": [{"role": "system", "content": "S"}]})
+    assert chat.startswith("[{") and '"S"' in chat
+    assert routing_text("/v1/messages", {"system": "sys", "messages": []}).startswith("sys")
+    assert routing_text("/v1/completions", None) == "" and routing_text("/v1/completions", [1]) == ""
+    with pytest.raises(ValueError, match="policy"):
+        Router([Replica("http://a")], "random")
+
+
+# ---------------------------------------------------------------- through real servers
+
+@pytest.fixture(scope="module")
+def replicas(smol):  # type: ignore[no-untyped-def]
+    """Two replicas of the default model (fp32, as the `smol` fixture) on loopback, as test_server builds one."""
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    other = LLM(quantization="none", kv_cache_memory="256MiB")
+    apps = [build_app(AsyncEngine(e, max_queue=64), "smollm2-135m", api_key=KEY, max_body_bytes=64 * 1024)
+            for e in (smol.engine, other.engine)]
+    with serving(apps[0]) as (a, _), serving(apps[1]) as (b, _):
+        yield [a, b]
+
+
+@pytest.fixture
+def front(replicas):  # type: ignore[no-untyped-def]
+    from lmserve.router.app import build_router_app
+    router = Router([Replica(u) for u in replicas], "round-robin")
+    with serving(build_router_app(router, health_interval=0.2)) as (url, _):
+        yield url, router
+
+
+def _strip(resp: dict) -> dict:
+    return {k: v for k, v in resp.items() if k not in ("id", "created")}
+
+
+def test_forwarded_responses_equal_the_replicas_own(front, replicas):
+    url, router = front
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    direct = httpx.post(replicas[0] + "/v1/completions", json=body, headers=AUTH, timeout=60).json()
+    for _ in range(2):  # round-robin: once to each replica
+        routed = httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert routed.status_code == 200 and routed.headers["content-type"].startswith("application/json")
+        assert _strip(routed.json()) == _strip(direct)
+    assert [r.requests for r in router.replicas] == [1, 1]
+    chat = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0}
+    d = httpx.post(replicas[1] + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60).json()
+    r = httpx.post(url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60).json()
+    assert r["choices"] == d["choices"] and r["usage"] == d["usage"]
+
+
+def _stream(base: str, body: dict) -> list[str]:
+    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return [line for line in r.iter_lines() if line]
+
+
+def test_a_stream_comes_through_chunk_for_chunk(front, replicas):
+    url, _ = front
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    direct, routed = _stream(replicas[0], body), _stream(url, body)
+    assert routed[-1] == direct[-1] == "data: [DONE]"
+    text = ["".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[:-1]) for lines in (direct, routed)]
+    assert text[0] == text[1] and len(text[0]) > 0
+
+
+@pytest.mark.parametrize("path,body,raw,status,param", BAD[:12])
+def test_bad_input_gets_the_replicas_error_unchanged(front, replicas, path, body, raw, status, param):
+    url, _ = front
+    kw = {"content": raw} if raw is not None else {"json": body}
+    direct = httpx.post(replicas[0] + path, headers={**AUTH, "content-type": "application/json"}, timeout=30, **kw)
+    routed = httpx.post(url + path, headers={**AUTH, "content-type": "application/json"}, timeout=30, **kw)
+    assert routed.status_code == direct.status_code == status
+    assert routed.json() == direct.json()
+    bad_key = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer no"})
+    assert bad_key.status_code == 401 and bad_key.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_prefix_policy_keeps_a_shared_system_prompt_on_one_replica(replicas):
+    from lmserve.router.app import build_router_app
+    router = Router([Replica(u) for u in replicas], "prefix")
+    system = "You are lmserve's test assistant. Answer in one short sentence, politely. " * 3
+    with serving(build_router_app(router, health_interval=0.2)) as (url, _):
+        for q in ("What is 2+2?", "Name a colour.", "Say yes."):
+            chat = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                    "max_tokens": 2, "temperature": 0}
+            assert httpx.post(url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60).status_code == 200
+        metrics = httpx.get(url + "/metrics").text
+    assert sorted(r.requests for r in router.replicas) == [0, 3]
+    rate = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("lmserve_router_prefix_hit_rate")))
+    assert rate >= 0.5  # requests 2 and 3 match every block of their key; request 1 none
+    assert 'lmserve_router_requests_total{replica="' in metrics
+
+
+# ---------------------------------------------------------------- a replica killed mid-run
+
+def _start_replica(folder: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--model", folder, "--port", str(port),
+                             "--kv-cache-memory", "16MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(url: str) -> None:
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not come up")
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(tiny_models, tmp_path):
+    from lmserve.router.app import build_router_app
+    from tests.conftest import char_tokenizer_model
+    folder = str(char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars"))  # text streams token by token
+    (pa, a), (pb, b) = _start_replica(folder), _start_replica(folder)
+    try:
+        _wait_healthy(a)
+        _wait_healthy(b)
+        router = Router([Replica(a), Replica(b)], "round-robin")
+        with serving(build_router_app(router, health_interval=0.2)) as (url, _):
+            long = {"prompt": [5, 9, 13], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+            want = httpx.post(b + "/v1/completions", json=long, timeout=120).json()["choices"][0]["text"]
+            # non-streamed requests on both replicas (round-robin: a, b, a, b), then a stream (the fifth: a);
+            # replica a dies as soon as the stream's first bytes arrived, with its other requests in flight
+            results: list[httpx.Response] = []
+            posts = [threading.Thread(target=lambda: results.append(
+                httpx.post(url + "/v1/completions", json=long, timeout=120))) for _ in range(4)]
+            for t in posts:
+                t.start()
+            while sum(r.requests for r in router.replicas) < 4:  # all four routed before the stream
+                time.sleep(0.01)
+            lines: list[str] = []
+            started = threading.Event()
+
+            def stream() -> None:
+                with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+                    for line in r.iter_lines():
+                        if line:
+                            lines.append(line)
+                            started.set()
+
+            th = threading.Thread(target=stream)
+            th.start()
+            assert started.wait(60)
+            pa.send_signal(signal.SIGKILL)
+            for t in [th, *posts]:
+                t.join(120)
+            metrics = httpx.get(url + "/metrics").text
+        assert [r.status_code for r in results] == [200] * 4  # those on a went to b
+        assert all(r.json()["choices"][0]["text"] == want for r in results)
+        assert lines[-1] != "data: [DONE]", "the stream ended before the kill: make it longer"
+        err = json.loads(lines[-1][6:])["error"]
+        assert err["code"] == "replica_failed" and "failed" in err["message"]  # the started stream: a clear end
+        retries = float(next(x.split()[1] for x in metrics.splitlines() if x.startswith("lmserve_router_retries_total")))
+        assert retries >= 1
+        assert not router.replicas[0].healthy and router.replicas[1].healthy
+    finally:
+        for p in (pa, pb):
+            p.kill()
+            p.wait()
+
+
+def test_serve_data_parallel_starts_replicas_behind_a_router(tiny_models):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--data-parallel", "2", "--model",
+                             str(tiny_models["llama"][0]), "--port", str(port), "--kv-cache-memory", "16MiB",
+                             "--policy", "round-robin"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # the router answers 200 once a replica is up
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        time.sleep(1.5)  # both replicas up
+        for _ in range(4):
+            r = httpx.post(url + "/v1/completions", json={"prompt": [5, 9, 13], "max_tokens": 4}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        metrics = httpx.get(url + "/metrics").text
+        counts = [float(x.split()[1]) for x in metrics.splitlines() if x.startswith("lmserve_router_requests_total")]
+        assert counts == [2.0, 2.0]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert "lmserve router: round-robin over http://127.0.0.1:" in out and "Traceback" not in out, out[-2000:]
