@@ -125,7 +125,7 @@ def test_a_stream_comes_through_chunk_for_chunk(front, replicas):
     assert text[0] == text[1] and len(text[0]) > 0
 
 
-@pytest.mark.parametrize("path,body,raw,status,param", BAD[:12])
+@pytest.mark.parametrize("path,body,raw,status,param", BAD)
 def test_bad_input_gets_the_replicas_error_unchanged(front, replicas, path, body, raw, status, param):
     url, _ = front
     kw = {"content": raw} if raw is not None else {"json": body}
@@ -133,8 +133,17 @@ def test_bad_input_gets_the_replicas_error_unchanged(front, replicas, path, body
     routed = httpx.post(url + path, headers={**AUTH, "content-type": "application/json"}, timeout=30, **kw)
     assert routed.status_code == direct.status_code == status
     assert routed.json() == direct.json()
+
+
+
+def test_the_router_refuses_what_it_cannot_forward_and_keeps_going(front):
+    url, router = front
     bad_key = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer no"})
     assert bad_key.status_code == 401 and bad_key.json()["error"]["code"] == "invalid_api_key"
+    huge = httpx.post(url + "/v1/completions", content=b"x" * (5 << 20), headers=AUTH, timeout=30)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
+    assert httpx.get(url + "/v1/nope", headers=AUTH).status_code == 404  # the replica's 404
+    assert httpx.get(url + "/health").status_code == 200 and all(r.healthy for r in router.replicas)
 
 
 def test_prefix_policy_keeps_a_shared_system_prompt_on_one_replica(replicas):
@@ -239,7 +248,11 @@ def test_serve_data_parallel_starts_replicas_behind_a_router(tiny_models):
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        time.sleep(1.5)  # both replicas up
+        for _ in range(600):  # both replicas up
+            up = [x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("lmserve_router_replica_up{")]
+            if len(up) == 2 and all(x.endswith(" 1.0") for x in up):
+                break
+            time.sleep(0.1)
         for _ in range(4):
             r = httpx.post(url + "/v1/completions", json={"prompt": [5, 9, 13], "max_tokens": 4}, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

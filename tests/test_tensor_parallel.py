@@ -2,7 +2,7 @@
 logits and greedy tokens of the whole model in one process, under chunked prefill, prefix caching and
 preemption; a quantized linear is split with its scales and groups; a lost rank ends the group
 promptly with a clear error. Multi-host over a veth pair between two network namespaces:
-tests/test_tensor_parallel_hosts.py."""
+tests/test_two_hosts.py."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def _small_pool(folder, size: int, blocks: int) -> int:
     return blocks * KVCache.bytes_per_block(local, 16, torch.float32)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2", "llama_mqa"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2"])  # qwen3: 1 KV head, replicated
 def test_tp2_gives_the_logits_and_tokens_of_tp1(family, tiny_models):
     folder = tiny_models[family][0]
     prompts = _prompts()
@@ -138,7 +138,7 @@ def test_tp2_gives_the_logits_and_tokens_of_tp1(family, tiny_models):
 
 
 def test_the_default_model_over_2_and_3_ranks_equals_one_process(smol):
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    prompts = ["The capital of France is", "def fibonacci(n):"]
     want = [o.outputs[0].token_ids for o in smol.generate(prompts, GREEDY, use_tqdm=False)]
     logits = smol.score(prompts[0])
     for size in (2, 3):  # 9 query / 3 KV heads: 2 + 1 KV heads over 2 ranks (uneven), 1 each over 3

@@ -49,9 +49,10 @@ def error(status: int, message: str, code: str, headers: dict[str, str] | None =
 
 
 class _Metrics:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, prefill: Router | None) -> None:
         self.registry = r = CollectorRegistry()
         self.router = router
+        self.everyone = router.replicas + (prefill.replicas if prefill is not None else [])
         self.requests = Counter("lmserve_router_requests", "Requests routed, by replica", ["replica"], registry=r)
         self.retries = Counter("lmserve_router_retries", "Requests sent to another replica after one failed", registry=r)
         self.broken = Counter("lmserve_router_failed_streams", "Streams cut by a replica failure after bytes were sent",
@@ -69,7 +70,7 @@ class _Metrics:
                                labels=["replica"])
         load = GaugeMetricFamily("lmserve_router_replica_load", "Requests in flight or queued at the replica",
                                  labels=["replica"])
-        for rep in self.router.replicas:
+        for rep in self.everyone:  # prefill instances too
             up.add_metric([rep.url], 1.0 if rep.healthy else 0.0)
             load.add_metric([rep.url], float(rep.load))
         yield up
@@ -103,7 +104,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                      timeout: float = 600.0, prefill: Router | None = None) -> FastAPI:
     """The router's FastAPI app over `router` (replicas start down until their first health check);
     with `prefill`, its replicas prefill for `router`'s, which decode (disaggregation)."""
-    metrics = _Metrics(router)
+    metrics = _Metrics(router, prefill)
     state: dict[str, Any] = {}
 
     async def health_loop() -> None:

@@ -1,7 +1,8 @@
-"""Tensor parallelism across two network hosts: two network namespaces joined by a veth pair, one rank
-in each, started by torchrun (its static rendezvous at rank 0's address), every collective over the
-veth (--distributed-interface). Needs root and iproute2 (`ip netns`); skipped, with the reason, where
-the namespaces cannot be made."""
+"""Two network hosts: two network namespaces joined by a veth pair. Tensor parallelism with one rank in
+each, started by torchrun (its static rendezvous at rank 0's address), every collective over the veth
+(--distributed-interface); and disaggregation with the prefill instance (and the router) on one host,
+the decode instance on the other, the KV blocks crossing the veth. Needs root and iproute2 (`ip
+netns`); skipped, with the reason, where the namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -79,3 +80,54 @@ def test_two_hosts_over_a_veth_pair_give_the_one_process_tokens(two_hosts, tiny_
     assert outs[1][0].strip() == ""  # rank 1 prints nothing: it only follows rank 0
     got = json.loads(outs[0][0])["outputs"][0]
     assert got["token_ids"] == want.token_ids and got["text"] == want.text
+
+
+CLIENT = """
+import json, sys, time, httpx
+router, decode = sys.argv[1], sys.argv[2]
+for _ in range(600):
+    try:
+        if httpx.get(router + "/health", timeout=1).status_code == 200 and len(
+                [1 for u in (decode,) if httpx.get(u + "/health", timeout=1).status_code == 200]) == 1:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.1)
+time.sleep(1.0)  # the router's next health check sees the prefill instance too
+r = httpx.post(router + "/v1/completions", timeout=60, json={"prompt": json.loads(sys.argv[3]), "max_tokens": 16,
+               "temperature": 0, "ignore_eos": True})
+print(json.dumps({"status": r.status_code, "body": r.json(), "router": httpx.get(router + "/metrics").text,
+                  "decode": httpx.get(decode + "/metrics").text}))
+"""
+
+
+def test_disaggregation_across_two_hosts_moves_the_kv_over_the_veth(two_hosts, tiny_models, tmp_path):
+    folder = str(char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars"))
+    prompt = [5, 9, 13, 7, 21, 3, 44, 8, 17, 4, 99, 100, 3, 61, 62, 70, 71, 72, 30, 31, 40, 41, 50, 51, 52, 53,
+              54, 55, 56, 57, 58, 59, 60, 61, 2, 3]  # 36 tokens: two full blocks move
+    with LLM(folder, kv_cache_memory="16MiB") as one:
+        want = one.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    (ns_a, _, addr_a), (ns_b, _, addr_b) = two_hosts
+    decode, prefill, router = f"http://{addr_b}:8101", f"http://{addr_a}:8102", "http://127.0.0.1:8100"
+    serve = [sys.executable, "-m", "lmserve.cli"]
+    common = ["--model", folder, "--kv-cache-memory", "16MiB"]
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen(["ip", "netns", "exec", ns, *serve, *args], cwd=root, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for ns, args in (
+        (ns_b, ["serve", "--role", "decode", "--host", addr_b, "--port", "8101", *common]),
+        (ns_a, ["serve", "--role", "prefill", "--kv-peer", decode, "--host", addr_a, "--port", "8102", *common]),
+        (ns_a, ["router", "--replica", decode, "--prefill", prefill, "--port", "8100", "--health-interval", "0.5"]))]
+    try:
+        out = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", CLIENT, router, decode, json.dumps(prompt)],
+                             capture_output=True, text=True, timeout=120, cwd=root)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["status"] == 200 and got["body"]["choices"][0]["text"] == want
+    assert 'lmserve_router_prefills_total{outcome="pushed"} 1.0' in got["router"]
+    hits = sum(float(x.split()[-1]) for x in got["decode"].splitlines() if x.startswith("lmserve_prefix_cache_hit_tokens"))
+    assert hits == 32  # the two blocks that crossed the veth
