@@ -1,5 +1,5 @@
 """Soak: 256 concurrent streaming clients on loopback against the server (a tiny model with a
-character tokenizer, deterministic mode), for LMSERVE_SOAK_SECONDS (default 40; README: the 10-minute
+character tokenizer, deterministic mode), for LMSERVE_SOAK_SECONDS (default 30; README: the 10-minute
 run). Each client loops: a random greedy request, streamed; 30% of them hang up at a random point, 5%
 are bad requests. Afterwards: no good request got an error, every good output that ran to its end
 equals the same request run alone, the KV pool is all free, no request / stream / connection / thread
@@ -25,7 +25,7 @@ from lmserve.layers import cpu_native  # noqa: E402
 from tests.conftest import char_tokenizer_model  # noqa: E402
 from tests.test_server import serving  # noqa: E402
 
-SECONDS = float(os.environ.get("LMSERVE_SOAK_SECONDS", "40"))
+SECONDS = float(os.environ.get("LMSERVE_SOAK_SECONDS", "30"))
 CLIENTS = 256
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ,."
 

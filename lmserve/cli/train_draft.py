@@ -1,0 +1,121 @@
+"""`lmserve train-draft --method eagle`: train an EAGLE-style draft head for the target model (spec/eagle.py).
+
+Data: the target's own continuations of a prompt set (built in: PROMPTS, or --prompts-file, one per
+line), sampled (temperature 0.7, seeded) until --tokens tokens; 10% of the sequences are held out.
+Everything lands in --out: the collected token ids (data.json, reused on a rerun), the training
+checkpoint (resumed from on a rerun), the head (model.safetensors + eagle_config.json) and the loss
+curve (loss.png, with matplotlib). Default budget: 100k tokens, one pass: ~20 minutes on 2 cores for
+the default model (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+
+PROMPTS = [
+    "Explain how a refrigerator keeps food cold.", "Write a short poem about the sea.",
+    "What are three tips for learning a new language?", "Summarize the plot of a detective story you invent.",
+    "How do vaccines train the immune system?", "Give me a recipe for a simple vegetable soup.",
+    "Why is the sky blue?", "Describe a busy market in the morning.", "What is a prime number? Give examples.",
+    "Write a polite email asking for a meeting next week.", "How does a bicycle stay upright?",
+    "List some good habits for a productive day.", "Tell a short story about a lost dog finding its way home.",
+    "What causes the seasons on Earth?", "Explain recursion to a beginner programmer.",
+    "Compare cats and dogs as pets.", "What should I pack for a weekend hiking trip?",
+    "How do plants make their food?", "Write a dialogue between a teacher and a curious student.",
+    "What is the difference between weather and climate?", "Give advice for a first job interview.",
+    "Describe how bread is made.", "Why do we need sleep?", "Explain what a budget is and how to make one.",
+    "Write a product description for a reusable water bottle.", "How do airplanes fly?",
+    "What are some ways to reduce stress?", "Explain the water cycle.", "Write a thank-you note to a friend.",
+    "What makes a good story?", "How does the internet send a message from one computer to another?",
+    "Describe your ideal weekend.",
+]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("train-draft", help="train a draft for speculative decoding (an EAGLE-style head)")
+    p.add_argument("--method", default="eagle", choices=["eagle"])
+    p.add_argument("--out", required=True, help="folder for the head, its data, checkpoint and loss curve")
+    p.add_argument("--tokens", type=int, default=100_000, help="token budget of the collected text")
+    p.add_argument("--steps", type=int, default=None, help="training steps, a sequence each (default: one pass)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="length of each collected continuation")
+    p.add_argument("--prompts-file", default=None, help="prompts, one per line (default: a built-in set)")
+    p.add_argument("--train-seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_train_draft)
+
+
+def cmd_train_draft(a: argparse.Namespace) -> int:
+    import torch
+
+    from lmserve.llm import LLM
+    from lmserve.spec import eagle
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    progress = not a.no_progress
+    llm = LLM(a.model, **engine_kwargs(a))
+    if llm.tokenizer is None:
+        raise ValueError(f"model: {a.model!r} has no tokenizer to write prompts with")
+    data = out / "data.json"
+    t0 = time.perf_counter()
+    if data.is_file():
+        seqs = json.loads(data.read_text())
+    else:
+        prompts = Path(a.prompts_file).read_text().splitlines() if a.prompts_file else PROMPTS
+        seqs = eagle.collect(llm, [p for p in prompts if p.strip()], a.tokens, a.train_seed, a.max_new_tokens, progress)
+        data.write_text(json.dumps(seqs))
+    collected = time.perf_counter() - t0
+    random.Random(a.train_seed).shuffle(seqs)
+    held = max(1, len(seqs) // 10)
+    model = llm.engine.model
+    lm_head = eagle.float_head(model)
+
+    def example(ids: list[int]) -> eagle.Example:
+        with torch.no_grad():
+            return eagle.Example(eagle.features(llm, ids), model.embed(torch.tensor(ids)).float())
+
+    heldout = [example(s) for s in seqs[:held]]
+    train_set = [example(s) for s in seqs[held:]]
+    torch.manual_seed(a.train_seed)
+    head = eagle.EagleHead(eagle.EagleConfig.for_target(llm.engine.model_config, a.model))
+    before = eagle.agreement(head, heldout, lm_head)
+    t1 = time.perf_counter()
+    curve = eagle.train(head, train_set, lm_head, a.steps or len(train_set), a.lr, a.train_seed,
+                        out / "checkpoint.pt", progress)
+    trained = time.perf_counter() - t1
+    after = eagle.agreement(head, heldout, lm_head)
+    tokens = sum(len(s) for s in seqs[held:])
+    head.cfg = eagle.EagleConfig(**{**head.cfg.__dict__, "trained_tokens": tokens, "seed": a.train_seed})
+    head.save(out, {"heldout_agreement": after, "untrained_agreement": before})
+    _plot(curve, out / "loss.png")
+    print(f"eagle head for {a.model}: {tokens} training tokens ({len(train_set)} sequences), {len(curve)} steps; "
+          f"collect {collected:.0f} s, train {trained:.0f} s; held-out next-token agreement with the target "
+          f"{before:.1%} -> {after:.1%}; saved to {out}")
+    return 0
+
+
+def _plot(curve: list[tuple[int, float]], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    steps, loss = zip(*curve) if curve else ((), ())
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, loss, lw=0.8)
+    ax.set_xlabel("step (one sequence)")
+    ax.set_ylabel("feature + 0.1 token loss")
+    ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
