@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from lmserve import LLM
 from lmserve.kv.transfer import HEADER, export_prefix, import_prefix
@@ -56,15 +57,26 @@ def test_a_transfer_that_does_not_fit_is_refused_by_field(tiny_models):
             import_prefix(a.engine, b"XXXX" + payload[4:])
         with pytest.raises(ValueError, match="shorter than its header"):
             import_prefix(a.engine, b"LMKV")
+        poisoned = bytearray(payload)
+        poisoned[-4:] = torch.tensor([float("nan")]).numpy().tobytes()
+        with LLM(str(tiny_models["llama"][0]), kv_cache_memory="16MiB") as fresh:
+            with pytest.raises(ValueError, match="non-finite"):
+                import_prefix(fresh.engine, bytes(poisoned))
+            assert fresh.stats().cached_blocks == 0  # nothing of a refused transfer is written
+            assert import_prefix(fresh.engine, payload) == 2 and fresh.stats().cached_blocks == 2
 
 
 # ---------------------------------------------------------------- two processes behind the router
 
-def _serve(folder: str, *flags: str) -> tuple[subprocess.Popen, str]:
+SECRET = "test-kv-secret"
+
+
+def _serve(folder: str, *flags: str, secret: str | None = SECRET) -> tuple[subprocess.Popen, str]:
     from tests.test_server import free_port
     port = free_port()
+    extra = ["--kv-secret", secret] if secret and "--role" in flags else []
     proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--model", folder, "--port", str(port),
-                             "--kv-cache-memory", "16MiB", *flags], stdout=subprocess.DEVNULL,
+                             "--kv-cache-memory", "16MiB", *flags, *extra], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -84,64 +96,78 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def test_disaggregated_output_equals_colocated_token_for_token(tiny_models, tmp_path):
+@pytest.fixture(scope="module")
+def pair(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A decode instance and a prefill instance allowed to push to it (two processes), on the tiny Llama
+    with a character tokenizer (a token is a character: text compares token for token)."""
     pytest.importorskip("uvicorn")
-    from lmserve.router.app import build_router_app
-    from lmserve.router.policy import Replica, Router
     from tests.conftest import char_tokenizer_model
-    from tests.test_server import serving
-    folder = str(char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars"))  # a token is a character
+    folder = str(char_tokenizer_model(tiny_models["llama"][0], tmp_path_factory.mktemp("disagg") / "chars"))
     dec, dec_url = _serve(folder, "--role", "decode")
     pre, pre_url = _serve(folder, "--role", "prefill", "--kv-peer", dec_url)
     try:
         _wait(dec_url)
         _wait(pre_url)
-        seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
-        with LLM(folder, kv_cache_memory="16MiB") as colocated:
-            outs = colocated.generate([PROMPT, PROMPT], [GREEDY, seeded], use_tqdm=False)
-            want = [o.outputs[0].text for o in outs]
-            assert len(set(outs[0].outputs[0].token_ids)) > 3 and want[0] != want[1]
-        router = Router([Replica(dec_url)], "least-load")
-        with serving(build_router_app(router, health_interval=0.2, prefill=Router([Replica(pre_url)], "least-load"))) \
-                as (url, _):
-            got = []
-            for extra in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}):
-                r = httpx.post(url + "/v1/completions", timeout=60, json={
-                    "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, **extra})
-                assert r.status_code == 200, r.text
-                got.append(r.json())
-            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                    "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}) as s:
-                chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
-            router_metrics = httpx.get(url + "/metrics").text
-        decode_metrics = httpx.get(dec_url + "/metrics").text
-        assert [g["choices"][0]["text"] for g in got] == want  # one character per token: token for token
-        assert "".join(c["choices"][0]["text"] for c in chunks) == got[0]["choices"][0]["text"]
-        assert _metric(router_metrics, 'lmserve_router_prefills_total{outcome="pushed"}') == 3
-        # the decode instance computed only the tails: 2 of each prompt's 2.5 blocks came from the prefill
-        assert _metric(decode_metrics, "lmserve_prefix_cache_hit_tokens") >= 3 * 32
+        yield folder, pre_url, dec_url
     finally:
         for p in (pre, dec):
             p.kill()
             p.wait()
 
 
-def test_a_prefill_instance_pushes_only_to_its_peers(tiny_models):
-    folder = str(tiny_models["llama"][0])
-    pre, pre_url = _serve(folder, "--role", "prefill", "--kv-peer", "http://127.0.0.1:9")
-    both, both_url = _serve(folder)
-    try:
-        _wait(pre_url)
-        _wait(both_url)
-        body = {"prompt": PROMPT, "max_tokens": 4}
-        r = httpx.post(pre_url + "/v1/completions", json=body, headers={"x-lmserve-kv-push": "http://evil:80"})
-        assert r.status_code == 403 and "--kv-peer" in r.json()["error"]["message"]
-        r = httpx.post(both_url + "/v1/completions", json=body, headers={"x-lmserve-kv-push": "http://127.0.0.1:9"})
-        assert r.status_code == 400 and "--role prefill" in r.json()["error"]["message"]
-        assert httpx.post(both_url + "/v1/internal/kv", content=b"LMKV").status_code == 404  # only a decode instance
-        r = httpx.post(pre_url + "/v1/completions", json=body, headers={"x-lmserve-kv-push": "http://127.0.0.1:9"})
-        assert r.status_code == 502 and "could not be reached" in r.json()["error"]["message"]
-    finally:
-        for p in (pre, both):
-            p.kill()
-            p.wait()
+def test_disaggregated_output_equals_colocated_token_for_token(pair):
+    from lmserve.router.app import build_router_app
+    from lmserve.router.policy import Replica, Router
+    from tests.test_server import serving
+    folder, pre_url, dec_url = pair
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    with LLM(folder, kv_cache_memory="16MiB") as colocated:
+        outs = colocated.generate([PROMPT, PROMPT], [GREEDY, seeded], use_tqdm=False)
+        want = [o.outputs[0].text for o in outs]
+        assert len(set(outs[0].outputs[0].token_ids)) > 3 and want[0] != want[1]
+    hits_before = _metric(httpx.get(dec_url + "/metrics").text, "lmserve_prefix_cache_hit_tokens")
+    router = Router([Replica(dec_url)], "least-load")
+    with serving(build_router_app(router, health_interval=0.2, prefill=Router([Replica(pre_url)], "least-load"))) \
+            as (url, _):
+        got = []
+        for extra in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}):
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, **extra})
+            assert r.status_code == 200, r.text
+            got.append(r.json())
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}) as s:
+            chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        router_metrics = httpx.get(url + "/metrics").text
+    decode_metrics = httpx.get(dec_url + "/metrics").text
+    assert [g["choices"][0]["text"] for g in got] == want  # one character per token: token for token
+    assert "".join(c["choices"][0]["text"] for c in chunks) == got[0]["choices"][0]["text"]
+    assert _metric(router_metrics, 'lmserve_router_prefills_total{outcome="pushed"}') == 3
+    # the decode instance computed only the tails: 2 of each prompt's 2.5 blocks came from the prefill
+    assert _metric(decode_metrics, "lmserve_prefix_cache_hit_tokens") - hits_before >= 3 * 32
+
+
+def test_only_peers_holding_the_secret_move_kv(pair, tiny_models):
+    from lmserve.server import disagg
+    folder, pre_url, dec_url = pair
+    body = {"prompt": PROMPT, "max_tokens": 4}
+    r = httpx.post(pre_url + "/v1/completions", json=body, headers={"x-lmserve-kv-push": "http://evil:80"})
+    assert r.status_code == 403 and "--kv-peer" in r.json()["error"]["message"]
+    with LLM(folder, kv_cache_memory="16MiB") as a:
+        fresh = [11 + (i * 7) % 100 for i in range(36)]  # no block of it is on the decode instance yet
+        a.generate([fresh], GREEDY, use_tqdm=False)
+        payload = export_prefix(a.engine, fresh)
+        for secret in (None, "wrong"):  # a planted block would serve every request with that prefix
+            r = httpx.post(dec_url + "/v1/internal/kv", content=payload,
+                           headers={"x-lmserve-kv-secret": secret} if secret else {})
+            assert r.status_code == 403 and "x-lmserve-kv-secret" in r.json()["error"]["message"]
+        r = httpx.post(dec_url + "/v1/internal/kv", content=payload[:-8], headers={"x-lmserve-kv-secret": SECRET})
+        assert r.status_code == 400 and "payload length" in r.json()["error"]["message"]
+        r = httpx.post(dec_url + "/v1/internal/kv", content=payload, headers={"x-lmserve-kv-secret": SECRET})
+        assert r.status_code == 200 and r.json() == {"registered_blocks": 2}
+        # an ordinary instance neither prefills for others nor takes KV; a role needs the secret
+        srv = type("Srv", (), {})()
+        with pytest.raises(ValueError, match="--kv-secret"):
+            disagg.register(None, srv, "decode", engine=a.engine)  # type: ignore[arg-type]
+        disagg.register(None, srv, "both")  # type: ignore[arg-type]
+        assert srv.role == "both" and srv.kv_peers == ()

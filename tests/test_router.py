@@ -143,6 +143,9 @@ def test_the_router_refuses_what_it_cannot_forward_and_keeps_going(front):
     huge = httpx.post(url + "/v1/completions", content=b"x" * (5 << 20), headers=AUTH, timeout=30)
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
     assert httpx.get(url + "/v1/nope", headers=AUTH).status_code == 404  # the replica's 404
+    before = sum(r.requests for r in router.replicas)
+    internal = httpx.post(url + "/v1/internal/kv", content=b"LMKV", headers=AUTH)  # never from a client
+    assert internal.status_code == 404 and sum(r.requests for r in router.replicas) == before
     assert httpx.get(url + "/health").status_code == 200 and all(r.healthy for r in router.replicas)
 
 

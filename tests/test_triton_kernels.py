@@ -126,7 +126,7 @@ def _jit_key(kernel, args: tuple, kwargs: dict) -> str:  # type: ignore[no-untyp
 
 
 def test_kernel_variants_constant_over_random_steps(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
-    """30 random engine steps (arrivals, chunked prefills mixed with decodes, decode-only steps
+    """40 random engine steps (arrivals, chunked prefills mixed with decodes, decode-only steps
     through the padded static-buffer path of several sizes; attention kernels, and in every 4th
     step the fused kernels, Qwen3's per-head q/k norm included) launch every kernel with the JIT
     keys its call sites show in the first steps, and no other later: after a warm-up no step would
@@ -157,7 +157,7 @@ def test_kernel_variants_constant_over_random_steps(tiny_models, monkeypatch):  
     eng.runner.model.layers[0].self_attn.backend.target_programs = 16  # fewer programs under the interpreter,
     eng.runner.enable_graphs([1, 2, 4], eng.max_model_len, capture=False)  # still 1..4 splits as steps vary
     rng = random.Random(0)
-    for step[0] in range(30):
+    for step[0] in range(40):
         if step[0] < 3 or rng.random() < 0.3:
             prompt = [rng.randrange(3, 120) for _ in range(rng.randint(2, 30))]
             eng.add_request(f"r{step[0]}", prompt, SamplingParams(max_tokens=rng.randint(2, 14), temperature=0,

@@ -115,8 +115,9 @@ def test_disaggregation_across_two_hosts_moves_the_kv_over_the_veth(two_hosts, t
     root = Path(__file__).resolve().parents[1]
     procs = [subprocess.Popen(["ip", "netns", "exec", ns, *serve, *args], cwd=root, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for ns, args in (
-        (ns_b, ["serve", "--role", "decode", "--host", addr_b, "--port", "8101", *common]),
-        (ns_a, ["serve", "--role", "prefill", "--kv-peer", decode, "--host", addr_a, "--port", "8102", *common]),
+        (ns_b, ["serve", "--role", "decode", "--host", addr_b, "--port", "8101", "--kv-secret", "s", *common]),
+        (ns_a, ["serve", "--role", "prefill", "--kv-peer", decode, "--host", addr_a, "--port", "8102",
+                "--kv-secret", "s", *common]),
         (ns_a, ["router", "--replica", decode, "--prefill", prefill, "--port", "8100", "--health-interval", "0.5"]))]
     try:
         out = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", CLIENT, router, decode, json.dumps(prompt)],

@@ -36,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (serve --data-parallel passes it on)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and hasattr(args, "tensor_parallel_size"):  # torchrun: the group is WORLD_SIZE ranks
+        if args.tensor_parallel_size not in (1, world):
+            print(f"error: --tensor-parallel-size {args.tensor_parallel_size} but torchrun started {world} ranks",
+                  file=sys.stderr)
+            return 2
+        args.tensor_parallel_size = world
+    if world > 1 and int(os.environ.get("RANK", "0")) > 0:
         return torchrun_rank(args)
     try:
         return int(args.func(args) or 0)

@@ -49,6 +49,8 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     from lmserve.quant.checkpoint import save_awq_checkpoint
 
     kw = engine_kwargs(a)
+    if kw.get("tensor_parallel_size", 1) > 1:
+        raise ValueError("tensor_parallel_size: calibration reads the whole model: use 1")
     if kw.get("quantization") not in (None, "none", "auto"):
         raise ValueError("quantization: calibration runs on the float model; leave --quantization off")
     kw["quantization"] = None  # calibrate on the float weights (a GGUF's blocks dequantized)

@@ -2,8 +2,8 @@
 
 Data: the target's own continuations of a prompt set (built in: PROMPTS, or --prompts-file, one per
 line), sampled (temperature 0.7, seeded) until --tokens tokens; 10% of the sequences are held out.
-Everything lands in --out: the collected token ids (data.json, reused on a rerun), the training
-checkpoint (resumed from on a rerun), the head (model.safetensors + eagle_config.json) and the loss
+Everything lands in --out: the collected token ids (data.json, reused on a rerun with the same model,
+budget, seed and prompts), the training checkpoint (resumed from on a rerun with that data), the head (model.safetensors + eagle_config.json) and the loss
 curve (loss.png, with matplotlib). Default budget: 100k tokens, one pass: ~20 minutes on 2 cores for
 the default model (BENCHMARKS.md).
 """
@@ -59,6 +59,11 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
     from lmserve.llm import LLM
     from lmserve.spec import eagle
 
+    if a.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size: train-draft reads the whole target's features and LM head: use 1")
+    prompts = [p for p in (Path(a.prompts_file).read_text().splitlines() if a.prompts_file else PROMPTS) if p.strip()]
+    if not prompts:
+        raise ValueError(f"prompts_file: {a.prompts_file} has no prompt")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not a.no_progress
@@ -67,12 +72,14 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
         raise ValueError(f"model: {a.model!r} has no tokenizer to write prompts with")
     data = out / "data.json"
     t0 = time.perf_counter()
-    if data.is_file():
-        seqs = json.loads(data.read_text())
+    key = {"model": a.model, "tokens": a.tokens, "seed": a.train_seed, "max_new_tokens": a.max_new_tokens,
+           "prompts": len(prompts)}
+    if data.is_file() and json.loads(data.read_text()).get("key") == key:  # a rerun: the same data
+        seqs = json.loads(data.read_text())["seqs"]
     else:
-        prompts = Path(a.prompts_file).read_text().splitlines() if a.prompts_file else PROMPTS
-        seqs = eagle.collect(llm, [p for p in prompts if p.strip()], a.tokens, a.train_seed, a.max_new_tokens, progress)
-        data.write_text(json.dumps(seqs))
+        seqs = eagle.collect(llm, prompts, a.tokens, a.train_seed, a.max_new_tokens, progress)
+        data.write_text(json.dumps({"key": key, "seqs": seqs}))
+        (out / "checkpoint.pt").unlink(missing_ok=True)  # a checkpoint of other data would not resume exactly
     collected = time.perf_counter() - t0
     random.Random(a.train_seed).shuffle(seqs)
     held = max(1, len(seqs) // 10)

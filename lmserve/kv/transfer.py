@@ -6,10 +6,12 @@ their hashes in its prefix cache, so the request that follows - and any later on
 - hits them and computes only the rest. Both run on the engine thread, between steps.
 
 Wire format (little-endian; never pickle): a fixed header struct HEADER (magic, version, block size,
-layers per KV group, K/V parts, KV heads, head dim, element bytes, tokens, blocks), then the tokens as
-int64, then the KV elements of every tensor of the cache, block by block: (tensors, parts, blocks x
-block_size, heads, head_dim) in the cache's dtype. The receiver checks every field against its own
-cache and refuses what does not fit (a ValueError naming the field).
+layers per KV group, K/V parts, KV heads, head dim, element bytes, dtype code, tokens, blocks), then the
+tokens as int64, then the KV elements of every tensor of the cache, block by block: (tensors, parts,
+blocks x block_size, heads, head_dim) in the cache's dtype. The receiver checks every field against its
+own cache, and that every element is finite, off the engine thread (`parse`), and refuses what does
+not fit (a ValueError naming the field); only then does the engine thread write (`import_prefix`).
+Both sides must serve the same model (the header can tell shapes and dtypes apart, not weights).
 """
 
 from __future__ import annotations
@@ -21,15 +23,22 @@ import numpy as np
 import torch
 
 MAGIC = b"LMKV"
-VERSION = 1
-HEADER = struct.Struct("<4sIqqqqqqqq")  # magic, version, block_size, tensors, parts, heads, head_dim, elem, tokens, blocks
+VERSION = 2
+HEADER = struct.Struct("<4sIqqqqqqqqq")  # magic, version, block_size, tensors, parts, heads, head_dim, elem, dtype,
+#                                          tokens, blocks
+DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
-def _plain_cache(engine: Any) -> list[torch.Tensor]:
-    kv = engine.kv_cache
+def check_engine(engine: Any) -> list[torch.Tensor]:
+    """The cache tensors of an engine that can take part in a transfer; ValueError naming what cannot."""
+    kv, c = engine.kv_cache, engine.config
     if kv.groups.num_groups != 1 or not all(isinstance(t, torch.Tensor) for t in kv.tensors):
         raise ValueError("KV transfer: only a float KV cache of one group (no sliding-window groups, no int8 / "
                          "fp8 KV) moves between instances")
+    if c.tensor_parallel_size > 1:
+        raise ValueError("KV transfer: not with tensor_parallel_size > 1 (each rank holds only its KV heads)")
+    if not c.enable_prefix_caching:
+        raise ValueError("KV transfer: enable_prefix_caching must be on (the moved blocks live in the prefix cache)")
     return kv.tensors
 
 
@@ -41,15 +50,15 @@ def _slots(blocks: list[int], block_size: int, device: torch.device) -> torch.Te
 def export_prefix(engine: Any, token_ids: list[int]) -> bytes:
     """The KV of token_ids' full blocks that the prefix cache holds, in the wire format (0 blocks: a header
     and nothing else)."""
-    tensors = _plain_cache(engine)
+    tensors = check_engine(engine)
     bm = engine.block_manager
     hit = bm.find_cached_prefix(token_ids, limit=len(token_ids))
     blocks = hit[0] if hit else []
     bs = bm.block_size
     tokens = token_ids[:len(blocks) * bs]
     parts, _, heads, dim = tensors[0].shape
-    head = HEADER.pack(MAGIC, VERSION, bs, len(tensors), parts, heads, dim, tensors[0].element_size(), len(tokens),
-                       len(blocks))
+    head = HEADER.pack(MAGIC, VERSION, bs, len(tensors), parts, heads, dim, tensors[0].element_size(),
+                       DTYPES[tensors[0].dtype], len(tokens), len(blocks))
     if not blocks:
         return head
     idx = _slots(blocks, bs, tensors[0].device)
@@ -57,27 +66,46 @@ def export_prefix(engine: Any, token_ids: list[int]) -> bytes:
     return head + np.asarray(tokens, dtype="<i8").tobytes() + data.view(torch.uint8).numpy().tobytes()
 
 
-def import_prefix(engine: Any, payload: bytes) -> int:
-    """Write a peer's exported blocks into free blocks of this engine and register them in its prefix
-    cache (as cached, unreferenced blocks: evicted in LRU order like any other). Returns the blocks
-    registered (0 when none were sent, all were cached already, or the pool has no room)."""
-    tensors = _plain_cache(engine)
+def parse(engine: Any, payload: bytes) -> tuple[list[int], torch.Tensor | None]:
+    """A peer's payload checked against this engine's cache (read-only: any thread may call it) ->
+    (tokens, KV (tensors, parts, tokens, heads, head_dim) in the cache's dtype, or None for no blocks)."""
+    tensors = check_engine(engine)
     if len(payload) < HEADER.size:
         raise ValueError("KV transfer: payload shorter than its header")
-    magic, version, bs, n_t, parts, heads, dim, elem, n_tok, n_blk = HEADER.unpack_from(payload)
-    bm = engine.block_manager
-    mine = (MAGIC, VERSION, bm.block_size, len(tensors), *tensors[0].shape[:1], *tensors[0].shape[2:],
-            tensors[0].element_size())
-    theirs = (magic, version, bs, n_t, parts, heads, dim, elem)
-    names = ("magic", "version", "block_size", "tensors", "parts", "kv_heads", "head_dim", "element_bytes")
+    magic, version, bs, n_t, parts, heads, dim, elem, dtype, n_tok, n_blk = HEADER.unpack_from(payload)
+    t0 = tensors[0]
+    mine = (MAGIC, VERSION, engine.block_manager.block_size, len(tensors), t0.shape[0], t0.shape[2], t0.shape[3],
+            t0.element_size(), DTYPES.get(t0.dtype))
+    theirs = (magic, version, bs, n_t, parts, heads, dim, elem, dtype)
+    names = ("magic", "version", "block_size", "tensors", "parts", "kv_heads", "head_dim", "element_bytes", "dtype")
     for name, a, b in zip(names, theirs, mine):
         if a != b:
             raise ValueError(f"KV transfer: {name} {a!r} does not match this instance's {b!r}")
-    if n_tok != n_blk * bs or len(payload) != HEADER.size + 8 * n_tok + n_t * parts * n_tok * heads * dim * elem:
+    if n_blk < 0 or n_tok != n_blk * bs or len(payload) != HEADER.size + 8 * n_tok + n_t * parts * n_tok * heads * dim * elem:
         raise ValueError("KV transfer: payload length does not match its header")
-    if n_blk == 0:
-        return 0
     tokens = np.frombuffer(payload, dtype="<i8", count=n_tok, offset=HEADER.size).tolist()
+    if any(not 0 <= t < engine.model_config.vocab_size for t in tokens):
+        raise ValueError("KV transfer: a token id outside the vocabulary")
+    if n_blk == 0:
+        return tokens, None
+    data = torch.frombuffer(bytearray(payload[HEADER.size + 8 * n_tok:]), dtype=torch.uint8)
+    data = data.view(t0.dtype).view(n_t, parts, n_tok, heads, dim)
+    if not torch.isfinite(data).all():
+        raise ValueError("KV transfer: non-finite values")
+    return tokens, data
+
+
+def import_prefix(engine: Any, payload: bytes | tuple[list[int], torch.Tensor | None]) -> int:
+    """Write a peer's exported blocks (a payload, or what `parse` made of one) into free blocks of this
+    engine and register them in its prefix cache (as cached, unreferenced blocks: evicted in LRU order
+    like any other). Engine thread. Returns the blocks registered (0 when none were sent, all were
+    cached already, or the pool has no room)."""
+    tokens, data = parse(engine, payload) if isinstance(payload, (bytes, bytearray)) else payload
+    if data is None:
+        return 0
+    tensors, bm = engine.kv_cache.tensors, engine.block_manager
+    bs, n_tok = bm.block_size, len(tokens)
+    n_blk = n_tok // bs
     cached = bm.find_cached_prefix(tokens, limit=n_tok)
     have = len(cached[0]) if cached else 0
     if have == n_blk:
@@ -85,8 +113,6 @@ def import_prefix(engine: Any, payload: bytes) -> int:
     tables: list[list[int]] = []
     if not bm.allocate(tables, n_tok, cached):
         return 0  # no room: the request recomputes its prompt, as without a transfer
-    data = torch.frombuffer(bytearray(payload[HEADER.size + 8 * n_tok:]), dtype=torch.uint8)
-    data = data.view(tensors[0].dtype).view(n_t, parts, n_tok, heads, dim)
     new = tables[0][have:]
     idx = _slots(new, bs, tensors[0].device)
     for t, src in zip(tensors, data):  # (parts, n_tok, H, d): the blocks not cached here already

@@ -65,7 +65,10 @@ class TPModel(nn.Module):
         except AttributeError:
             if name == "inner" or "inner" not in self._modules:
                 raise
-            return getattr(self._modules["inner"], name)
+            value = getattr(self._modules["inner"], name)
+            if callable(value) and not isinstance(value, nn.Module):  # a shard's method would skip the other ranks
+                raise AttributeError(f"{name}: not available through tensor parallelism") from None
+            return value
 
     def _send(self, cmd: int, *fields: int, widths: tuple[int, ...] = (), payload: torch.Tensor | None = None) -> None:
         if self.lost is not None:
@@ -79,15 +82,20 @@ class TPModel(nn.Module):
 
     def attach(self, kv_cache: Any) -> None:
         """The engine sized its KV cache: the other ranks build theirs with as many blocks, and every
-        copy-on-write block copy is mirrored to them. Starts the heartbeat."""
+        copy-on-write block copy is mirrored to them."""
         with self.tp.lock:
             self._send(step.INIT, kv_cache.num_blocks)
         kv_cache.mirror = self.copy_blocks
-        self._beat.start()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         with self.tp.lock:
             self._send(step.COPY, len(copies), payload=torch.tensor(copies, dtype=torch.long).view(-1, 2))
+
+    def _fail(self, e: BaseException) -> RankLost:
+        """A mirrored call that did not finish leaves the ranks at different collectives: fatal."""
+        self.lost = e if isinstance(e, RankLost) else RankLost(f"rank 0 failed mid-step ({type(e).__name__}: {e}); "
+                                                                f"the ranks are out of step")
+        return self.lost
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: Any) -> torch.Tensor:
@@ -97,9 +105,8 @@ class TPModel(nn.Module):
             try:
                 step.send_forward(self.tp, self.slots, input_ids, positions, meta)
                 return self.inner(input_ids, positions, kv_caches, meta)  # (N, hidden); all-reduces inside
-            except RankLost as e:
-                self.lost = e
-                raise
+            except BaseException as e:
+                raise self._fail(e) from e
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, hidden) -> (B, vocab) float32: every rank's vocab slice, gathered here."""
@@ -107,9 +114,8 @@ class TPModel(nn.Module):
             self._send(step.LOGITS, hidden.shape[0], payload=hidden)
             try:
                 return self.tp.gather_vocab(self.inner.compute_logits(hidden), self.full_config.vocab_size)
-            except RankLost as e:
-                self.lost = e
-                raise
+            except BaseException as e:
+                raise self._fail(e) from e
 
     def _heartbeat(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -138,6 +144,8 @@ class TPModel(nn.Module):
                 pass
         for w in self.workers:
             try:
+                if self.lost is not None:  # the group is broken: they may be waiting in a collective
+                    w.kill()
                 w.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 w.kill()
@@ -193,5 +201,6 @@ def load_tensor_parallel(config: EngineConfig) -> tuple[ModelConfig, TPModel, An
             dist.destroy_process_group()
         raise
     proxy = TPModel(model, tp, cfg, local[0], workers, min(1.0, config.distributed_timeout / 4))
+    proxy._beat.start()  # from now on: the other ranks wait for INIT while the engine sizes its cache
     atexit.register(proxy.close)
     return cfg, proxy, tokenizer

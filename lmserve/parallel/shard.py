@@ -68,6 +68,9 @@ def _shard_cols(layer: LinearBase, cols: slice) -> None:
     if not per_row and (c0 % group or c1 % group):
         raise ValueError(f"tensor parallel: input columns {c0}:{c1} of {type(layer).__name__} cut its "
                          f"quantization groups of {group}")
+    packed = getattr(layer, "bits", 8) == 4
+    if packed and (c0 % 2 or c1 % 2):
+        raise ValueError(f"tensor parallel: input columns {c0}:{c1} of {type(layer).__name__} cut a packed byte")
     for name, t in [*layer._parameters.items(), *layer._buffers.items()]:
         if t is None or name in ("bias", "outlier_cols", "outlier_weight"):
             continue

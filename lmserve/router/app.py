@@ -39,6 +39,7 @@ GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/m
 PUSH_HEADER = "x-lmserve-kv-push"  # = lmserve.server.disagg.PUSH_HEADER (the router does not import the server)
 HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
        "proxy-authorization", "proxy-connection", "trailer"}
+NOT_FROM_CLIENTS = HOP | {PUSH_HEADER, "x-lmserve-kv-secret"}  # the instances' own headers
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -140,18 +141,24 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(request: Request, path: str) -> Response:
+        if path.startswith("v1/internal"):  # between instances only, never from a client
+            return error(404, "Not Found", "not_found")
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             return error(413, f"request body over {max_body_bytes} bytes", "body_too_large")
-        body = await request.body()
-        if len(body) > max_body_bytes:
-            return error(413, f"request body over {max_body_bytes} bytes", "body_too_large")
+        parts, total = [], 0
+        async for chunk in request.stream():  # bounded as it arrives (a chunked body has no length)
+            total += len(chunk)
+            if total > max_body_bytes:
+                return error(413, f"request body over {max_body_bytes} bytes", "body_too_large")
+            parts.append(chunk)
+        body = b"".join(parts)
         try:
             parsed = json.loads(body) if body else None
         except (ValueError, RecursionError):
             parsed = None  # the replica will say what is wrong with it
         text = routing_text("/" + path, parsed)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FROM_CLIENTS]
         url = "/" + path + (f"?{request.url.query}" if request.url.query else "")
         t0, first = time.monotonic(), None
         if prefill is not None and request.method == "POST" and "/" + path in GENERATING and isinstance(parsed, dict):
@@ -169,6 +176,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
         t0 = time.monotonic()
         body = json.dumps({k: v for k, v in parsed.items() if k != "stream_options"} | {"stream": False}).encode()
         rep.in_flight += 1
+        decode.in_flight += 1  # it will take this request: the next pick must see that
         try:
             r = await state["client"].post(rep.url + url, content=body, headers=[
                 *((k, v) for k, v in headers if k.lower() != "content-type"), ("content-type", "application/json"),
@@ -178,6 +186,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
             rep.healthy, ok = False, False
         finally:
             rep.in_flight -= 1
+            decode.in_flight -= 1
         metrics.prefills.labels("pushed" if ok else "failed").inc()
         metrics.prefill_time.observe(time.monotonic() - t0)
 
@@ -210,10 +219,10 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                     await upstream.aclose()
                 continue
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP}
-            return StreamingResponse(relay(rep, upstream, first, chunks), upstream.status_code, headers=out_headers)
+            done = _Once(rep, upstream)
+            return _Relayed(relay(rep, first, chunks, done), done, upstream.status_code, headers=out_headers)
 
-    async def relay(rep: Replica, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes]
-                    ) -> AsyncIterator[bytes]:
+    async def relay(rep: Replica, first: bytes, chunks: AsyncIterator[bytes], done: "_Once") -> AsyncIterator[bytes]:
         try:
             if first:
                 yield first
@@ -226,7 +235,33 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                              "type": "server_error", "param": None, "code": "replica_failed"}}
             yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
-            rep.in_flight -= 1
-            await upstream.aclose()
+            await done()
 
     return app
+
+
+class _Once:
+    """Release a forwarded request's hold (the replica's in-flight count, the upstream connection) once,
+    whether its stream ran to the end, failed, or never started (the client left first)."""
+
+    def __init__(self, rep: Replica, upstream: httpx.Response) -> None:
+        self.rep, self.upstream, self.done = rep, upstream, False
+
+    async def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.rep.in_flight -= 1
+        await asyncio.shield(self.upstream.aclose())
+
+
+class _Relayed(StreamingResponse):
+    def __init__(self, content: Any, done: _Once, status_code: int, headers: dict[str, str]) -> None:
+        super().__init__(content, status_code, headers=headers)
+        self._done = done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._done()

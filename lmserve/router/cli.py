@@ -85,7 +85,7 @@ def run_data_parallel(a: argparse.Namespace, argv: list[str]) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     ports = [_free_port() for _ in range(n)]
     procs = [subprocess.Popen([sys.executable, "-m", "lmserve.cli", *replica_argv(argv), "--host", "127.0.0.1",
-                               "--port", str(p)], env=env) for p in ports]
+                               "--port", str(p), "--data-parallel", "1"], env=env) for p in ports]  # last wins
     try:
         return serve_router([f"http://127.0.0.1:{p}" for p in ports], a)
     finally:

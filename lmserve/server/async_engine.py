@@ -192,11 +192,11 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """fn(engine) on the engine thread between steps (what reads or writes the KV cache: a KV transfer);
         its result, or its exception, here."""
-        if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        with self._lock:
+        with self._lock:  # the loop's last _fail_all takes this lock too: nothing queued after it is lost
+            if not self.alive or self._stop.is_set():
+                raise EngineDeadError("the engine loop is not running")
             self._calls.append((fn, loop, done))
         self._wake.set()
         return await done

@@ -35,6 +35,8 @@ def add_parser(sub: Any) -> None:
                    help="prefill / decode disaggregation: a prefill instance runs prompts and pushes their KV "
                         "to a --kv-peer; a decode instance takes KV and generates (lmserve router --prefill)")
     p.add_argument("--kv-peer", action="append", default=[], help="prefill: a decode instance's URL it may push to")
+    p.add_argument("--kv-secret", default=os.environ.get("LMSERVE_KV_SECRET"),
+                   help="prefill / decode: the secret both instances share for KV transfers (or LMSERVE_KV_SECRET)")
     p.add_argument("--data-parallel", type=int, default=1,
                    help="N engine processes on local ports behind a router on --host / --port (lmserve router)")
     from lmserve.router.cli import add_router_args
@@ -67,7 +69,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)})
     app = build_app(ae, a.served_model_name or a.model, a.api_key, request_timeout=a.request_timeout,
                     tool_call_parser=a.tool_call_parser, limits=limits)
-    disagg.register(app, app.state.server, a.role, tuple(a.kv_peer))
+    disagg.register(app, app.state.server, a.role, tuple(a.kv_peer), a.kv_secret, engine)
     print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on http://{a.host}:{a.port}",
           flush=True)
     # uvicorn finishes in-flight requests on SIGTERM/SIGINT (up to 30 s), then re-raises the signal
