@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ import torch
 from lmserve import LLM
 from lmserve.kv.transfer import HEADER, export_prefix, import_prefix
 from lmserve.sequence import SamplingParams
+from tests.test_server import free_port, wait_healthy
 
 PROMPT = [5, 9, 13, 7, 21, 3, 44, 8, 17, 4, 99, 100, 3, 61, 62, 70, 71, 72, 30, 31, 40, 41, 50, 51, 52, 53, 54, 55,
           56, 57, 58, 59, 60, 61, 2, 3, 4, 5, 6, 7]  # 40 tokens: two full blocks and a tail
@@ -72,24 +72,12 @@ SECRET = "test-kv-secret"
 
 
 def _serve(folder: str, *flags: str, secret: str | None = SECRET) -> tuple[subprocess.Popen, str]:
-    from tests.test_server import free_port
     port = free_port()
     extra = ["--kv-secret", secret] if secret and "--role" in flags else []
     proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--model", folder, "--port", str(port),
                              "--kv-cache-memory", "16MiB", *flags, *extra], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait(url: str) -> None:
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not come up")
 
 
 def _metric(text: str, name: str) -> float:
@@ -106,8 +94,8 @@ def pair(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
     dec, dec_url = _serve(folder, "--role", "decode")
     pre, pre_url = _serve(folder, "--role", "prefill", "--kv-peer", dec_url)
     try:
-        _wait(dec_url)
-        _wait(pre_url)
+        wait_healthy(dec_url, dec)
+        wait_healthy(pre_url, pre)
         yield folder, pre_url, dec_url
     finally:
         for p in (pre, dec):

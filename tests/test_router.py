@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 
 from lmserve import LLM  # noqa: E402
 from lmserve.router.policy import CHUNK, Replica, Router, chain, routing_text  # noqa: E402
-from tests.test_server import BAD, KEY, free_port, serving  # noqa: E402
+from tests.test_server import BAD, KEY, free_port, serving, wait_healthy  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -174,25 +174,14 @@ def _start_replica(folder: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(url: str) -> None:
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not come up")
-
-
 def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(tiny_models, tmp_path):
     from lmserve.router.app import build_router_app
     from tests.conftest import char_tokenizer_model
     folder = str(char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars"))  # text streams token by token
     (pa, a), (pb, b) = _start_replica(folder), _start_replica(folder)
     try:
-        _wait_healthy(a)
-        _wait_healthy(b)
+        wait_healthy(a)
+        wait_healthy(b)
         router = Router([Replica(a), Replica(b)], "round-robin")
         with serving(build_router_app(router, health_interval=0.2)) as (url, _):
             long = {"prompt": [5, 9, 13], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
@@ -244,13 +233,7 @@ def test_serve_data_parallel_starts_replicas_behind_a_router(tiny_models):
                              "--policy", "round-robin"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):  # the router answers 200 once a replica is up
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(url, proc)  # the router answers 200 once a replica is up
         for _ in range(600):  # both replicas up
             up = [x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("lmserve_router_replica_up{")]
             if len(up) == 2 and all(x.endswith(" 1.0") for x in up):

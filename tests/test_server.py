@@ -26,6 +26,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc=None) -> None:  # type: ignore[no-untyped-def]
+    """Until url's /health answers 200 (a minute at most; at once an AssertionError if proc exited)."""
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not come up")
+
+
 @contextlib.contextmanager
 def serving(app):  # type: ignore[no-untyped-def]
     """The app under uvicorn on a free loopback port, in a thread: (base url, the uvicorn Server)."""

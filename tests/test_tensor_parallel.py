@@ -17,7 +17,7 @@ import torch
 
 from lmserve import LLM
 from lmserve.kv.cache import KVCache
-from lmserve.layers.linear import Linear, MergedLinear
+from lmserve.layers.linear import MergedLinear
 from lmserve.layers.quant import Fp8Linear, Int4Linear, Int8Linear
 from lmserve.models.loader import hf_config
 from lmserve.parallel.group import RankLost, even_split, head_split, vocab_split
@@ -262,21 +262,14 @@ def test_when_rank_0_dies_the_other_rank_exits_with_a_clear_error(tiny_models):
 def test_the_server_turns_503_and_exits_nonzero_when_a_rank_dies(tiny_models):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from tests.test_server import free_port
+    from tests.test_server import free_port, wait_healthy
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--model",
                              str(tiny_models["llama"][0]), "--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("server did not come up")
+        wait_healthy(url, proc)
         r = httpx.post(url + "/v1/completions", json={"prompt": [5, 9, 13], "max_tokens": 4, "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
