@@ -296,9 +296,10 @@ class EngineConfig:
     # auto (the model dtype) | int8 | fp8: quantized KV, a scale per token, head and 32 channels
     kv_cache_dtype: str = "auto"
     # speculative decoding
-    speculative_method: str | None = None  # None | "ngram" | "draft"
+    speculative_method: str | None = None  # None | "ngram" | "draft" | "eagle" (draft_model: the head's folder)
     num_speculative_tokens: int = 5  # measured best of 3 / 5 / 7 for n-gram on the CPU fast path (BENCHMARKS.md)
-    draft_model: str | None = None  # path or known name; defaults to the target itself (with draft_num_layers)
+    # draft: a path or known name, by default the target itself (with draft_num_layers); eagle: a head's folder
+    draft_model: str | None = None
     draft_num_layers: int | None = None  # keep only the first N layers of the draft (a truncated copy)
     ngram_min: int = 1
     ngram_max: int = 3
@@ -360,8 +361,15 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.speculative_method not in (None, "ngram", "draft"):
-            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
+        if self.speculative_method not in (None, "ngram", "draft", "eagle"):
+            raise ValueError(f"speculative_method must be None, 'ngram', 'draft' or 'eagle', "
+                             f"got {self.speculative_method!r}")
+        if self.speculative_method == "eagle" and not self.draft_model:
+            raise ValueError("draft_model: speculative_method='eagle' needs the head's folder "
+                             "(lmserve train-draft --method eagle --out DIR)")
+        if self.speculative_method == "eagle" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_method: 'eagle' reads the whole target's features; "
+                             "use it with tensor_parallel_size=1")
         if self.speculative_method and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         resolve_dtype(self.dtype, self.device)

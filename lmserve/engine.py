@@ -78,8 +78,8 @@ class Engine:
             except Exception as e:  # a model or kernel that cannot be captured at all: serve eagerly, say so
                 log.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
                 self.runner.graphs = None
-        self.spec = SpecPolicy(build_proposer(c, cfg, draft_budget, draft), c, self.max_model_len) \
-            if c.speculative_method else None
+        self.spec = None if not c.speculative_method else SpecPolicy(
+            build_proposer(c, cfg, draft_budget, draft, self.model, self.max_model_len), c, self.max_model_len)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, c.max_num_seqs,
                                      self.block_manager, self.structured)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
@@ -191,7 +191,7 @@ class Engine:
                 self.output.fail(seq, f"{type(e).__name__}: {e}")
             return self._outputs(out, expired)
         if self.spec is not None:
-            self.spec.settle(out, res.rejected)
+            self.spec.settle(out, res.rejected, res.hidden)
         for seq, new in self.scheduler.update_from_output(out, res.sampled, res.rejected).items():
             if seq.grammar is not None:  # tokens past a complete grammar, or from a refused one, go
                 new = self.structured.keep(seq, new, self.scheduler.finish)

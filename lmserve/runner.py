@@ -41,6 +41,7 @@ class RunnerOutput:
     # asked for, or best_of ranking); the engine records those of the tokens it keeps
     logprobs: dict[Sequence, list[Logprob]] = field(default_factory=dict)
     beam: dict[Sequence, torch.Tensor] = field(default_factory=dict)  # beam sequence -> (V,) next-token log-probs
+    hidden: torch.Tensor | None = None  # (N, hidden) the step's final hidden states (an EAGLE head reads them)
 
 
 class ModelRunner:
@@ -125,7 +126,7 @@ class ModelRunner:
                 rows.append(start + n - 1)
                 sampling.append(seq)
             start += n
-        result = RunnerOutput({})
+        result = RunnerOutput({}, hidden=hidden)
         if sampling:
             last = hidden[:len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows]  # (B, hidden); rows ascend
             logits = self.model.compute_logits(last)  # (B, V) float32

@@ -94,12 +94,20 @@ def test_the_features_are_what_the_lm_head_reads(tiny_data):
     torch.testing.assert_close(eagle.features(llm, ids) @ lm_head.T, logits, rtol=1e-5, atol=1e-5)
 
 
-def test_training_lowers_the_loss_and_raises_held_out_agreement(tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def trained(tiny_data):  # type: ignore[no-untyped-def]
+    """A head trained on the tiny Llama target's own text: (head, held-out agreement before, loss curve)."""
     llm, train_set, heldout, lm_head = tiny_data
     torch.manual_seed(0)
     head = eagle.EagleHead(eagle.EagleConfig.for_target(llm.engine.model_config))
     before = eagle.agreement(head, heldout, lm_head)
     curve = eagle.train(head, train_set, lm_head, steps=240, lr=5e-3, seed=0, progress=False)
+    return head, before, curve
+
+
+def test_training_lowers_the_loss_and_raises_held_out_agreement(tiny_data, trained, tmp_path):
+    llm, train_set, heldout, lm_head = tiny_data
+    head, before, curve = trained
     after = eagle.agreement(head, heldout, lm_head)
     first, last = (sum(x for _, x in curve[i:i + 30]) / 30 for i in (0, len(curve) - 30))
     assert last < 0.85 * first, (first, last)  # measured 0.86 -> 0.68
@@ -149,3 +157,136 @@ def test_train_draft_command_writes_a_head_that_loads(tiny_models, tmp_path):
     assert meta["trained_tokens"] > 0 and 0 <= meta["heldout_agreement"] <= 1
     assert eagle.load_head(out).cfg.hidden_size == 64
     assert (out / "data.json").is_file() and (out / "checkpoint.pt").is_file()
+    # the head serves: bench spec runs it beside no speculation and reports the three costs
+    report = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--model", str(folder), "--methods", "none,eagle", "--eagle-head", str(out),
+                 "--task", "chat", "--batch-sizes", "1", "--max-tokens", "24", "--kv-cache-memory", "16MiB",
+                 "--spec-min-acceptance", "0", "--output-json", str(report)]) == 0
+    rows = {r["method"]: r for r in json.loads(report.read_text())["rows"]}
+    assert rows["eagle"]["proposed"] > 0 and rows["none"]["proposed"] == 0
+    assert rows["eagle"]["draft_cost_vs_step"] > 0 and rows["eagle"]["verify_cost_vs_step"] > 0
+    assert rows["none"]["decode_step_s"] > 0
+
+
+# ---------------------------------------------------------------- serving: the head as a proposer
+
+@pytest.fixture(scope="module")
+def head_dir(trained, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The trained head saved as train-draft saves it."""
+    out = tmp_path_factory.mktemp("eagle") / "head"
+    trained[0].save(out)
+    return out
+
+
+EAGLE = dict(speculative_method="eagle", num_speculative_tokens=4, spec_max_batch=1000, spec_min_acceptance=0.0)
+PROMPTS = [[5, 6, 7, 8] * 6 + [5, 6], list(range(20, 40)) * 2 + [20, 21], [9, 9, 3] * 5, [11, 12, 13]]
+
+
+@pytest.mark.parametrize("mode", ["plain", "prefix", "preempt", "chunked"])
+def test_eagle_greedy_identical_to_plain(tiny_models, head_dir, mode):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["llama"]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    kw: dict = {}
+    if mode == "preempt":
+        from lmserve.kv.cache import KVCache
+        from lmserve.models.loader import hf_config
+        per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
+        kw = dict(block_size=4, kv_cache_memory=per_block * 40, enable_prefix_caching=False)
+    if mode == "prefix":
+        kw = dict(block_size=4, enable_prefix_caching=True)
+    if mode == "chunked":  # prompts prefilled in chunks of 8 tokens: features arrive over several steps
+        kw = dict(max_num_batched_tokens=8, max_num_seqs=4)
+    plain = LLM(str(path), **kw)
+    llm = LLM(str(path), draft_model=str(head_dir), **EAGLE, **kw)
+    if mode == "prefix":  # warm the prefix cache: the second pass starts from cached blocks (no features there)
+        for x in (plain, llm):
+            x.generate(PROMPTS, params, use_tqdm=False)
+    ref = plain.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    st = llm.stats()
+    assert st.spec["proposed"] > 0 and st.spec["accepted"] > 0, st.spec
+    assert st.used_blocks == 0
+    if mode == "preempt":
+        assert st.num_preemptions > 0
+    assert not llm.engine.spec.proposer.states  # every sequence's head state freed with it
+
+
+def test_eagle_proposals_track_the_head(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    """The serving path drafts what the head itself predicts from the target's features: draft 1 of a
+    step equals the argmax of the head's read-out from the true feature of the position before the last
+    token, computed here with the training-side forward over the whole sequence."""
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), draft_model=str(head_dir), **{**EAGLE, "num_speculative_tokens": 1})
+    head = eagle.load_head(head_dir)
+    lm_head = eagle.float_head(llm.engine.model)
+    prop = llm.engine.spec.proposer
+    seen: list[tuple[list[int], int]] = []
+    real = prop.propose
+
+    def spy(seqs, ks):  # type: ignore[no-untyped-def]
+        out = real(seqs, ks)
+        for s, p in zip(seqs, out):
+            if p.tokens:
+                seen.append((list(s.token_ids), p.tokens[0]))
+        return out
+    prop.propose = spy
+    llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(seen) >= 5
+    for ids, draft in seen:
+        f = eagle.features(llm, ids)  # (T, H)
+        e = llm.engine.model.embed(torch.tensor(ids)).float()
+        t = len(ids) - 1
+        with torch.no_grad():
+            pred = head(f[None, :t], e[None, 1:t + 1], torch.arange(t))[0, -1]  # feature of position T - 1
+        assert int((pred @ lm_head.T).argmax()) == draft
+
+
+def test_eagle_sampling_distribution_unchanged(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    from tests.test_sampling import two_sample_pvalue
+    path, _ = tiny_models["llama"]
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    N = 1500
+    params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=i) for i in range(N)]
+    plain = LLM(str(path), max_num_seqs=256, max_num_batched_tokens=4096)
+    spec = LLM(str(path), draft_model=str(head_dir), max_num_seqs=256, max_num_batched_tokens=4096, **EAGLE)
+    a = plain.generate([prompt] * N, params, use_tqdm=False)
+    b = spec.generate([prompt] * N, params, use_tqdm=False)
+    st = spec.stats().spec
+    assert st["accepted"] > 100 and st["proposed"] - st["accepted"] > 100, st
+    for pos in range(1, 4):  # tokens 2..4 are the ones speculation produces
+        ca = torch.bincount(torch.tensor([o.outputs[0].token_ids[pos] for o in a]), minlength=128).double()
+        cb = torch.bincount(torch.tensor([o.outputs[0].token_ids[pos] for o in b]), minlength=128).double()
+        assert two_sample_pvalue(ca, cb) > 1e-3, pos
+
+
+def test_a_draft_vocabulary_keeps_drafts_inside_it_and_output_exact(tiny_models, head_dir, tmp_path):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["llama"]
+    head = eagle.load_head(head_dir)
+    head.draft_vocab = eagle.frequent_vocab([list(range(3, 40)) * 3, [40, 41]], 30, always=(2,))
+    assert head.draft_vocab.tolist() == [2] + list(range(3, 33))  # the 30 most frequent (ties by id) + EOS
+    head.save(tmp_path / "small")
+    assert torch.equal(eagle.load_head(tmp_path / "small").draft_vocab, head.draft_vocab)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    llm = LLM(str(path), draft_model=str(tmp_path / "small"), **EAGLE)
+    drafted: list[int] = []
+    real = llm.engine.spec.proposer.propose
+    llm.engine.spec.proposer.propose = lambda s, k: [drafted.extend(p.tokens) or p for p in real(s, k)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    ref = LLM(str(path)).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert drafted and set(drafted) <= set(head.draft_vocab.tolist())
+
+
+def test_eagle_config_errors_name_the_field(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["llama"]
+    with pytest.raises(ValueError, match="draft_model"):
+        LLM(str(path), speculative_method="eagle")
+    with pytest.raises(ValueError, match="draft_model"):
+        LLM(str(path), speculative_method="eagle", draft_model=str(tmp_path))
+    other = eagle.EagleHead(eagle.EagleConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                              intermediate_size=16))
+    other.save(tmp_path / "other")
+    with pytest.raises(ValueError, match="draft_model.*hidden size"):
+        LLM(str(path), speculative_method="eagle", draft_model=str(tmp_path / "other"))

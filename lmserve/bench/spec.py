@@ -1,5 +1,8 @@
-"""`lmserve bench spec`: tokens/s and acceptance with and without speculative decoding, on a
-repetitive task (rewrite a given text with one change), at batch 1 and at a larger batch."""
+"""`lmserve bench spec`: tokens/s and acceptance with and without speculative decoding, at batch 1 and
+at a larger batch, on a copy task (rewrite a given text with one change) or on held-out chat prompts
+(none of them in train-draft's prompt set). Beside acceptance, what decides a speedup: the draft's cost
+per drafted token and a verification step's cost, each relative to a plain decode step of the same batch
+(the `none` row, which is run first when it is asked for)."""
 
 from __future__ import annotations
 
@@ -26,20 +29,78 @@ TEXTS = [
 ]
 
 
-def task_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+# chat-style prompts held out from training (cli/train_draft.PROMPTS has none of them)
+CHAT = [
+    "What are the main differences between a lake and a river?", "Write a short story about a robot learning to paint.",
+    "How can I improve my handwriting?", "Explain how a solar panel turns light into electricity.",
+    "Give me five ideas for a birthday party for a ten-year-old.", "Why do leaves change colour in autumn?",
+    "Describe the life of a honey bee.", "What is a good way to start running if I have never exercised?",
+    "Write a letter to a neighbour about a noisy dog.", "How does a library organise its books?",
+    "What should I know before adopting a cat?", "Explain what an atom is to a child.",
+    "Write a short poem about winter mornings.", "How do trains stay on their tracks?",
+    "What are some healthy breakfast ideas?", "Tell me about the history of the bicycle.",
+]
+
+
+def task_prompts(tokenizer: Any, n: int, task: str = "copy") -> list[list[int]]:
     out = []
     for i in range(n):
-        text = TEXTS[i % len(TEXTS)]
-        msg = f"Rewrite the following text exactly as it is, but replace every digit word with digits:\n\n{text}"
-        out.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": msg}]),
-                                    add_special_tokens=False))
+        if task == "chat":
+            msg = CHAT[i % len(CHAT)]
+        else:
+            text = TEXTS[i % len(TEXTS)]
+            msg = f"Rewrite the following text exactly as it is, but replace every digit word with digits:\n\n{text}"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": msg}]) if tokenizer.has_chat_template \
+            else msg
+        out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
+
+
+class _Timers:
+    """Wall time of the proposer (per drafted token) and of the runner's steps with and without drafts."""
+
+    def __init__(self, llm: Any) -> None:
+        import time as _t
+        self.draft_s = self.verify_s = self.plain_s = 0.0
+        self.drafted = self.verify_steps = self.plain_steps = 0
+        eng = llm.engine
+        if eng.spec is not None:
+            prop, real_propose = eng.spec.proposer, eng.spec.proposer.propose
+
+            def propose(seqs, ks):  # type: ignore[no-untyped-def]
+                t0 = _t.perf_counter()
+                out = real_propose(seqs, ks)
+                self.draft_s += _t.perf_counter() - t0
+                self.drafted += max((len(p.tokens) for p in out), default=0)  # sequential draft rounds
+                return out
+            prop.propose = propose
+        runner, real_execute = eng.runner, eng.runner.execute
+
+        def execute(out):  # type: ignore[no-untyped-def]
+            t0 = _t.perf_counter()
+            res = real_execute(out)
+            dt = _t.perf_counter() - t0
+            decode = all(s.num_computed_tokens + n == s.num_tokens for s, n in out.scheduled) and \
+                all(n == 1 + s.spec.num_draft for s, n in out.scheduled)
+            if decode and any(s.spec.num_draft for s, _ in out.scheduled):
+                self.verify_s, self.verify_steps = self.verify_s + dt, self.verify_steps + 1
+            elif decode:
+                self.plain_s, self.plain_steps = self.plain_s + dt, self.plain_steps + 1
+            return res
+        runner.execute = execute
+
+    def reset(self) -> None:
+        self.draft_s = self.verify_s = self.plain_s = 0.0
+        self.drafted = self.verify_steps = self.plain_steps = 0
 
 
 def add_parser(bs: Any) -> None:
     s = bs.add_parser("spec", help="speculative decoding: acceptance and tokens/s vs none")
     add_engine_args(s)
-    s.add_argument("--methods", default="none,ngram,draft", help="comma list of none, ngram, draft")
+    s.add_argument("--methods", default="none,ngram,draft", help="comma list of none, ngram, draft, eagle")
+    s.add_argument("--task", default="copy", choices=["copy", "chat"],
+                   help="copy: rewrite a given text; chat: held-out chat prompts")
+    s.add_argument("--eagle-head", default=None, help="the EAGLE head's folder (lmserve train-draft) for eagle")
     s.add_argument("--batch-sizes", default="1,8")
     s.add_argument("--max-tokens", type=int, default=96)
     s.add_argument("--repeats", type=int, default=1, help="timed runs per row; the median's tokens/s is reported")
@@ -59,13 +120,19 @@ def cmd_spec(a: argparse.Namespace) -> int:
         kw["speculative_method"] = None if method == "none" else method
         if method == "draft" and kw.get("draft_num_layers") is None and not kw.get("draft_model"):
             kw["draft_num_layers"] = 4  # a truncated copy of the target: its first 4 layers and its head
+        if method == "eagle":
+            if not a.eagle_head:
+                raise ValueError("eagle_head: --methods eagle needs --eagle-head DIR")
+            kw["draft_model"] = a.eagle_head
         kw["spec_max_batch"] = max(int(b) for b in a.batch_sizes.split(","))
         llm = LLM(a.model, **kw)
+        timers = _Timers(llm)
         for b in (int(x) for x in a.batch_sizes.split(",")):
-            prompts = task_prompts(llm.tokenizer, b)
+            prompts = task_prompts(llm.tokenizer, b, a.task)
             params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
             llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
             before = llm.stats().spec or {}
+            timers.reset()
             walls = []
             for _ in range(max(1, a.repeats)):  # greedy: every run the same tokens, proposals and acceptance
                 t0 = time.perf_counter()
@@ -82,17 +149,26 @@ def cmd_spec(a: argparse.Namespace) -> int:
                          "tokens_per_s": toks / wall, "proposed": prop, "accepted": acc,
                          "acceptance_rate": acc / prop if prop else None,
                          "mean_accepted_length": 1 + acc / ver if ver else None,
-                         "acceptance_by_position": after.get("acceptance_by_position")})
+                         "acceptance_by_position": after.get("acceptance_by_position"),
+                         "draft_s_per_round": timers.draft_s / timers.drafted if timers.drafted else None,
+                         "verify_step_s": timers.verify_s / timers.verify_steps if timers.verify_steps else None,
+                         "decode_step_s": timers.plain_s / timers.plain_steps if timers.plain_steps else None})
         del llm
     for r in rows:
         ref = next(x for x in rows if x["method"] == rows[0]["method"] and x["batch"] == r["batch"])
         r["speedup_vs_first"] = r["tokens_per_s"] / ref["tokens_per_s"]
-    print(f"{'method':>6} {'batch':>5} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'mean len':>8}")
+        step = ref["decode_step_s"] or r["decode_step_s"]  # a plain decode step of this batch
+        r["draft_cost_vs_step"] = r["draft_s_per_round"] / step if step and r["draft_s_per_round"] else None
+        r["verify_cost_vs_step"] = r["verify_step_s"] / step if step and r["verify_step_s"] else None
+    print(f"task: {a.task}")
+    print(f"{'method':>6} {'batch':>5} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'mean len':>8} "
+          f"{'draft/step':>10} {'verify/step':>11}")
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     for r in rows:
-        acc = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] is not None else "-"
-        ml = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
-        print(f"{r['method']:>6} {r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['speedup_vs_first']:>7.2f}x {acc:>7} {ml:>8}")
+        print(f"{r['method']:>6} {r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['speedup_vs_first']:>7.2f}x "
+              f"{fmt(r['acceptance_rate'], '.1%'):>7} {fmt(r['mean_accepted_length'], '.2f'):>8} "
+              f"{fmt(r['draft_cost_vs_step'], '.3f'):>10} {fmt(r['verify_cost_vs_step'], '.2f'):>11}")
     path = write_json(Path(a.output_json or f"bench_out/spec-{time.strftime('%Y%m%d-%H%M%S')}.json"),
-                      {"bench": "spec", "rows": rows, "meta": run_metadata(vars(a) | {"func": None})})
+                      {"bench": "spec", "task": a.task, "rows": rows, "meta": run_metadata(vars(a) | {"func": None})})
     print(f"[figures written to {path}]", file=sys.stderr)
     return 0

@@ -19,14 +19,14 @@ def build_parser() -> argparse.ArgumentParser:
     because a command importing lmserve.cli.engine_args runs this file first: it must not need them."""
     from lmserve import plan
     from lmserve.bench import cli as bench_cli
-    from lmserve.cli import chat, generate, quantize, train_draft
+    from lmserve.cli import chat, distill, generate, quantize, train_draft
     from lmserve.cli import eval as eval_cli
     from lmserve.router import cli as router_cli
     from lmserve.server import cli as server_cli
 
     p = argparse.ArgumentParser(prog="lmserve", description="LLM inference and serving engine")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for command in (generate, chat, plan, server_cli, router_cli, bench_cli, quantize, eval_cli, train_draft):
+    for command in (generate, chat, plan, server_cli, router_cli, bench_cli, quantize, eval_cli, train_draft, distill):
         command.add_parser(sub)
     return p
 

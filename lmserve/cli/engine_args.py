@@ -33,8 +33,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "kv_cache_dtype": {"choices": ["auto", "int8", "fp8"], "help": "KV cache element type (auto: the model dtype)"},
     "disable_hybrid_kv_cache_manager": {"help": "keep every layer's KV blocks for the whole sequence (no "
                                                 "freeing of out-of-window blocks for sliding-window layers)"},
-    "speculative_method": {"choices": ["ngram", "draft"]},
-    "draft_model": {"help": "draft model (default: the target itself, truncated)"},
+    "speculative_method": {"choices": ["ngram", "draft", "eagle"]},
+    "draft_model": {"help": "draft model (default: the target itself, truncated); for eagle, the head's folder"},
     "draft_num_layers": {"help": "keep only the draft's first N layers"},
     "spec_max_batch": {"help": "no speculation above this many running seqs"},
     "spec_min_acceptance": {"help": "pause a request's speculation below this running acceptance rate"},

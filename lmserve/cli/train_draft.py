@@ -3,9 +3,10 @@
 Data: the target's own continuations of a prompt set (built in: PROMPTS, or --prompts-file, one per
 line), sampled (temperature 0.7, seeded) until --tokens tokens; 10% of the sequences are held out.
 Everything lands in --out: the collected token ids (data.json, reused on a rerun with the same model,
-budget, seed and prompts), the training checkpoint (resumed from on a rerun with that data), the head (model.safetensors + eagle_config.json) and the loss
-curve (loss.png, with matplotlib). Default budget: 100k tokens, one pass: ~20 minutes on 2 cores for
-the default model (BENCHMARKS.md).
+budget, seed and prompts), the training checkpoint (resumed from on a rerun with that data), the head
+(model.safetensors + eagle_config.json) and the loss curve (loss.png, with matplotlib). The head drafts
+from the --draft-vocab most frequent tokens of the training text (its read-out then costs that fraction
+of the LM head; exactness does not depend on it). Budget and time for the default model: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -42,31 +43,29 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("train-draft", help="train a draft for speculative decoding (an EAGLE-style head)")
     p.add_argument("--method", default="eagle", choices=["eagle"])
     p.add_argument("--out", required=True, help="folder for the head, its data, checkpoint and loss curve")
-    p.add_argument("--tokens", type=int, default=100_000, help="token budget of the collected text")
     p.add_argument("--steps", type=int, default=None, help="training steps, a sequence each (default: one pass)")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="length of each collected continuation")
-    p.add_argument("--prompts-file", default=None, help="prompts, one per line (default: a built-in set)")
-    p.add_argument("--train-seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    add_data_args(p)
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="draft only from the N most frequent tokens of the collected text (0: the whole vocabulary)")
     add_engine_args(p)
     p.set_defaults(func=cmd_train_draft)
 
 
-def cmd_train_draft(a: argparse.Namespace) -> int:
-    import torch
-
+def target_text(a: argparse.Namespace, out: Path, what: str) -> tuple[Any, list[list[int]], float]:
+    """(the target LLM, the target's own texts as token id lists, seconds spent collecting them): the
+    --prompts-file (or built-in) prompts continued by the target until --tokens tokens, cached in
+    out/data.json (a rerun with the same model, budget, seed and prompts reuses it; a new collection
+    drops out/checkpoint.pt, which would not resume exactly on other data)."""
     from lmserve.llm import LLM
     from lmserve.spec import eagle
 
     if a.tensor_parallel_size > 1:
-        raise ValueError("tensor_parallel_size: train-draft reads the whole target's features and LM head: use 1")
+        raise ValueError(f"tensor_parallel_size: {what} reads the whole target's weights and outputs: use 1")
     prompts = [p for p in (Path(a.prompts_file).read_text().splitlines() if a.prompts_file else PROMPTS) if p.strip()]
     if not prompts:
         raise ValueError(f"prompts_file: {a.prompts_file} has no prompt")
-    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    progress = not a.no_progress
     llm = LLM(a.model, **engine_kwargs(a))
     if llm.tokenizer is None:
         raise ValueError(f"model: {a.model!r} has no tokenizer to write prompts with")
@@ -77,10 +76,28 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
     if data.is_file() and json.loads(data.read_text()).get("key") == key:  # a rerun: the same data
         seqs = json.loads(data.read_text())["seqs"]
     else:
-        seqs = eagle.collect(llm, prompts, a.tokens, a.train_seed, a.max_new_tokens, progress)
+        seqs = eagle.collect(llm, prompts, a.tokens, a.train_seed, a.max_new_tokens, not a.no_progress)
         data.write_text(json.dumps({"key": key, "seqs": seqs}))
-        (out / "checkpoint.pt").unlink(missing_ok=True)  # a checkpoint of other data would not resume exactly
-    collected = time.perf_counter() - t0
+        (out / "checkpoint.pt").unlink(missing_ok=True)
+    return llm, seqs, time.perf_counter() - t0
+
+
+def add_data_args(p: Any) -> None:
+    p.add_argument("--tokens", type=int, default=100_000, help="token budget of the collected text")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="length of each collected continuation")
+    p.add_argument("--prompts-file", default=None, help="prompts, one per line (default: a built-in set)")
+    p.add_argument("--train-seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def cmd_train_draft(a: argparse.Namespace) -> int:
+    import torch
+
+    from lmserve.spec import eagle
+
+    out = Path(a.out)
+    progress = not a.no_progress
+    llm, seqs, collected = target_text(a, out, "train-draft")
     random.Random(a.train_seed).shuffle(seqs)
     held = max(1, len(seqs) // 10)
     model = llm.engine.model
@@ -102,6 +119,9 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
     after = eagle.agreement(head, heldout, lm_head)
     tokens = sum(len(s) for s in seqs[held:])
     head.cfg = eagle.EagleConfig(**{**head.cfg.__dict__, "trained_tokens": tokens, "seed": a.train_seed})
+    if a.draft_vocab > 0:
+        eos = tuple(llm.tokenizer.eos_token_ids)
+        head.draft_vocab = eagle.frequent_vocab(seqs[held:], a.draft_vocab, eos)
     head.save(out, {"heldout_agreement": after, "untrained_agreement": before})
     _plot(curve, out / "loss.png")
     print(f"eagle head for {a.model}: {tokens} training tokens ({len(train_set)} sequences), {len(curve)} steps; "
@@ -110,7 +130,7 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(curve: list[tuple[int, float]], path: Path) -> None:
+def _plot(curve: list[tuple[int, float]], path: Path, ylabel: str = "feature + 0.1 token loss") -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -121,7 +141,7 @@ def _plot(curve: list[tuple[int, float]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, loss, lw=0.8)
     ax.set_xlabel("step (one sequence)")
-    ax.set_ylabel("feature + 0.1 token loss")
+    ax.set_ylabel(ylabel)
     ax.set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

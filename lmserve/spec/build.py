@@ -8,9 +8,11 @@ from lmserve.config import EngineConfig, ModelConfig
 
 
 def build_proposer(config: EngineConfig, target: ModelConfig, kv_budget: int,
-                   draft: tuple[ModelConfig, torch.nn.Module] | None = None):  # type: ignore[no-untyped-def]
-    """The n-gram proposer, or the draft-model proposer over the draft (config, model) the engine
-    loaded, with a KV cache of kv_budget bytes (the draft's share of the engine's one budget)."""
+                   draft: tuple[ModelConfig, torch.nn.Module] | None = None,
+                   target_model: torch.nn.Module | None = None, max_model_len: int = 0):  # type: ignore[no-untyped-def]
+    """The n-gram proposer; the draft-model proposer over the draft (config, model) the engine loaded,
+    with a KV cache of kv_budget bytes (the draft's share of the engine's one budget); or the EAGLE
+    proposer, its head read from config.draft_model, over target_model's features."""
     if config.speculative_method == "ngram":
         from lmserve.spec.ngram import NgramProposer
         return NgramProposer(config.ngram_min, config.ngram_max)
@@ -22,4 +24,16 @@ def build_proposer(config: EngineConfig, target: ModelConfig, kv_budget: int,
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"draft_model: vocabulary {cfg.vocab_size} differs from the target's {target.vocab_size}")
         return DraftModelProposer(model, cfg, kv_budget, config)
+    if config.speculative_method == "eagle":
+        from pathlib import Path
+
+        from lmserve.spec.eagle import load_head
+        from lmserve.spec.eagle_proposer import EagleProposer
+        path = Path(str(config.draft_model))
+        if not (path / "eagle_config.json").is_file():
+            raise ValueError(f"draft_model: {path} holds no EAGLE head (eagle_config.json); "
+                             "make one with lmserve train-draft --method eagle")
+        if target_model is None:
+            raise ValueError("speculative_method='eagle' needs the target model")
+        return EagleProposer(load_head(path), target_model, target, config, max_model_len)
     raise ValueError(f"unknown speculative_method {config.speculative_method!r}")

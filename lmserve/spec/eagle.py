@@ -15,8 +15,7 @@ imitate is the target, so the target's own continuations are its natural data. S
 token budget, resumable from its checkpoint, a loss curve written beside it.
 
 Saved as safetensors (`model.safetensors`, HF Llama names under `layers.0.` plus `fc.`) with
-`eagle_config.json`; `load_head` reads them back bit for bit. (Serving it as a speculative proposer,
-chain and tree drafting, and `lmserve distill` are the rest of issue #21.)
+`eagle_config.json`; `load_head` reads them back bit for bit. Serving: spec/eagle_proposer.py.
 """
 
 from __future__ import annotations
@@ -84,6 +83,8 @@ class EagleHead(nn.Module):
         self.down_proj = lin(cfg.intermediate_size, h)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        # token ids the read-out is restricted to when drafting (None: the whole vocabulary); not trained
+        self.draft_vocab: torch.Tensor | None = None
 
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """features, next_embeds: (B, T, H) (feature t and the embedding of token t + 1), positions (T,)
@@ -114,7 +115,10 @@ class EagleHead(nn.Module):
         from safetensors.torch import save_file
         out.mkdir(parents=True, exist_ok=True)
         state = self.state_dict()
-        save_file({self.NAMES[k]: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+        tensors = {self.NAMES[k]: v.detach().contiguous() for k, v in state.items()}
+        if self.draft_vocab is not None:
+            tensors["draft_vocab"] = self.draft_vocab.to(torch.int64).contiguous()
+        save_file(tensors, str(out / "model.safetensors"))
         (out / "eagle_config.json").write_text(json.dumps({"method": "eagle", **asdict(self.cfg), **(extra or {})},
                                                           indent=2))
 
@@ -130,7 +134,19 @@ def load_head(path: str | Path) -> EagleHead:
     head = EagleHead(cfg)
     tensors = load_file(str(p / "model.safetensors"))
     head.load_state_dict({k: tensors[v] for k, v in EagleHead.NAMES.items()})
+    head.draft_vocab = tensors.get("draft_vocab")
     return head
+
+
+def frequent_vocab(seqs: list[list[int]], size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The `size` most frequent token ids of seqs (ties by id), plus `always` (EOS ids): the subset a
+    head's read-out is restricted to when drafting (FR-Spec). Sorted ids (K,)."""
+    counts: dict[int, int] = {}
+    for s in seqs:
+        for t in s:
+            counts[t] = counts.get(t, 0) + 1
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    return torch.tensor(sorted(set(top) | set(always)), dtype=torch.int64)
 
 
 # ---------------------------------------------------------------- the target's side

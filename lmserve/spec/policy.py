@@ -9,6 +9,8 @@ cumulative counters. Per step, around the scheduler and the runner:
 
 from __future__ import annotations
 
+import torch
+
 from lmserve.config import EngineConfig
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Sequence, Status
@@ -67,9 +69,13 @@ class SpecPolicy:
                 st.num_draft = keep
                 st.draft_probs = None if not keep or st.draft_probs is None else st.draft_probs[:keep]
 
-    def settle(self, out: SchedulerOutput, rejected: dict[Sequence, int]) -> None:
-        """After verification: every draft leaves its token list (the accepted ones come back as
-        sampled tokens), and the acceptance of each verification is recorded."""
+    def settle(self, out: SchedulerOutput, rejected: dict[Sequence, int], hidden: torch.Tensor | None = None) -> None:
+        """After verification: a proposer that reads the target's hidden states (N, hidden) sees them,
+        every draft leaves its token list (the accepted ones come back as sampled tokens), and the
+        acceptance of each verification is recorded."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is not None and hidden is not None:
+            observe(out, hidden, rejected)
         for seq, _ in out.scheduled:
             st = seq.spec
             if not st.num_draft:

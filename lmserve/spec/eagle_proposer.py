@@ -1,0 +1,249 @@
+"""The EAGLE head as a speculative proposer (spec/eagle.py has the head and its training).
+
+What the head reads is the target's own feature (the final hidden state its LM head reads) at each
+position, so the proposer watches every target step: `observe` gets the step's flattened hidden states
+after verification and keeps, per sequence, the head's own KV for every position whose feature and next
+token are committed (rejected drafts' rows are dropped). Only K and V of the head's layer are needed for
+those positions (fc, norm, k/v projections): a few percent of a target step. The newest feature waits
+(`pending`) until its next token is sampled.
+
+`propose` then drafts k tokens per sequence, chained: the pending feature with the embedding of the last
+committed token gives the head's predicted feature for the next position; its read-out through the
+target's LM head is draft 1; the prediction with draft 1's embedding gives draft 2, and so on. The drafts'
+KV entries are dropped after drafting (the next target step brings their true features).
+
+Reading out through the whole LM head costs as much per draft as a fifth of the default model's step on
+a CPU; as FR-Spec does, the read-out may be restricted to the most frequent tokens of the head's training
+data (`draft_vocab`, saved with the head): drafts come only from that subset, and since each draft's
+distribution (zero outside the subset) goes to the rejection step as q, the output stays exact.
+
+State per sequence lives outside the KV budget: Hkv x head_dim x 2 values per position (1/30 of the
+default model's KV), freed with the sequence.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from lmserve.config import EngineConfig, ModelConfig
+from lmserve.sampling.sampler import Sampler, TokenView, draw
+from lmserve.scheduler import SchedulerOutput
+from lmserve.sequence import Sequence
+from lmserve.spec import Proposal
+from lmserve.spec.eagle import EagleHead, float_head
+
+
+@dataclass
+class _State:
+    """One sequence's head KV: entries for positions < next_pos that had a feature (RoPE applied)."""
+
+    request_id: str
+    k: torch.Tensor  # (Hkv, cap, d)
+    v: torch.Tensor  # (Hkv, cap, d)
+    length: int = 0  # entries in use
+    next_pos: int = 0  # positions below were fed (or had no feature: prefix-cache hits)
+    pending: tuple[int, torch.Tensor] | None = None  # (position, feature (H,)) waiting for its next token
+    rng: random.Random = field(default_factory=random.Random)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (Hkv, n, d) appended, growing the buffers by doubling."""
+        n = k.shape[1]
+        if self.length + n > self.k.shape[1]:
+            cap = max(2 * self.k.shape[1], self.length + n)
+            self.k = torch.cat([self.k[:, :self.length], self.k.new_empty(self.k.shape[0], cap - self.length,
+                                                                          self.k.shape[2])], 1)
+            self.v = torch.cat([self.v[:, :self.length], self.v.new_empty(self.v.shape[0], cap - self.length,
+                                                                          self.v.shape[2])], 1)
+        self.k[:, self.length:self.length + n] = k
+        self.v[:, self.length:self.length + n] = v
+        self.length += n
+
+
+class EagleProposer:
+    """Chain drafting with an EAGLE head over the target's features."""
+
+    def __init__(self, head: EagleHead, target: torch.nn.Module, cfg: ModelConfig, config: EngineConfig,
+                 max_model_len: int) -> None:
+        c = head.cfg
+        if c.hidden_size != cfg.hidden_size:
+            raise ValueError(f"draft_model: the EAGLE head is for hidden size {c.hidden_size}, "
+                             f"the target has {cfg.hidden_size}")
+        self.dtype = config.torch_dtype
+        self.device = torch.device(config.device)
+        self.head = head.to(self.device, self.dtype).eval()
+        self.target = target
+        self.vocab_size = cfg.vocab_size
+        lm = float_head(target)  # (V, H)
+        vocab = head.draft_vocab
+        if vocab is not None and (vocab.numel() == 0 or int(vocab.max()) >= cfg.vocab_size or int(vocab.min()) < 0):
+            raise ValueError(f"draft_model: the head's draft_vocab does not fit the target's {cfg.vocab_size} tokens")
+        self.vocab = None if vocab is None else vocab.to(self.device)  # (Vs,) token ids the drafts come from
+        self.lm_head = (lm if vocab is None else lm[vocab]).to(self.device, self.dtype)  # (Vs, H)
+        del lm
+        d = c.head_dim
+        inv = 1.0 / c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)  # (d/2,)
+        ang = torch.arange(max_model_len + 1, dtype=torch.float64)[:, None] * inv[None, :]  # (P, d/2)
+        self.cos = torch.cat([ang.cos()] * 2, -1).to(self.device, self.dtype)  # (P, d)
+        self.sin = torch.cat([ang.sin()] * 2, -1).to(self.device, self.dtype)
+        self.sampler = Sampler()
+        self.states: dict[int, _State] = {}
+
+    # ---------------------------------------------------------------- the head's pieces
+    def _state(self, seq: Sequence) -> _State:
+        st = self.states.get(id(seq))
+        if st is None or st.request_id != seq.request_id:
+            c = self.head.cfg
+            empty = torch.empty(c.num_kv_heads, 64, c.head_dim, dtype=self.dtype, device=self.device)
+            st = self.states[id(seq)] = _State(seq.request_id, empty, empty.clone(),
+                                               rng=random.Random(seq.generator.getrandbits(62)))
+        return st
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x: (n, heads, d) rotated at positions pos (n,) (HF Llama's half-split layout)."""
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (n, 1, d)
+        h = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+
+    def _qkv_in(self, feats: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """fc([feature ; embed(next token)]): feats (n, H) -> (n, H)."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        emb = self.target.embed(ids).to(self.dtype)  # (n, H)
+        return self.head.fc(torch.cat([feats.to(self.dtype), emb], -1))  # (n, H)
+
+    def _kv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (n, H) -> the layer's normed input (n, H), k and v (Hkv, n, d) with RoPE at pos."""
+        c, h = self.head.cfg, self.head
+        hn = _rms(x, h.input_layernorm, c.rms_norm_eps)
+        k = self._rope(h.k_proj(hn).view(-1, c.num_kv_heads, c.head_dim), pos)  # (n, Hkv, d)
+        v = h.v_proj(hn).view(-1, c.num_kv_heads, c.head_dim)
+        return hn, k.transpose(0, 1), v.transpose(0, 1)
+
+    def _layer(self, x: torch.Tensor, pos: torch.Tensor, states: list[_State]) -> torch.Tensor:
+        """One position per state (decode): x (B, H) at positions pos (B,); each row's K/V appended to its
+        state, attention over that state's entries. -> predicted features (B, H)."""
+        c, h = self.head.cfg, self.head
+        hn, k, v = self._kv(x, pos)
+        q = self._rope(h.q_proj(hn).view(-1, c.num_heads, c.head_dim), pos)  # (B, Hq, d)
+        outs = []
+        for i, st in enumerate(states):
+            st.append(k[:, i:i + 1], v[:, i:i + 1])
+            a = F.scaled_dot_product_attention(q[i][:, None], st.k[:, :st.length], st.v[:, :st.length],
+                                               enable_gqa=True)  # (Hq, 1, d)
+            outs.append(a.reshape(1, -1))
+        x = x + h.o_proj(torch.cat(outs))  # (B, H)
+        hn = _rms(x, h.post_attention_layernorm, c.rms_norm_eps)
+        return x + h.down_proj(F.silu(h.gate_proj(hn)) * h.up_proj(hn))  # (B, H)
+
+    # ---------------------------------------------------------------- the target's side
+    @torch.inference_mode()
+    def observe(self, out: SchedulerOutput, hidden: torch.Tensor, rejected: dict[Sequence, int]) -> None:
+        """After a target step (drafts still in the token lists): feed the head's KV with every row whose
+        feature and next token are committed, keep the newest as pending. hidden: (N, H) of the step."""
+        rows: list[torch.Tensor] = []
+        toks: list[int] = []
+        pos: list[int] = []
+        owners: list[_State] = []
+        start = 0
+        for seq, n in out.scheduled:
+            rows_at, start = start, start + n
+            p = seq.params
+            if not p.speculative or p.use_beam_search:
+                continue
+            st = self._state(seq)
+            committed = seq.num_tokens - rejected.get(seq, 0)  # tokens known now (the next sampled one aside)
+            c = seq.num_computed_tokens
+            valid = min(n, committed - c)  # rows of positions whose inputs are all committed
+            if st.pending is not None:
+                j, f = st.pending
+                if j < c and j + 1 < committed:  # its next token is here now
+                    rows.append(f[None]), toks.append(seq.token_ids[j + 1]), pos.append(j), owners.append(st)
+                st.pending = None
+            first = max(c, st.next_pos)
+            for j in range(first, c + valid):
+                f = hidden[rows_at + j - c]
+                if j + 1 < committed:
+                    rows.append(f[None]), toks.append(seq.token_ids[j + 1]), pos.append(j), owners.append(st)
+                else:
+                    st.pending = (j, f.to(self.dtype, copy=True))
+            st.next_pos = max(st.next_pos, c + valid)
+        if not rows:
+            return
+        x = self._qkv_in(torch.cat(rows), toks)  # (R, H)
+        _, k, v = self._kv(x, torch.tensor(pos, device=self.device))  # (Hkv, R, d)
+        i = 0
+        while i < len(owners):  # consecutive rows of one state go in one append
+            j = i
+            while j < len(owners) and owners[j] is owners[i]:
+                j += 1
+            owners[i].append(k[:, i:j], v[:, i:j])
+            i = j
+
+    # ---------------------------------------------------------------- drafting
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        props = [Proposal([]) for _ in seqs]
+        active = []  # (index, state, committed entries)
+        feats, toks, pos = [], [], []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            st = self.states.get(id(seq))
+            last = seq.num_tokens - 2
+            if k <= 0 or st is None or st.request_id != seq.request_id or st.pending is None \
+                    or st.pending[0] != last:
+                continue
+            feats.append(st.pending[1][None]), toks.append(seq.token_ids[-1]), pos.append(last)
+            st.pending, st.next_pos = None, last + 1  # fed now, for good: its next token is committed
+            active.append((i, st, st.length + 1))
+        if not active:
+            return props
+        drafts: dict[int, list[int]] = {i: [] for i, _, _ in active}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
+        started = list(active)
+        x = self._qkv_in(torch.cat(feats), toks)  # (B, H)
+        p_t = torch.tensor(pos, device=self.device)
+        try:
+            for r in range(max(ks)):
+                f = self._layer(x, p_t, [st for _, st, _ in active])  # (B, H) predicted features
+                logits = (f @ self.lm_head.T).float()  # (B, Vs)
+                if self.vocab is not None:
+                    logits = torch.full((len(active), self.vocab_size), float("-inf"),
+                                        device=self.device).index_copy_(1, self.vocab, logits)  # (B, V)
+                views = []
+                for i, _, _ in active:
+                    seqs[i].token_ids.extend(drafts[i])  # penalties see the drafts so far (taken back below)
+                    views.append(TokenView(seqs[i], seqs[i].num_tokens))
+                try:
+                    p = self.sampler.target_probs(logits, views)  # (B, V)
+                finally:
+                    for i, _, _ in active:
+                        if drafts[i]:
+                            del seqs[i].token_ids[-len(drafts[i]):]
+                gens = [None if seqs[i].params.temperature == 0 else st.rng for i, st, _ in active]
+                new = draw(p, gens).tolist()
+                keep = []
+                for row, ((i, st, base), tok) in enumerate(zip(active, new)):
+                    drafts[i].append(tok)
+                    probs[i].append(p[row])
+                    if len(drafts[i]) < ks[i]:
+                        keep.append(row)
+                if not keep or r + 1 == max(ks):
+                    break
+                active = [active[j] for j in keep]
+                x = self._qkv_in(f[keep], [new[j] for j in keep])
+                p_t = p_t[keep] + 1
+        finally:  # the drafts' KV entries go: only committed positions stay
+            for _, st, base in started:
+                st.length = min(st.length, base)
+        for i, d in drafts.items():
+            props[i] = Proposal(d, torch.stack(probs[i]))
+        return props
+
+    def release(self, seq: Sequence) -> None:
+        self.states.pop(id(seq), None)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
