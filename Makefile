@@ -15,7 +15,7 @@ run: setup
 	.venv/bin/lmserve generate --chat "$(PROMPT)" --max-tokens 64
 
 test: setup-test
-	.venv/bin/python -m pytest -q --durations=25 tests
+	.venv/bin/python -m pytest -q -rs --durations=25 tests
 
 bench-cpu: setup-test
 	scripts/bench_cpu.sh

@@ -97,6 +97,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the tail (of the worst priority) is preempted first
+        self.last_batch = (0, 0)
         self.stats = SchedulerStats()
         # copy-on-write sources of the step being run, held until its copies are done: a victim
         # preempted later in the same schedule() must not free (and the pool hand out) a source
@@ -173,6 +174,8 @@ class Scheduler:
                     budget -= n
 
         self.stats.computed_tokens += sum(scheduled.values())
+        decode = sum(n for s, n in scheduled.items() if s.num_computed_tokens >= s.num_prompt_tokens)
+        self.last_batch = (sum(scheduled.values()) - decode, decode)  # (prefill, decode) tokens: the console
         used = self.bm.num_blocks - self.bm.num_free_blocks
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
         out = SchedulerOutput(list(scheduled.items()), preempted, [c for cs in copies.values() for c in cs],

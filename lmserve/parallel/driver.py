@@ -59,6 +59,10 @@ class TPModel(nn.Module):
         self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), name="tp-heartbeat", daemon=True)
         self._closed = False
 
+    def start_heartbeat(self) -> None:
+        """From now on an idle rank 0 keeps the other ranks' watchdogs fed (load_tensor_parallel calls it)."""
+        self._beat.start()
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -201,6 +205,6 @@ def load_tensor_parallel(config: EngineConfig) -> tuple[ModelConfig, TPModel, An
             dist.destroy_process_group()
         raise
     proxy = TPModel(model, tp, cfg, local[0], workers, min(1.0, config.distributed_timeout / 4))
-    proxy._beat.start()  # from now on: the other ranks wait for INIT while the engine sizes its cache
+    proxy.start_heartbeat()  # from now on: the other ranks wait for INIT while the engine sizes its cache
     atexit.register(proxy.close)
     return cfg, proxy, tokenizer

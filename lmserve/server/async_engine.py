@@ -11,6 +11,8 @@ Requests enter and leave only between steps: `generate` and `abort` put work on 
 the loop drains before each step; each request's outputs are pushed to its own asyncio.Queue with
 `loop.call_soon_threadsafe`.
 
+The web console's engine view (`view`, server/engine_view.py) is built the same way, only while watched.
+
 Readers on other threads (/metrics, the queue limit) never touch the Engine: the loop publishes a
 snapshot of `Engine.stats()` at start, when idle, after a step that follows new arrivals, and
 otherwise every STATS_INTERVAL_S (the snapshot walks the KV free queue: not on every step), and they
@@ -30,6 +32,7 @@ from typing import Any
 from lmserve.engine import Engine, EngineStats
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request, SamplingParams
+from lmserve.server.engine_view import EngineView
 from lmserve.tokenizer import Tokenizer
 from lmserve.utils import EngineFatalError
 
@@ -92,6 +95,7 @@ class AsyncEngine:
         self._stats = engine.stats()  # no thread yet: safe to read here
         self._stats_at = time.monotonic()
         self._unpublished = 0  # requests handed to the engine since the last snapshot
+        self.view = EngineView()  # the web console's snapshots, built only while someone watches
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -201,6 +205,13 @@ class AsyncEngine:
         self._wake.set()
         return await done
 
+    def watch(self, delta: int) -> None:
+        """A web-console viewer connected (+1) or left (-1); on a connection the loop publishes at once."""
+        with self._lock:
+            self.view.viewers += delta
+            self.view.stale()
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
         """Abort a request (applied between steps)."""
         with self._lock:
@@ -214,6 +225,8 @@ class AsyncEngine:
                 self._drain()
                 if not self._engine.has_unfinished_requests():
                     self._publish()
+                    if self.view.viewers:
+                        self.view.idle(self._engine)
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -237,6 +250,8 @@ class AsyncEngine:
                     stream.put(out)
                     if out.finished:
                         del self._streams[out.request_id]
+                if self.view.viewers:
+                    self.view.after_step(self._engine, outputs)
                 if self._unpublished or time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
                     self._publish()
         except BaseException as e:  # the loop itself died: /health turns 503

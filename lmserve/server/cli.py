@@ -31,6 +31,8 @@ def add_parser(sub: Any) -> None:
                    help="how tool calls are read from the output (default: from the model: hermes for Qwen "
                         "and <tool_call> templates, llama3_json for Llama 3)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--no-web-ui", dest="web_ui", action="store_false",
+                   help="no web console at / (chat playground and the live engine view, /v1/engine/stream)")
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
                    help="prefill / decode disaggregation: a prefill instance runs prompts and pushes their KV "
                         "to a --kv-peer; a decode instance takes KV and generates (lmserve router --prefill)")
@@ -70,6 +72,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     app = build_app(ae, a.served_model_name or a.model, a.api_key, request_timeout=a.request_timeout,
                     tool_call_parser=a.tool_call_parser, limits=limits)
     disagg.register(app, app.state.server, a.role, tuple(a.kv_peer), a.kv_secret, engine)
+    if a.web_ui:
+        from lmserve.server import web
+        web.register(app, ae, a.served_model_name or a.model)
     print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on http://{a.host}:{a.port}",
           flush=True)
     # uvicorn finishes in-flight requests on SIGTERM/SIGINT (up to 30 s), then re-raises the signal
