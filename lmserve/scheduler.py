@@ -174,7 +174,7 @@ class Scheduler:
                     budget -= n
 
         self.stats.computed_tokens += sum(scheduled.values())
-        decode = sum(n for s, n in scheduled.items() if s.num_computed_tokens >= s.num_prompt_tokens)
+        decode = sum(n for s, n in scheduled.items() if n == 1 + s.spec.num_draft and s.num_output_tokens)
         self.last_batch = (sum(scheduled.values()) - decode, decode)  # (prefill, decode) tokens: the console
         used = self.bm.num_blocks - self.bm.num_free_blocks
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)

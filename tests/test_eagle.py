@@ -290,3 +290,43 @@ def test_eagle_config_errors_name_the_field(tiny_models, tmp_path):  # type: ign
     other.save(tmp_path / "other")
     with pytest.raises(ValueError, match="draft_model.*hidden size"):
         LLM(str(path), speculative_method="eagle", draft_model=str(tmp_path / "other"))
+
+
+def _proposer(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), draft_model=str(head_dir), **EAGLE)
+    return llm.engine.spec.proposer, llm.engine.model_config.hidden_size
+
+
+def _seq(rid: str, prompt: list[int]):  # type: ignore[no-untyped-def]
+    from lmserve.sequence import Sequence
+    seq = Sequence(rid, prompt, SamplingParams(max_tokens=8))
+    seq.generator = random.Random(0)
+    return seq
+
+
+def test_a_recompute_after_preemption_feeds_the_pending_position(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    """The newest feature waits for its next token; if the sequence is preempted (recompute) before that,
+    the position comes back in the recomputed rows and must be fed then (it was once skipped: a hole)."""
+    from lmserve.scheduler import SchedulerOutput
+    prop, H = _proposer(tiny_models, head_dir)
+    seq = _seq("r", list(range(5, 15)))  # 10 prompt tokens
+    prop.observe(SchedulerOutput([(seq, 10)]), torch.randn(10, H), {})
+    st = prop.states[id(seq)]
+    assert (st.length, st.next_pos, st.pending[0]) == (9, 10, 9)  # positions 0..8 fed, 9 waits
+    seq.token_ids.append(42)  # sampled from position 9
+    seq.num_computed_tokens = 0  # preempted: recompute all 11 tokens
+    prop.observe(SchedulerOutput([(seq, 11)]), torch.randn(11, H), {})
+    assert (st.length, st.next_pos, st.pending[0]) == (10, 11, 10)  # position 9 fed now, 10 waits
+
+
+def test_a_forked_child_starts_from_its_parents_prompt(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    from lmserve.scheduler import SchedulerOutput
+    prop, H = _proposer(tiny_models, head_dir)
+    parent = _seq("r", list(range(5, 15)))
+    prop.observe(SchedulerOutput([(parent, 10)]), torch.randn(10, H), {})
+    child = _seq("r", list(range(5, 15)))
+    child.num_computed_tokens = 9  # forked with its fork-point token (the prompt's last) left to run
+    prop.observe(SchedulerOutput([(child, 1)]), torch.randn(1, H), {})
+    p, c = prop.states[id(parent)], prop.states[id(child)]
+    assert c.length == p.length == 9 and torch.equal(c.k[:, :9], p.k[:, :9]) and c.pending[0] == 9

@@ -120,6 +120,21 @@ def test_completion_stream_equals_plain(client):  # type: ignore[no-untyped-def]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
 
 
+def test_a_stream_of_line_separators_parses_line_by_line(server):  # type: ignore[no-untyped-def]
+    """U+2028 / U+2029 / U+0085 are legal raw in JSON, but readers built on str.splitlines (httpx's
+    iter_lines, and so many Python SSE clients) split a line there: a stream carrying them broke such a
+    client mid-event (found by `bench serve`). They go out escaped, so each data line parses alone."""
+    body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True,
+            "logit_bias": {"321": 100, "118": 100}}  # the two byte tokens of U+2028
+    text = ""
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == "\u2028" * 4
+
+
 def test_chat_plain_and_stream(client):  # type: ignore[no-untyped-def]
     msgs = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
     plain = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=16, temperature=0)

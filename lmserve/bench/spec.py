@@ -74,6 +74,14 @@ class _Timers:
                 self.drafted += max((len(p.tokens) for p in out), default=0)  # sequential draft rounds
                 return out
             prop.propose = propose
+            if hasattr(prop, "observe"):  # an EAGLE head's per-step work on the target's features
+                real_observe = prop.observe
+
+                def observe(*args):  # type: ignore[no-untyped-def]
+                    t0 = _t.perf_counter()
+                    real_observe(*args)
+                    self.draft_s += _t.perf_counter() - t0
+                prop.observe = observe
         runner, real_execute = eng.runner, eng.runner.execute
 
         def execute(out):  # type: ignore[no-untyped-def]

@@ -10,6 +10,8 @@ tokenizer), the training checkpoint (resumed from on a rerun), and the loss curv
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import random
 import time
 from pathlib import Path
@@ -43,6 +45,8 @@ def cmd_distill(a: argparse.Namespace) -> int:
     if not a.temperature > 0:
         raise ValueError(f"temperature: must be > 0, got {a.temperature}")
     out = Path(a.out)
+    if (out / "eagle_config.json").is_file():
+        raise ValueError(f"out: {out} holds an EAGLE head; give the distilled model its own folder")
     progress = not a.no_progress
     llm, seqs, collected = target_text(a, out, "distill")
     random.Random(a.train_seed).shuffle(seqs)
@@ -58,11 +62,16 @@ def cmd_distill(a: argparse.Namespace) -> int:
     del teacher
     student = D.Student(small, pruned)
     before = D.perplexity(lambda ids: student(torch.tensor(ids)), heldout)
-    curve = D.distill(student, train_set, lambda ids: llm.score(ids), a.steps or len(train_set), a.lr,
-                      a.temperature, a.train_seed, out / "checkpoint.pt", progress)
+    # a checkpoint resumes only the same run: its file is named by what shapes the run
+    run = dict(layers=a.num_layers, mlp=small.intermediate_size, kv=small.num_kv_heads, steps=a.steps,
+               lr=a.lr, t=a.temperature, seed=a.train_seed)
+    ck = out / f"distill-{hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:12]}.pt"
+    score = lambda ids: llm.score(ids).float().cpu()  # noqa: E731 - the student trains on the CPU
+    curve = D.distill(student, train_set, score, a.steps or len(train_set), a.lr, a.temperature, a.train_seed,
+                      ck, progress)
     trained = time.perf_counter() - t0
     after = D.perplexity(lambda ids: student(torch.tensor(ids)), heldout)
-    target_ppl = D.perplexity(lambda ids: llm.score(ids), heldout)
+    target_ppl = D.perplexity(score, heldout)
     params = sum(v.numel() for v in student.state().values())
     tokens = sum(len(s) for s in train_set)
     D.save_student(student, out, llm.tokenizer,

@@ -24,7 +24,7 @@ from pydantic import Field, StrictBool, field_validator
 from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
-from lmserve.server.formatting import ChatFormatter, Formatter
+from lmserve.server.formatting import ChatFormatter, Formatter, sse_json
 from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Float, Int, _Body
 from lmserve.server.tool_parsers import ToolParser
 from lmserve.server.tool_schema import check_tools
@@ -239,7 +239,7 @@ class MessagesFormatter(Formatter):
     @staticmethod
     def event(type_: str, **fields: Any) -> str:
         """One SSE event: `event: <type>` and its JSON."""
-        return f"event: {type_}\ndata: {json.dumps({'type': type_, **fields}, ensure_ascii=False)}\n\n"
+        return f"event: {type_}\ndata: {sse_json({'type': type_, **fields})}\n\n"
 
     async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput | BaseException]], include_usage: bool,
                      continuous: bool) -> AsyncIterator[str]:

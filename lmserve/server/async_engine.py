@@ -225,8 +225,8 @@ class AsyncEngine:
                 self._drain()
                 if not self._engine.has_unfinished_requests():
                     self._publish()
-                    if self.view.viewers:
-                        self.view.idle(self._engine)
+                    if self.view.viewers > 0:
+                        self._watched(self.view.idle)
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -250,8 +250,8 @@ class AsyncEngine:
                     stream.put(out)
                     if out.finished:
                         del self._streams[out.request_id]
-                if self.view.viewers:
-                    self.view.after_step(self._engine, outputs)
+                if self.view.viewers > 0:
+                    self._watched(self.view.after_step, outputs)
                 if self._unpublished or time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
                     self._publish()
         except BaseException as e:  # the loop itself died: /health turns 503
@@ -283,6 +283,14 @@ class AsyncEngine:
         for rid in aborts:
             self._engine.abort_request(rid)
             self._streams.pop(rid, None)
+
+    def _watched(self, fn: Callable[..., None], *args: Any) -> None:
+        """A web-console view update: its failure is logged and the view goes dark, the engine goes on."""
+        try:
+            fn(self._engine, *args)
+        except Exception:  # noqa: BLE001
+            log.exception("engine view failed; the web console's engine view stops updating")
+            self.view.viewers = -10**9  # never again above 0
 
     def _publish(self) -> None:
         """Snapshot the engine's stats for readers on other threads (engine thread only)."""

@@ -3,7 +3,7 @@
 The engine thread (AsyncEngine's loop) calls `after_step` after each step and `idle` when it waits, but
 only while a viewer is connected (`viewers` > 0): with none, the loop does not call in at all. A snapshot
 is built at most every VIEW_INTERVAL_S, as a plain dict, and published by replacing one reference
-(`latest`, with its sequence number `seq`): readers never take a lock and never touch the engine.
+(`latest`: its sequence number and the dict): readers never take a lock and never touch the engine.
 
 A snapshot holds the KV pool as one character per block (BLOCK_CODES), the running and waiting requests
 with their phase (at most MAX_LISTED of each), the last step's batch (prefill and decode tokens against
@@ -28,8 +28,9 @@ class EngineView:
 
     def __init__(self) -> None:
         self.viewers = 0  # connected viewers (the web side counts them); 0: the loop never calls in
-        self.latest: dict[str, Any] | None = None
-        self.seq = 0
+        self.latest: tuple[int, dict[str, Any]] | None = None  # (sequence number, snapshot), swapped whole
+        self._seq = 0
+        self._reset = False  # a viewer arrived after a time unwatched: forget the token counts seen then
         self._at = 0.0
         self._dirty = True  # a step ran since the last snapshot
         self._lens: dict[str, int] = {}  # request -> output tokens seen so far
@@ -37,11 +38,15 @@ class EngineView:
         self._done: deque[dict[str, Any]] = deque(maxlen=256)
 
     def stale(self) -> None:
-        """Publish on the loop's next pass (a new viewer wants the engine as it is now)."""
-        self._dirty = True
+        """Publish on the loop's next pass (a new viewer wants the engine as it is now). Any thread."""
+        self._dirty = self._reset = True
 
     # ------------------------------------------------------------ engine thread
     def after_step(self, engine: Any, outputs: list[Any]) -> None:
+        if self._reset:  # requests seen before the gap: their counts restart (no spike of old tokens)
+            self._reset = False
+            self._lens = {o.request_id: sum(len(c.token_ids) for c in o.outputs) for o in outputs}
+            outputs = [o for o in outputs if o.finished]
         for out in outputs:
             n = sum(len(o.token_ids) for o in out.outputs)
             self._tokens += max(0, n - self._lens.get(out.request_id, 0))
@@ -62,10 +67,10 @@ class EngineView:
             self.publish(engine)
 
     def publish(self, engine: Any) -> None:
-        self.latest = snapshot(engine, self._tokens, list(self._done))
+        self._seq += 1
+        self.latest = (self._seq, snapshot(engine, self._tokens, list(self._done)))
         self._done.clear()
         self._at, self._dirty = time.monotonic(), False
-        self.seq += 1
 
 
 def _phase(seq: Any, running: bool) -> str:

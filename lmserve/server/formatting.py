@@ -23,9 +23,19 @@ from lmserve.tokenizer import Tokenizer
 DONE = "data: [DONE]\n\n"
 
 
+# characters JSON leaves raw that line readers built on str.splitlines (httpx's aiter_lines, so many
+# Python SSE clients) take for line ends: escaped, so one event's data stays one line
+_LINE_BREAKERS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def sse_json(obj: Any) -> str:
+    """obj as JSON for an SSE data line: UTF-8 text kept, but no character that splits a line."""
+    return json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKERS)
+
+
 def sse(obj: Any) -> str:
     """One server-sent event carrying obj as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {sse_json(obj)}\n\n"
 
 
 def usage(outs: list[RequestOutput], drop_generated: bool = False) -> dict[str, int]:

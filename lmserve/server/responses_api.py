@@ -23,7 +23,7 @@ from pydantic import Field, StrictBool, ValidationError, field_validator
 from lmserve.outputs import RequestOutput
 from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
-from lmserve.server.formatting import ChatFormatter, Formatter
+from lmserve.server.formatting import ChatFormatter, Formatter, sse_json
 from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Float, Int, _Body
 from lmserve.server.tool_parsers import ToolParser
 from lmserve.tokenizer import Tokenizer
@@ -247,7 +247,7 @@ class ResponsesFormatter(Formatter):
         """One SSE event: `event: <type>` and its JSON, numbered."""
         data = {"type": type_, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {type_}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {type_}\ndata: {sse_json(data)}\n\n"
 
     def open_item(self, items: list[dict[str, Any]], item: dict[str, Any]) -> list[str]:
         """Events that add an output item (in progress) to the stream."""

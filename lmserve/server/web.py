@@ -56,8 +56,8 @@ async def _events(ae: AsyncEngine):  # type: ignore[no-untyped-def]
     try:
         seen, last = -1, time.monotonic()
         while True:
-            view = ae.view
-            snap, seq = view.latest, view.seq
+            latest = ae.view.latest  # (seq, snapshot): one read, never a torn pair
+            seq, snap = latest if latest is not None else (seen, None)
             if snap is not None and seq != seen:
                 seen, last = seq, time.monotonic()
                 yield f"data: {json.dumps(snap, separators=(',', ':'))}\n\n"

@@ -100,6 +100,14 @@ class EagleProposer:
             empty = torch.empty(c.num_kv_heads, 64, c.head_dim, dtype=self.dtype, device=self.device)
             st = self.states[id(seq)] = _State(seq.request_id, empty, empty.clone(),
                                                rng=random.Random(seq.generator.getrandbits(62)))
+            # an n > 1 child (forked after its parent's prefill): start from the parent's head KV over
+            # the shared prompt, when it holds nothing past where the child starts
+            for other in self.states.values():
+                fed = other.next_pos - (other.pending is not None)
+                if other is not st and other.request_id == seq.request_id and 0 < fed <= seq.num_computed_tokens:
+                    st.append(other.k[:, :other.length], other.v[:, :other.length])
+                    st.next_pos = fed
+                    break
         return st
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -161,6 +169,8 @@ class EagleProposer:
                 j, f = st.pending
                 if j < c and j + 1 < committed:  # its next token is here now
                     rows.append(f[None]), toks.append(seq.token_ids[j + 1]), pos.append(j), owners.append(st)
+                else:  # recomputed from before it (a preemption): it is fed when its row comes again
+                    st.next_pos = min(st.next_pos, j)
                 st.pending = None
             first = max(c, st.next_pos)
             for j in range(first, c + valid):

@@ -224,7 +224,7 @@ const WINDOW_S = 300;
 let stream = null, lastSnap = null;
 
 function stopStream() { if (stream) { stream.abort(); stream = null; } }
-function restartStream() { if (stream) { stopStream(); startStream(); } }
+function restartStream() { stopStream(); if (!$("#view-engine").hidden) startStream(); }
 async function startStream() {
   if (stream) return;
   const ctl = new AbortController();
@@ -317,7 +317,9 @@ function chart(canvas, pts, now, kind) {
   g.clearRect(0, 0, w, h);
   const left = 40, bottom = h - 18;
   if (!pts.length) { g.fillStyle = "#6b7280"; g.font = "12px system-ui"; g.fillText("no data yet", left, h / 2); return; }
-  const max = Math.max(1e-9, ...pts.map((p) => p[1])) * 1.1;
+  let max = 1e-9;
+  for (const p of pts) if (p[1] > max) max = p[1];
+  max *= 1.1;
   g.strokeStyle = "#e3e6ec"; g.fillStyle = "#6b7280"; g.font = "11px system-ui";
   for (let i = 0; i <= 2; i++) {
     const y = bottom - (bottom - 6) * i / 2;
