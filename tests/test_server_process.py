@@ -21,7 +21,7 @@ from tests.test_server import free_port  # noqa: E402
 def test_sigterm_finishes_running_requests_and_exits_cleanly():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port),
-                             "--max-header-bytes", "4096", "--max-n", "2"],
+                             "--max-header-bytes", "4096", "--max-n", "2", "--no-web-ui"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -33,6 +33,9 @@ def test_sigterm_finishes_running_requests_and_exits_cleanly():
                 time.sleep(0.1)
         else:
             raise AssertionError("server did not come up")
+        # --no-web-ui: no console page, no engine stream
+        assert httpx.get(url + "/", timeout=5).status_code == 404
+        assert httpx.get(url + "/v1/engine/stream", timeout=5).status_code == 404
         # the limits' flags are in force: a header block past 4 KiB is refused before any routing, n past 2 too
         big = httpx.get(url + "/health", headers={"x-pad": "a" * 8192}, timeout=5)
         assert big.status_code == 431 and "--max-header-bytes" in big.json()["error"]["message"], big.text
