@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -181,43 +180,15 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
 def distill(student: Student, seqs: list[list[int]], teacher_logits: Any, steps: int, lr: float = 1e-4,
             temperature: float = 2.0, seed: int = 0, checkpoint: Path | None = None, progress: bool = True,
             until: int | None = None) -> list[tuple[int, float]]:
-    """Train the student on teacher_logits(ids) -> (T, V) over `steps` sequences drawn in a seeded order;
-    checkpoint / resume / until as eagle.train. Returns the loss curve [(step, loss)]."""
-    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
-    start, curve = 0, []
-    if checkpoint is not None and checkpoint.is_file():
-        st = torch.load(checkpoint, weights_only=True)
-        student.load_state_dict(st["student"])
-        opt.load_state_dict(st["opt"])
-        start, curve = int(st["step"]), [tuple(x) for x in st["curve"].tolist()]
-    order = random.Random(seed)
-    schedule = [order.randrange(len(seqs)) for _ in range(steps)]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=steps, initial=start, desc="distill")
-    end = steps if until is None else min(until, steps)
-    for step in range(start, end):
-        for g in opt.param_groups:
-            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-        ids = seqs[schedule[step]]
+    """Train the student on teacher_logits(ids) -> (T, V) over `steps` sequences (spec/training.train_loop:
+    AdamW, cosine, seeded order, resumable checkpoint). Returns the loss curve [(step, loss)]."""
+    from lmserve.spec.training import train_loop
+
+    def loss(i: int) -> torch.Tensor:
         with torch.no_grad():
-            target = teacher_logits(ids).float()  # (T, V)
-        loss = kl_loss(student(torch.tensor(ids)), target, temperature)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        curve.append((step, loss.item()))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-        if checkpoint is not None and ((step + 1) % 50 == 0 or step + 1 == end):
-            torch.save({"student": student.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "curve": torch.tensor(curve)}, checkpoint)
-    if bar is not None:
-        bar.close()
-    return curve
+            target = teacher_logits(seqs[i]).float()  # (T, V)
+        return kl_loss(student(torch.tensor(seqs[i])), target, temperature)
+    return train_loop(student, len(seqs), loss, steps, lr, seed, checkpoint, progress, until, "distill")
 
 
 @torch.no_grad()

@@ -21,7 +21,6 @@ Saved as safetensors (`model.safetensors`, HF Llama names under `layers.0.` plus
 from __future__ import annotations
 
 import json
-import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -239,40 +238,11 @@ def agreement(head: EagleHead, examples: list[Example], lm_head: torch.Tensor) -
 def train(head: EagleHead, train_set: list[Example], lm_head: torch.Tensor, steps: int, lr: float = 3e-4,
           seed: int = 0, checkpoint: Path | None = None, progress: bool = True,
           until: int | None = None) -> list[tuple[int, float]]:
-    """AdamW with a cosine schedule over `steps` sequences drawn in a seeded order; a checkpoint (head,
-    optimizer, step, loss curve) every 50 steps and where it stops, resumed from when present (the
-    run continues exactly as if never stopped). until: stop after that many of the steps. Returns the
-    loss curve [(step, loss)]."""
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    start, curve = 0, []
-    if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=True)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        start, curve = int(state["step"]), [tuple(x) for x in state["curve"].tolist()]
-    order = random.Random(seed)
-    schedule = [order.randrange(len(train_set)) for _ in range(steps)]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=steps, initial=start, desc="train eagle head")
-    end = steps if until is None else min(until, steps)
-    for step in range(start, end):
-        for g in opt.param_groups:
-            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-        feat_loss, token_loss, _ = losses(head, train_set[schedule[step]], lm_head)
-        loss = feat_loss + TOKEN_LOSS_WEIGHT * token_loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        curve.append((step, loss.item()))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-        if checkpoint is not None and ((step + 1) % 50 == 0 or step + 1 == end):
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "curve": torch.tensor(curve)}, checkpoint)
-    if bar is not None:
-        bar.close()
-    return curve
+    """The feature + 0.1 token loss over `steps` sequences (spec/training.train_loop: AdamW, cosine,
+    seeded order, resumable checkpoint). Returns the loss curve [(step, loss)]."""
+    from lmserve.spec.training import train_loop
+
+    def loss(i: int) -> torch.Tensor:
+        feat_loss, token_loss, _ = losses(head, train_set[i], lm_head)
+        return feat_loss + TOKEN_LOSS_WEIGHT * token_loss
+    return train_loop(head, len(train_set), loss, steps, lr, seed, checkpoint, progress, until, "train eagle head")
