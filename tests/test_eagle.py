@@ -14,6 +14,7 @@ import torch
 from lmserve import LLM
 from lmserve.sequence import SamplingParams
 from lmserve.spec import eagle
+from tests.test_spec import PROMPTS, mode_kwargs
 
 
 def _reference(head: eagle.EagleHead, feats: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -179,23 +180,13 @@ def head_dir(trained, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 EAGLE = dict(speculative_method="eagle", num_speculative_tokens=4, spec_max_batch=1000, spec_min_acceptance=0.0)
-PROMPTS = [[5, 6, 7, 8] * 6 + [5, 6], list(range(20, 40)) * 2 + [20, 21], [9, 9, 3] * 5, [11, 12, 13]]
 
 
-@pytest.mark.parametrize("mode", ["plain", "prefix", "preempt", "chunked"])
+@pytest.mark.parametrize("mode", ["plain", "prefix", "preempt", "chunked"])  # chunked: features over several steps
 def test_eagle_greedy_identical_to_plain(tiny_models, head_dir, mode):  # type: ignore[no-untyped-def]
     path, _ = tiny_models["llama"]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    kw: dict = {}
-    if mode == "preempt":
-        from lmserve.kv.cache import KVCache
-        from lmserve.models.loader import hf_config
-        per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
-        kw = dict(block_size=4, kv_cache_memory=per_block * 40, enable_prefix_caching=False)
-    if mode == "prefix":
-        kw = dict(block_size=4, enable_prefix_caching=True)
-    if mode == "chunked":  # prompts prefilled in chunks of 8 tokens: features arrive over several steps
-        kw = dict(max_num_batched_tokens=8, max_num_seqs=4)
+    kw = mode_kwargs(path, mode)
     plain = LLM(str(path), **kw)
     llm = LLM(str(path), draft_model=str(head_dir), **EAGLE, **kw)
     if mode == "prefix":  # warm the prefix cache: the second pass starts from cached blocks (no features there)

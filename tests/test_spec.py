@@ -22,19 +22,27 @@ def spec_llm(path, method: str, **kw):  # type: ignore[no-untyped-def]
     return LLM(str(path), **{**opts, **kw})
 
 
+def mode_kwargs(path, mode: str) -> dict:  # type: ignore[no-untyped-def]
+    """Engine options for a speculation exactness run: plain; prefix (a small block size, prefix caching);
+    preempt (a pool of 40 four-token blocks: preemptions); chunked (prompts in chunks of 8 tokens)."""
+    if mode == "preempt":
+        from lmserve.kv.cache import KVCache
+        from lmserve.models.loader import hf_config
+        per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
+        return dict(block_size=4, kv_cache_memory=per_block * 40, enable_prefix_caching=False)
+    if mode == "prefix":
+        return dict(block_size=4, enable_prefix_caching=True)
+    if mode == "chunked":
+        return dict(max_num_batched_tokens=8, max_num_seqs=4)
+    return {}
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("mode", ["plain", "prefix", "preempt"])
 def test_greedy_identical_to_plain(tiny_models, method, mode):  # type: ignore[no-untyped-def]
     path, _ = tiny_models["llama"]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    kw: dict = {}
-    if mode == "preempt":
-        from lmserve.kv.cache import KVCache
-        from lmserve.models.loader import hf_config
-        per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
-        kw = dict(block_size=4, kv_cache_memory=per_block * 40, enable_prefix_caching=False)
-    if mode == "prefix":
-        kw = dict(block_size=4, enable_prefix_caching=True)
+    kw = mode_kwargs(path, mode)
     plain = LLM(str(path), **kw)
     llm = spec_llm(path, method, **kw)
     if mode == "prefix":  # warm the prefix cache, then ask again: the follow-ups hit what was cached
