@@ -83,7 +83,8 @@ def target_text(a: argparse.Namespace, out: Path, what: str) -> tuple[Any, list[
 
 
 def add_data_args(p: Any) -> None:
-    p.add_argument("--tokens", type=int, default=100_000, help="token budget of the collected text")
+    p.add_argument("--tokens", type=int, default=50_000,
+                   help="token budget of the collected text (the default: ~21 min with its training, BENCHMARKS.md)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="length of each collected continuation")
     p.add_argument("--prompts-file", default=None, help="prompts, one per line (default: a built-in set)")
     p.add_argument("--train-seed", type=int, default=0)
