@@ -3,7 +3,7 @@
 `lmserve serve`, with no viewer and with a viewer reading /v1/engine/stream (as the page does: every
 snapshot parsed), alternated `--rounds` times in the same run. Prints a markdown table.
 
-    python scripts/bench_web.py [--rounds 2] [--num-requests 32] [-- extra serve flags]
+    python scripts/bench_web.py [--rounds 2] [--num-requests 32] [--model M] [-- extra serve flags]
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import httpx
+
+from lmserve.bench.serve import launch_server
 
 
 def bench(url: str, n: int, seed: int) -> float:
@@ -48,18 +49,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--model", default="smollm2-135m")
     a, extra = p.parse_known_args()
-    url = f"http://127.0.0.1:{a.port}"
-    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(a.port),
-                             "--log-level", "warning", *[x for x in extra if x != "--"]])
+    proc, url = launch_server(a.model, " ".join(["--log-level", "warning", *[x for x in extra if x != "--"]]))
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         bench(url, 4, 99)  # warm-up
         closed, opened, events = [], [], []
         for r in range(a.rounds):

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from tests.test_server import free_port  # noqa: E402
+from tests.test_server import free_port, wait_healthy  # noqa: E402
 
 
 def test_sigterm_finishes_running_requests_and_exits_cleanly():
@@ -25,14 +25,7 @@ def test_sigterm_finishes_running_requests_and_exits_cleanly():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("server did not come up")
+        wait_healthy(url, proc)
         # --no-web-ui: no console page, no engine stream
         assert httpx.get(url + "/", timeout=5).status_code == 404
         assert httpx.get(url + "/v1/engine/stream", timeout=5).status_code == 404

@@ -196,7 +196,8 @@ def add_parser(bs: Any) -> None:
     s.set_defaults(func=cmd_serve_bench)
 
 
-def _launch(model: str, extra: str) -> tuple[subprocess.Popen, str]:
+def launch_server(model: str, extra: str) -> tuple[subprocess.Popen, str]:
+    """`lmserve serve --model MODEL EXTRA...` on a free loopback port, once healthy: (process, base URL)."""
     import socket
 
     import httpx
@@ -223,7 +224,7 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     proc = None
     url = a.url
     if url is None:
-        proc, url = _launch(a.model, a.launch_args)
+        proc, url = launch_server(a.model, a.launch_args)
     try:
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
         reqs = make_requests(a.num_requests, tuple(a.input_len), tuple(a.output_len), a.vocab_size,

@@ -60,34 +60,19 @@ class _Timers:
     """Wall time of the proposer (per drafted token) and of the runner's steps with and without drafts."""
 
     def __init__(self, llm: Any) -> None:
-        import time as _t
-        self.draft_s = self.verify_s = self.plain_s = 0.0
-        self.drafted = self.verify_steps = self.plain_steps = 0
+        self.reset()
         eng = llm.engine
         if eng.spec is not None:
-            prop, real_propose = eng.spec.proposer, eng.spec.proposer.propose
-
-            def propose(seqs, ks):  # type: ignore[no-untyped-def]
-                t0 = _t.perf_counter()
-                out = real_propose(seqs, ks)
-                self.draft_s += _t.perf_counter() - t0
-                self.drafted += max((len(p.tokens) for p in out), default=0)  # sequential draft rounds
-                return out
-            prop.propose = propose
+            prop = eng.spec.proposer
+            prop.propose = self._drafting(prop.propose, rounds=True)
             if hasattr(prop, "observe"):  # an EAGLE head's per-step work on the target's features
-                real_observe = prop.observe
-
-                def observe(*args):  # type: ignore[no-untyped-def]
-                    t0 = _t.perf_counter()
-                    real_observe(*args)
-                    self.draft_s += _t.perf_counter() - t0
-                prop.observe = observe
-        runner, real_execute = eng.runner, eng.runner.execute
+                prop.observe = self._drafting(prop.observe, rounds=False)
+        real_execute = eng.runner.execute
 
         def execute(out):  # type: ignore[no-untyped-def]
-            t0 = _t.perf_counter()
+            t0 = time.perf_counter()
             res = real_execute(out)
-            dt = _t.perf_counter() - t0
+            dt = time.perf_counter() - t0
             decode = all(s.num_computed_tokens + n == s.num_tokens for s, n in out.scheduled) and \
                 all(n == 1 + s.spec.num_draft for s, n in out.scheduled)
             if decode and any(s.spec.num_draft for s, _ in out.scheduled):
@@ -95,7 +80,18 @@ class _Timers:
             elif decode:
                 self.plain_s, self.plain_steps = self.plain_s + dt, self.plain_steps + 1
             return res
-        runner.execute = execute
+        eng.runner.execute = execute
+
+    def _drafting(self, fn: Any, rounds: bool) -> Any:
+        """fn timed into draft_s; rounds: fn is propose, whose longest proposal counts the draft rounds."""
+        def wrapped(*args):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.draft_s += time.perf_counter() - t0
+            if rounds:
+                self.drafted += max((len(p.tokens) for p in out), default=0)  # sequential draft rounds
+            return out
+        return wrapped
 
     def reset(self) -> None:
         self.draft_s = self.verify_s = self.plain_s = 0.0

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args
-from lmserve.cli.train_draft import _plot, add_data_args, target_text
+from lmserve.cli.train_draft import add_data_args, plot_curve, target_text
 
 
 def add_parser(sub: Any) -> None:
@@ -65,7 +65,8 @@ def cmd_distill(a: argparse.Namespace) -> int:
     # a checkpoint resumes only the same run: its file is named by what shapes the run
     run = dict(layers=a.num_layers, mlp=small.intermediate_size, kv=small.num_kv_heads, steps=a.steps,
                lr=a.lr, t=a.temperature, seed=a.train_seed)
-    ck = out / f"distill-{hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:12]}.pt"
+    key = hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:12]
+    ck = out / f"checkpoint-distill-{key}.pt"
     score = lambda ids: llm.score(ids).float().cpu()  # noqa: E731 - the student trains on the CPU
     curve = D.distill(student, train_set, score, a.steps or len(train_set), a.lr, a.temperature, a.train_seed,
                       ck, progress)
@@ -77,7 +78,7 @@ def cmd_distill(a: argparse.Namespace) -> int:
     D.save_student(student, out, llm.tokenizer,
                    {"target": a.model, "kept_layers": kept, "trained_tokens": tokens, "seed": a.train_seed,
                     "heldout_ppl": after, "pruned_ppl": before, "target_ppl": target_ppl})
-    _plot(curve, out / "loss.png", "KL(target || student) x T^2")
+    plot_curve(curve, out / "loss.png", "KL(target || student) x T^2")
     print(f"distilled {a.model}: layers {kept} of {cfg.num_layers}, {small.intermediate_size} MLP channels, "
           f"{small.num_kv_heads} KV heads; {params / 1e6:.1f}M parameters; {tokens} training tokens, {len(curve)} "
           f"steps; collect {collected:.0f} s, prune + distill {trained:.0f} s; held-out perplexity: target "

@@ -56,7 +56,7 @@ def target_text(a: argparse.Namespace, out: Path, what: str) -> tuple[Any, list[
     """(the target LLM, the target's own texts as token id lists, seconds spent collecting them): the
     --prompts-file (or built-in) prompts continued by the target until --tokens tokens, cached in
     out/data.json (a rerun with the same model, budget, seed and prompts reuses it; a new collection
-    drops out/checkpoint.pt, which would not resume exactly on other data)."""
+    drops out/checkpoint*.pt, the training checkpoints, which would not resume exactly on other data)."""
     from lmserve.llm import LLM
     from lmserve.spec import eagle
 
@@ -78,7 +78,8 @@ def target_text(a: argparse.Namespace, out: Path, what: str) -> tuple[Any, list[
     else:
         seqs = eagle.collect(llm, prompts, a.tokens, a.train_seed, a.max_new_tokens, not a.no_progress)
         data.write_text(json.dumps({"key": key, "seqs": seqs}))
-        (out / "checkpoint.pt").unlink(missing_ok=True)
+        for ck in out.glob("checkpoint*.pt"):
+            ck.unlink()
     return llm, seqs, time.perf_counter() - t0
 
 
@@ -124,14 +125,14 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
         eos = tuple(llm.tokenizer.eos_token_ids)
         head.draft_vocab = eagle.frequent_vocab(seqs[held:], a.draft_vocab, eos)
     head.save(out, {"heldout_agreement": after, "untrained_agreement": before})
-    _plot(curve, out / "loss.png")
+    plot_curve(curve, out / "loss.png")
     print(f"eagle head for {a.model}: {tokens} training tokens ({len(train_set)} sequences), {len(curve)} steps; "
           f"collect {collected:.0f} s, train {trained:.0f} s; held-out next-token agreement with the target "
           f"{before:.1%} -> {after:.1%}; saved to {out}")
     return 0
 
 
-def _plot(curve: list[tuple[int, float]], path: Path, ylabel: str = "feature + 0.1 token loss") -> None:
+def plot_curve(curve: list[tuple[int, float]], path: Path, ylabel: str = "feature + 0.1 token loss") -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")

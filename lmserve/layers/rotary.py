@@ -58,11 +58,14 @@ class RotaryEmbedding(nn.Module):
         return (self.cos.index_select(0, positions).unsqueeze(1),
                 self.sin.index_select(0, positions).unsqueeze(1))
 
+    def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: (N, heads, d) rotated with lookup()'s rows, in float32, returned in its dtype."""
+        cos, sin = cos_sin  # (N, 1, d) each
+        xf = x.float()
+        return (xf * cos + self._rotate_half(xf) * sin).to(x.dtype)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (N, H, d), k: (N, Hkv, d), positions: (N,) -> rotated (q, k) in their dtype."""
-        cos, sin = cos_sin if cos_sin is not None else self.lookup(positions)  # (N, 1, d) each
-        qf, kf = q.float(), k.float()
-        q2 = qf * cos + self._rotate_half(qf) * sin
-        k2 = kf * cos + self._rotate_half(kf) * sin
-        return q2.to(q.dtype), k2.to(k.dtype)
+        cos_sin = cos_sin if cos_sin is not None else self.lookup(positions)
+        return self.rotate(q, cos_sin), self.rotate(k, cos_sin)

@@ -209,7 +209,8 @@ class AsyncEngine:
         """A web-console viewer connected (+1) or left (-1); on a connection the loop publishes at once."""
         with self._lock:
             self.view.viewers += delta
-            self.view.stale()
+            if delta > 0:
+                self.view.stale()
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -225,7 +226,7 @@ class AsyncEngine:
                 self._drain()
                 if not self._engine.has_unfinished_requests():
                     self._publish()
-                    if self.view.viewers > 0:
+                    if self.view.watched:
                         self._watched(self.view.idle)
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -250,7 +251,7 @@ class AsyncEngine:
                     stream.put(out)
                     if out.finished:
                         del self._streams[out.request_id]
-                if self.view.viewers > 0:
+                if self.view.watched:
                     self._watched(self.view.after_step, outputs)
                 if self._unpublished or time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
                     self._publish()
@@ -290,7 +291,7 @@ class AsyncEngine:
             fn(self._engine, *args)
         except Exception:  # noqa: BLE001
             log.exception("engine view failed; the web console's engine view stops updating")
-            self.view.viewers = -10**9  # never again above 0
+            self.view.failed = True
 
     def _publish(self) -> None:
         """Snapshot the engine's stats for readers on other threads (engine thread only)."""

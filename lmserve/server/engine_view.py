@@ -1,7 +1,7 @@
 """What the web console's engine view shows: snapshots the engine thread publishes, read by any thread.
 
 The engine thread (AsyncEngine's loop) calls `after_step` after each step and `idle` when it waits, but
-only while a viewer is connected (`viewers` > 0): with none, the loop does not call in at all. A snapshot
+only while a viewer is connected (`watched`): with none, the loop does not call in at all. A snapshot
 is built at most every VIEW_INTERVAL_S, as a plain dict, and published by replacing one reference
 (`latest`: its sequence number and the dict): readers never take a lock and never touch the engine.
 
@@ -28,6 +28,7 @@ class EngineView:
 
     def __init__(self) -> None:
         self.viewers = 0  # connected viewers (the web side counts them); 0: the loop never calls in
+        self.failed = False  # an update raised: the view stays dark (the engine loop goes on)
         self.latest: tuple[int, dict[str, Any]] | None = None  # (sequence number, snapshot), swapped whole
         self._seq = 0
         self._reset = False  # a viewer arrived after a time unwatched: forget the token counts seen then
@@ -36,6 +37,11 @@ class EngineView:
         self._lens: dict[str, int] = {}  # request -> output tokens seen so far
         self._tokens = 0  # output tokens produced while watched
         self._done: deque[dict[str, Any]] = deque(maxlen=256)
+
+    @property
+    def watched(self) -> bool:
+        """Whether the engine loop should update the view."""
+        return self.viewers > 0 and not self.failed
 
     def stale(self) -> None:
         """Publish on the loop's next pass (a new viewer wants the engine as it is now). Any thread."""

@@ -30,11 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.config import EngineConfig, ModelConfig
+from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.sampling.sampler import Sampler, TokenView, draw
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Sequence
 from lmserve.spec import Proposal
-from lmserve.spec.eagle import EagleHead, float_head
+from lmserve.spec.eagle import EagleHead, float_head, rms_norm
 
 
 @dataclass
@@ -84,11 +85,7 @@ class EagleProposer:
         self.vocab = None if vocab is None else vocab.to(self.device)  # (Vs,) token ids the drafts come from
         self.lm_head = (lm if vocab is None else lm[vocab]).to(self.device, self.dtype)  # (Vs, H)
         del lm
-        d = c.head_dim
-        inv = 1.0 / c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)  # (d/2,)
-        ang = torch.arange(max_model_len + 1, dtype=torch.float64)[:, None] * inv[None, :]  # (P, d/2)
-        self.cos = torch.cat([ang.cos()] * 2, -1).to(self.device, self.dtype)  # (P, d)
-        self.sin = torch.cat([ang.sin()] * 2, -1).to(self.device, self.dtype)
+        self.rotary = RotaryEmbedding(c.head_dim, max_model_len + 1, c.rope_theta).to(self.device)
         self.sampler = Sampler()
         self.states: dict[int, _State] = {}
 
@@ -110,23 +107,18 @@ class EagleProposer:
                     break
         return st
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x: (n, heads, d) rotated at positions pos (n,) (HF Llama's half-split layout)."""
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (n, 1, d)
-        h = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
-
     def _qkv_in(self, feats: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """fc([feature ; embed(next token)]): feats (n, H) -> (n, H)."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         emb = self.target.embed(ids).to(self.dtype)  # (n, H)
         return self.head.fc(torch.cat([feats.to(self.dtype), emb], -1))  # (n, H)
 
-    def _kv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (n, H) -> the layer's normed input (n, H), k and v (Hkv, n, d) with RoPE at pos."""
+    def _kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (n, H) -> the layer's normed input (n, H), k and v (Hkv, n, d); rope: the rows' rotary.lookup."""
         c, h = self.head.cfg, self.head
-        hn = _rms(x, h.input_layernorm, c.rms_norm_eps)
-        k = self._rope(h.k_proj(hn).view(-1, c.num_kv_heads, c.head_dim), pos)  # (n, Hkv, d)
+        hn = rms_norm(x, h.input_layernorm, c.rms_norm_eps)
+        k = self.rotary.rotate(h.k_proj(hn).view(-1, c.num_kv_heads, c.head_dim), rope)  # (n, Hkv, d)
         v = h.v_proj(hn).view(-1, c.num_kv_heads, c.head_dim)
         return hn, k.transpose(0, 1), v.transpose(0, 1)
 
@@ -134,8 +126,9 @@ class EagleProposer:
         """One position per state (decode): x (B, H) at positions pos (B,); each row's K/V appended to its
         state, attention over that state's entries. -> predicted features (B, H)."""
         c, h = self.head.cfg, self.head
-        hn, k, v = self._kv(x, pos)
-        q = self._rope(h.q_proj(hn).view(-1, c.num_heads, c.head_dim), pos)  # (B, Hq, d)
+        rope = self.rotary.lookup(pos)
+        hn, k, v = self._kv(x, rope)
+        q = self.rotary.rotate(h.q_proj(hn).view(-1, c.num_heads, c.head_dim), rope)  # (B, Hq, d)
         outs = []
         for i, st in enumerate(states):
             st.append(k[:, i:i + 1], v[:, i:i + 1])
@@ -143,7 +136,7 @@ class EagleProposer:
                                                enable_gqa=True)  # (Hq, 1, d)
             outs.append(a.reshape(1, -1))
         x = x + h.o_proj(torch.cat(outs))  # (B, H)
-        hn = _rms(x, h.post_attention_layernorm, c.rms_norm_eps)
+        hn = rms_norm(x, h.post_attention_layernorm, c.rms_norm_eps)
         return x + h.down_proj(F.silu(h.gate_proj(hn)) * h.up_proj(hn))  # (B, H)
 
     # ---------------------------------------------------------------- the target's side
@@ -183,7 +176,7 @@ class EagleProposer:
         if not rows:
             return
         x = self._qkv_in(torch.cat(rows), toks)  # (R, H)
-        _, k, v = self._kv(x, torch.tensor(pos, device=self.device))  # (Hkv, R, d)
+        _, k, v = self._kv(x, self.rotary.lookup(torch.tensor(pos, device=self.device)))  # (Hkv, R, d)
         i = 0
         while i < len(owners):  # consecutive rows of one state go in one append
             j = i
@@ -254,6 +247,3 @@ class EagleProposer:
     def release(self, seq: Sequence) -> None:
         self.states.pop(id(seq), None)
 
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
