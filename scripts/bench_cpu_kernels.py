@@ -2,8 +2,8 @@
 linears (SmolLM2-135M shapes, int4 group 32 as its GGUF holds them, random weights) and its int8 LM
 head (49152 x 576, Q8_0), multiplied one after another as a step reads them, on each path this CPU
 has, beside fp32 F.linear over the same shapes; for 1, 2, 4, 5, 8 and 16 rows of x (a decode batch or
-a speculative verification). The VNNI path multiplies the layers' repacked tiles (what the layers
-use); the others the layers' own layouts. Two threads by default (`--threads N`): the figures
+a speculative verification). The tile kernel's paths (vnni, avx2int8) multiply the layers' repacked
+tiles (what the layers use); the float-x paths the layers' own layouts. Two threads by default (`--threads N`): the figures
 BENCHMARKS.md quotes.
 
     python scripts/bench_cpu_kernels.py [--threads 2] [--rows 1,2,4,5,8,16]
@@ -42,8 +42,8 @@ def step(layers: list[GroupQuantLinear], xs: dict[int, torch.Tensor], path: str)
     """Every linear once, on `path` (the VNNI tiles, or qgemv.c's paths in the layers' layouts)."""
     for lay in layers:
         x = xs[lay.in_features]
-        if path == "vnni":
-            cpu_native.qgemm_tiles(x, lay.tiles())
+        if path in ("vnni", "avx2int8"):
+            cpu_native.qgemm_tiles(x, lay.tiles(), isa_name=path)
         else:
             cpu_native.qgemm(x, lay.qweight, lay.bits, lay.scales, lay.mins, lay.group_size, path)
 
@@ -63,7 +63,8 @@ def main() -> None:
     floats = [torch.randn(n, k, generator=g) * 0.02 for n, k in [*SHAPES, HEAD]]
     rows = [int(r) for r in a.rows.split(",")]
     top = cpu_native.ISA_NAMES[cpu_native.isa()]
-    paths = [name for name, level in cpu_native.ISA_NAMES.items() if 0 < level <= top]  # plain C: never used
+    paths = [name for name, level in cpu_native.ISA_NAMES.items()  # those this CPU has; plain C: never used
+             if 0 < level <= top and cpu_native._level_for(name) == level]
     print(f"{a.threads} thread(s), this CPU's best path: {cpu_native.isa()}; ms for the 121 linears "
           f"(x the ratio to one row)")
     print(f"{'path':<12}" + "".join(f"{r:>8} row{'s' if r > 1 else ' '}" for r in rows))

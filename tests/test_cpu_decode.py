@@ -12,7 +12,16 @@ from lmserve.layers import cpu_native, dispatch
 from lmserve.models.cpu_decode import CpuDecodePlan
 
 pytestmark = pytest.mark.skipif(not cpu_native.available() or not cpu_native.int8_x(),
-                                reason="the plan runs where our CPU kernels take the VNNI path")
+                                reason="the plan runs where our CPU kernels take the tile kernel (AVX2 or VNNI)")
+
+
+@pytest.fixture(params=["vnni", "avx2int8"])
+def tile_isa(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """Each variant of the tile kernel this CPU runs (a VNNI machine runs both)."""
+    if cpu_native._level_for(request.param) != cpu_native.ISA_NAMES[request.param]:
+        pytest.skip(f"this CPU has no {request.param}")
+    monkeypatch.setenv("LMSERVE_ISA", request.param)
+    return request.param
 
 
 def record_runs(plan, monkeypatch) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
@@ -27,7 +36,7 @@ def _llm(path, **kw):  # type: ignore[no-untyped-def]
     return LLM(str(path), kv_cache_memory="16MiB", block_size=4, quantization="int4", **kw)
 
 
-def test_plan_equals_the_module_path(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+def test_plan_equals_the_module_path(tiny_models, monkeypatch, tile_isa):  # type: ignore[no-untyped-def]
     llm = _llm(tiny_models["llama"][0])
     model = llm.engine.model
     plan = model.cpu_plan()
@@ -66,7 +75,7 @@ def test_plan_steps_aside(tiny_models):  # type: ignore[no-untyped-def]
     assert not plan.applies(torch.zeros(18, 64), caches, meta3)  # a prefill chunk in the step
 
 
-def test_verification_steps_run_in_the_plan_with_the_module_paths_tokens(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+def test_verification_steps_run_in_the_plan_with_the_module_paths_tokens(tiny_models, monkeypatch, tile_isa):  # type: ignore[no-untyped-def]
     """n-gram speculation verifies k + 1 tokens a sequence a step: through the plan (a token a row of
     the attention kernel) the greedy tokens equal the module path's and speculation's absence."""
     prompts = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9], [4, 4, 8, 4, 4, 8, 4, 4]]  # repeats: the n-gram drafter proposes

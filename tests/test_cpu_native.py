@@ -1,5 +1,6 @@
-"""Our CPU kernel (layers/csrc/qgemv.c through layers/cpu_native.py) against float64 oracles, on every
-code path this CPU can run (VNNI with int8 activations, AVX-512, AVX2, plain C), and the quantized
+"""Our CPU kernels (layers/csrc/qtile.c, qgemv.c through layers/cpu_native.py) against float64 oracles,
+on every code path this CPU can run (the tile kernel with int8 activations on VNNI or AVX2; float
+activations on AVX-512, AVX2, plain C), and the quantized
 layers' choice between it and the reference path."""
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import torch
 from lmserve.layers import cpu_native, quant
 from lmserve.layers.quant import Int4Linear, Int8Linear
 
-LEVELS = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}
-INT8_X = ("vnni",)  # the tile kernel's path: x quantized to int8 per 32 columns
+LEVELS = {"vnni": 4, "avx2int8": 3, "avx512": 2, "avx2": 1, "c": 0}
+INT8_X = ("vnni", "avx2int8")  # the tile kernel's paths: x quantized to int8 per 32 columns
 
 
 def runnable() -> list[str]:
-    """The code paths this CPU runs (a cap above what it has runs a lower one: listed once)."""
-    top = LEVELS[cpu_native.isa()]
-    return [name for name, lv in LEVELS.items() if lv <= top]
+    """The code paths this CPU runs (a cap naming a path it lacks runs a lower one: not listed)."""
+    if not cpu_native.available():
+        return []
+    return [name for name, lv in LEVELS.items() if cpu_native._level_for(name) == lv]
 
 
 def test_the_kernels_build_where_a_compiler_is():
@@ -181,3 +183,43 @@ def test_layers_made_under_inference_mode_take_the_kernel():  # type: ignore[no-
         y = layer(x)
         assert torch.allclose(y, x @ layer.dequantize().T, atol=0.05 * (x @ layer.dequantize().T).abs().max())
         assert torch.equal(layer(x), y)  # the cached tiles
+
+
+@needs_lib
+def test_avx2_tiles_refuse_an_int8_weight_holding_minus_128(monkeypatch):  # type: ignore[no-untyped-def]
+    """vpsignb cannot negate -128: the AVX2 tile kernel refuses such a weight by name, and the layer takes
+    the float-x kernel instead, exactly."""
+    if "avx2int8" not in runnable():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv("LMSERVE_ISA", "avx2int8")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=g)
+    layer = Int8Linear(64, 48, group_size=32)
+    q = (w * 40).round().clamp(-127, 127).to(torch.int8)
+    q[7, 5] = -128  # a value GGUF's Q8_0 may hold, ours never write
+    layer.load(quant.QuantizedWeight(q, torch.full((48, 2), 0.01), None, 32))
+    layer.cpu_kernel = True
+    assert not layer.tiles().avx2_ok and not layer.tiled()
+    with pytest.raises(ValueError, match="-128"):
+        cpu_native.qgemm_tiles(torch.randn(2, 64), layer.tiles())
+    x = torch.randn(3, 64, generator=g)
+    want = x.double() @ layer.dequantize().double().T  # float x: no activation rounding
+    assert (layer(x).double() - want).abs().max() <= 2e-5 * want.abs().max()
+    q[7, 5] = -127  # the same weight without it: tiled
+    layer.load(quant.QuantizedWeight(q, torch.full((48, 2), 0.01), None, 32))
+    assert layer.tiles().avx2_ok and layer.tiled()
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", LAYERS)
+def test_the_avx2_tiles_equal_the_vnni_tiles_bit_for_bit(kind):  # type: ignore[no-untyped-def]
+    """Both variants sum exact int32 products per sub-block and scale in the same order: the same floats."""
+    if "vnni" not in runnable():
+        pytest.skip("this CPU has no AVX-512 VNNI to compare with")
+    g = torch.Generator().manual_seed(4)
+    layer = LAYERS[kind](torch.randn(203, 256, generator=g))
+    for m in (1, 3, 8, 17):
+        x = torch.randn(m, 256, generator=g)
+        a = cpu_native.qgemm_tiles(x, layer.tiles(), isa_name="vnni")
+        b = cpu_native.qgemm_tiles(x, layer.tiles(), isa_name="avx2int8")
+        assert torch.equal(a, b), (kind, m)

@@ -1,7 +1,7 @@
 """Our own CPU kernels (layers/csrc/*.c), built with the system C compiler on first use and called
-through ctypes: the weight-only int8 / int4 matmul of the quantized layers (qtile.c on AVX-512 VNNI
-CPUs, any number of rows, weights repacked in tiles of 16 output rows; qgemv.c elsewhere, up to
-MAX_ROWS rows in the layers' own layouts), paged attention for one query token a row reading the KV
+through ctypes: the weight-only int8 / int4 matmul of the quantized layers (qtile.c: any number of
+rows, weights repacked in tiles of 16 output rows, x quantized to int8, with AVX-512 VNNI or AVX2;
+qgemv.c: float x, up to MAX_ROWS rows in the layers' own layouts, where neither applies), paged attention for one query token a row reading the KV
 cache in place (paged_attn.c; the CPU attention backend, attention/cpu_attn.py), and fused elementwise
 ops (fused.c; layers/cpu_fused.py).
 
@@ -12,7 +12,8 @@ once per call whatever the number of rows.
 The library is compiled once per source text and compiler into LMSERVE_CACHE (default
 ~/.cache/lmserve) / kernels, picking its code path (AVX-512 VNNI, AVX-512, AVX2, plain C) at run time
 from what the CPU has; with no compiler, or LMSERVE_NATIVE=0, `available()` is False and callers keep
-their torch path. LMSERVE_ISA=vnni|avx512|avx2|c caps the path (to compare them). Threads: torch's
+their torch path. LMSERVE_ISA=vnni|avx2int8|avx512|avx2|c caps the path (to compare them): vnni and
+avx2int8 are the tile kernel's two variants (int8 x); avx512, avx2 and c the float-x kernels. Threads: torch's
 intra-op thread count, on the same OpenMP runtime torch uses (the process has one libgomp).
 """
 
@@ -39,8 +40,9 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "qtile.c", "paged_attn.c", "fused.c")]
 MAX_ROWS = 16  # qgemv.c: up to this many rows of x it beats dequantize + matmul (measured: docs/architecture.md)
 HEADERS = [Path(__file__).with_name("csrc") / "vmath.h"]  # included by the sources (part of the build's key)
-# vnni: AVX-512 VNNI with int8 activations (qtile.c); avx512 / avx2 / c: float activations (qgemv.c)
-ISA_NAMES = {"vnni": 3, "avx512": 2, "avx2": 1, "c": 0}
+# vnni / avx2int8: the tile kernel (qtile.c, int8 activations) with AVX-512 VNNI / AVX2;
+# avx512 / avx2 / c: float activations (qgemv.c). Ordered by speed: the first this CPU has is its path.
+ISA_NAMES = {"vnni": 4, "avx2int8": 3, "avx512": 2, "avx2": 1, "c": 0}
 _LEVEL_NAMES = {v: k for k, v in ISA_NAMES.items()}
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
 
@@ -81,9 +83,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_permute_x4.argtypes = [p, i64, i64, p]
     lib.lm_isa.argtypes = [i32]
     lib.lm_isa.restype = i32
-    lib.lm_qgemm_tiles.argtypes = [p, i64, i64, p, i32, i64, p, p, i64, p, i32]
+    lib.lm_qgemm_tiles.argtypes = [p, i64, i64, p, i32, i64, p, p, i64, p, i32, i32]
     lib.lm_qgemm_tiles.restype = None
     lib.lm_has_vnni.restype = i32
+    lib.lm_has_avx2.restype = i32
     lib.lm_paged_decode_attn.argtypes = [p, p, p, i32, p, i64, p, i64, i32, i32, i32, i64, ctypes.c_float, i64, p, i32, i32,
                                          p, p, p, i64, i64]
     lib.lm_paged_decode_attn.restype = None
@@ -111,7 +114,17 @@ def _level_for(name: str) -> int:
         raise ValueError(f"LMSERVE_ISA must be one of {', '.join(ISA_NAMES)}, got {name!r}")
     lib, limit = _lib(), ISA_NAMES[name]
     assert lib is not None
-    return 3 if limit >= 3 and lib.lm_has_vnni() else lib.lm_isa(min(limit, 2))
+    if limit >= 4 and lib.lm_has_vnni():
+        return 4
+    if limit >= 3 and lib.lm_has_avx2():
+        return 3
+    return lib.lm_isa(min(limit, 2))
+
+
+def _float_level(level: int) -> int:
+    """The float kernels' path (qgemv.c, the attention): 2 AVX-512, 1 AVX2, 0 C; under a tile level,
+    the best this CPU has."""
+    return _lib().lm_isa(2) if level >= 3 else level  # type: ignore[union-attr]
 
 
 def available() -> bool:
@@ -132,12 +145,18 @@ def lib() -> ctypes.CDLL:
 
 
 def int8_x() -> bool:
-    """The tile kernel (csrc/qtile.c: int8 activations on AVX-512 VNNI) is this CPU's path."""
-    return isa() == "vnni"
+    """The tile kernel (csrc/qtile.c: int8 activations, AVX-512 VNNI or AVX2) is this CPU's path."""
+    return isa() in ("vnni", "avx2int8")
+
+
+def tile_vnni(isa_name: str | None = None) -> bool:
+    """The tile kernel takes its AVX-512 VNNI variant here (else the AVX2 one, which needs int8 weights
+    in -127..127: Tiles.avx2_ok)."""
+    return _level(lib(), isa_name) == 4
 
 
 def isa() -> str:
-    """The code path the kernels take on this CPU: vnni, avx512, avx2 or c ('none': not built)."""
+    """The code path the kernels take on this CPU: vnni, avx2int8, avx512, avx2 or c ('none': not built)."""
     lib = _lib()
     return "none" if lib is None else _LEVEL_NAMES[_level(lib, None)]
 
@@ -156,9 +175,10 @@ def tiles_fit(bits: int, in_features: int, group_size: int) -> bool:
 
 
 class Tiles(NamedTuple):
-    """A quantized weight [n, k] repacked for the VNNI tile kernel (csrc/qtile.c): q uint8 [n16 / 16,
+    """A quantized weight [n, k] repacked for the tile kernel (csrc/qtile.c): q uint8 [n16 / 16,
     k / 4, 16, 4] (int8, stored + 128) or [n16 / 16, k / 8, 16, 4] (int4, two columns a byte); scales,
-    mins float32 [n16 / 16, k / group, 16]; n16: n rounded up to 16 (padding rows are zero)."""
+    mins float32 [n16 / 16, k / group, 16]; n16: n rounded up to 16 (padding rows are zero). avx2_ok:
+    the AVX2 variant multiplies it exactly (int4, or int8 without a -128)."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -167,6 +187,7 @@ class Tiles(NamedTuple):
     n: int
     k: int
     group: int
+    avx2_ok: bool
 
 
 def pack_tiles(values: torch.Tensor, bits: int, scales: torch.Tensor, mins: torch.Tensor | None,
@@ -188,16 +209,26 @@ def pack_tiles(values: torch.Tensor, bits: int, scales: torch.Tensor, mins: torc
     def per_tile(a: torch.Tensor) -> torch.Tensor:  # (n, G) -> (T, G, 16)
         return F.pad(a.float(), (0, 0, 0, pad)).view(t, 16, -1).transpose(1, 2).contiguous()
 
-    return Tiles(u.contiguous(), per_tile(scales), None if mins is None else per_tile(mins), bits, n, k, group_size)
+    avx2_ok = bits == 4 or values.numel() == 0 or int(values.min()) > -128
+    return Tiles(u.contiguous(), per_tile(scales), None if mins is None else per_tile(mins), bits, n, k, group_size,
+                 avx2_ok)
 
 
-def qgemm_tiles(x: torch.Tensor, w: Tiles, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, k) @ W.T -> (M, n) float32 with the VNNI tile kernel (needs isa() == 'vnni'): x quantized
-    per 32 columns to int8, as llama.cpp does."""
+def qgemm_tiles(x: torch.Tensor, w: Tiles, out: torch.Tensor | None = None, isa_name: str | None = None
+                ) -> torch.Tensor:
+    """x (M, k) @ W.T -> (M, n) float32 with the tile kernel (needs int8_x()): x quantized per 32
+    columns to int8, as llama.cpp does; the VNNI variant where the CPU has it (and isa_name /
+    LMSERVE_ISA allow it), else the AVX2 one."""
+    level = _level(lib(), isa_name)
+    if level < 3:
+        raise ValueError(f"the tile kernel needs AVX2 (this path: {_LEVEL_NAMES[level]})")
+    if level == 3 and not w.avx2_ok:
+        raise ValueError("the AVX2 tile kernel cannot take an int8 weight holding -128 (Tiles.avx2_ok)")
     xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()  # (M, k)
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32) if out is None else out  # (M, n)
     lib().lm_qgemm_tiles(xf.data_ptr(), xf.shape[0], w.k, w.q.data_ptr(), w.bits, w.n, w.scales.data_ptr(),
-                         None if w.mins is None else w.mins.data_ptr(), w.group, y.data_ptr(), torch.get_num_threads())
+                         None if w.mins is None else w.mins.data_ptr(), w.group, y.data_ptr(), torch.get_num_threads(),
+                         int(level == 4))
     return y
 
 
@@ -219,13 +250,15 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, min
     level = _level(lib, isa_name)
     if level >= 3 and tiles_fit(bits, K, group_size):  # repacked per call here; layers keep theirs
         values = q if bits == 8 else torch.stack([q & 15, q >> 4], dim=-1).reshape(N, K)  # (N, K)
-        return qgemm_tiles(xf, pack_tiles(values, bits, sc, mn, group_size))
+        tiles = pack_tiles(values, bits, sc, mn, group_size)
+        if level == 4 or tiles.avx2_ok:
+            return qgemm_tiles(xf, tiles, isa_name=isa_name)
     if bits == 4:
         xp = torch.empty_like(xf)  # (M, K), each 32-column chunk as evens then odds
         lib.lm_permute_x4(xf.data_ptr(), M, K, xp.data_ptr())
         xf = xp
     lib.lm_qgemm(xf.data_ptr(), M, K, q.data_ptr(), bits, N, sc.data_ptr(), None if mn is None else mn.data_ptr(),
-                 group_size, y.data_ptr(), min(level, 2), torch.get_num_threads())
+                 group_size, y.data_ptr(), _float_level(level), torch.get_num_threads())
     return y
 
 
@@ -234,6 +267,7 @@ def attn_simd(isa_name: str | None = None) -> int:
     dim a multiple of 16), 1 AVX2, 0 plain C."""
     lib, level = _lib(), _level(_lib(), isa_name)  # type: ignore[arg-type]
     assert lib is not None
+    level = _float_level(level)
     return 2 if level >= 2 and lib.lm_attn_avx512() else int(level >= 1 and lib.lm_attn_isa())
 
 

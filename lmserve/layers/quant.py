@@ -252,11 +252,12 @@ class GroupQuantLinear(LinearBase):
         return cpu_native.fast() and cpu_native.fits(self.bits, self.in_features, self.group_size)
 
     def tiled(self) -> bool:
-        """The VNNI tile kernel takes this layer here (any number of rows: prefill too)."""
-        return cpu_native.int8_x() and cpu_native.tiles_fit(self.bits, self.in_features, self.group_size)
+        """The tile kernel takes this layer here (any number of rows: prefill too)."""
+        return cpu_native.int8_x() and cpu_native.tiles_fit(self.bits, self.in_features, self.group_size) \
+            and (cpu_native.tile_vnni() or self.tiles().avx2_ok)
 
     def tiles(self) -> cpu_native.Tiles:
-        """The weight repacked for the VNNI tile kernel: built on first use, again whenever qweight,
+        """The weight repacked for the tile kernel: built on first use, again whenever qweight,
         scales or mins changed (a derived copy: the buffers stay the layer's state)."""
         key = tuple((t.data_ptr(), tensor_version(t)) for t in (self.qweight, self.scales, self.mins) if t is not None)
         if getattr(self, "_tiles_key", None) != key:

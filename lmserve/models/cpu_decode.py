@@ -37,11 +37,13 @@ class _Linear:
         self.n, self.k = t.n, t.k
         self.args = (t.q.data_ptr(), t.bits, t.n, t.scales.data_ptr(), None if t.mins is None else t.mins.data_ptr(),
                      t.group)
+        self.vnni = int(cpu_native.tile_vnni())  # the kernel's variant (layer.tiled() said this one takes it)
 
     def __call__(self, lib: Any, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
         """y (B, N) = x (B, K) @ W.T, both float32 contiguous."""
         q, bits, n, sc, mn, group = self.args
-        lib.lm_qgemm_tiles(x.data_ptr(), x.shape[0], self.k, q, bits, n, sc, mn, group, y.data_ptr(), threads)
+        lib.lm_qgemm_tiles(x.data_ptr(), x.shape[0], self.k, q, bits, n, sc, mn, group, y.data_ptr(), threads,
+                           self.vnni)
 
 
 def weights_key(items: Any) -> tuple[tuple[int, int], ...]:

@@ -20,6 +20,16 @@
  * Shape rules: K % 32 == 0; group == 16 or a multiple of 32 dividing K.
  * Threads: OpenMP over tiles of 16 output rows, x rows 8 at a time inside a tile (the tile's bytes
  * stay in L1 for the next 8), and x in chunks of 64 rows (they stay in L2) for long inputs.
+ *
+ * The AVX2 variant (CPUs without AVX-512 VNNI; variant 0 of lm_qgemm_tiles) reads the same layout, a
+ * 64-byte chunk as two 256-bit halves of 8 rows each. It has no vpdpbusd: vpmaddubsw multiplies unsigned
+ * by signed bytes into saturating int16 pairs, then vpmaddwd by ones widens them to int32 (llama.cpp's
+ * AVX2 dot products do the same). int4: the weight nibble (0..15) is the unsigned operand and x the
+ * signed one; a pair is at most 2 * 15 * 127 = 3810, so the int16 sums of a 32-column sub-block (8
+ * pairs: 30480) never saturate and widen once. int8: the stored q + 128 becomes q again (xor 0x80), and
+ * |x| times q with x's sign (vpsignb) keeps the unsigned operand <= 127 (pairs <= 32512): exact for q
+ * in -127..127; a weight holding -128 is refused for this variant (pack_tiles flags it), since vpsignb
+ * cannot negate it.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -32,7 +42,16 @@
 #define PF_TILES 2 /* software prefetch distance, in tiles */
 #endif
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+#define TARGET2 __attribute__((target("avx2,fma")))
+#ifndef MT2
+#define MT2 4 /* x rows per pass over a tile in the AVX2 variant (16 ymm registers) */
+#endif
 #define INLINE static inline __attribute__((always_inline))
+
+int lm_has_avx2(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
 
 int lm_has_vnni(void) {
   __builtin_cpu_init();
@@ -147,10 +166,150 @@ TARGET static void tile_any(const int8_t *xq, const float *xd, const int32_t *xi
   else { TILE_MC(4, 16) }
 }
 
+/* quant_x_tiles with AVX2: the same values (the same float operations in the same order). */
+TARGET2 static void quant_x_tiles2(const float *x, int64_t M, int64_t K, int sb, int8_t *xq, float *xd, int32_t *xis,
+                                   float *xfs, int nthreads) {
+  const int64_t KB = K / 32, NS = K / sb;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 4)
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t b = 0; b < KB; b++) {
+      const float *xr = x + m * K + b * 32;
+      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      __m256 v[4], mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xr + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+      xd[m * KB + b] = d;
+      const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f);
+      const __m256i sign = _mm256_set1_epi32((int)0x80000000);
+      int32_t sums[2] = {0, 0};
+      for (int i = 0; i < 4; i++) { /* round half away from zero: trunc(v + copysign(0.5, v)) */
+        const __m256 t = _mm256_mul_ps(v[i], vid);
+        const __m256 hv = _mm256_or_ps(half, _mm256_and_ps(t, _mm256_castsi256_ps(sign)));
+        __m256i qi = _mm256_cvttps_epi32(_mm256_add_ps(t, hv));
+        qi = _mm256_max_epi32(_mm256_min_epi32(qi, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, qi);
+        for (int l = 0; l < 8; l++) {
+          xq[m * K + b * 32 + 8 * i + l] = (int8_t)lanes[l];
+          sums[i / 2] += lanes[l];
+        }
+      }
+      if (sb == 32) {
+        xis[m * NS + b] = sums[0] + sums[1];
+        xfs[m * NS + b] = (float)(sums[0] + sums[1]) * d;
+      } else {
+        for (int h = 0; h < 2; h++) {
+          xis[m * NS + 2 * b + h] = sums[h];
+          xfs[m * NS + 2 * b + h] = (float)sums[h] * d;
+        }
+      }
+    }
+  }
+}
+
+/* tile() for AVX2: 16 output rows as two halves of 8 lanes, mc <= MT2 rows of x. */
+TARGET2 INLINE void tile2(const int8_t *xq, const float *xd, const float *xfs, const int mc, int64_t K,
+                          const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn, int64_t spg,
+                          float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
+  __m256 acc[2][8];
+  for (int h = 0; h < 2; h++)
+    for (int m = 0; m < mc; m++) acc[h][m] = _mm256_setzero_ps();
+  const int64_t NS = K / SB, KB = K / 32;
+  const __m256i lo4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  for (int64_t s = 0; s < NS; s++) {
+    const int64_t k0 = s * SB, g = s / spg;
+    {
+      const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
+      for (int j = 0; j < (BITS == 8 ? SB / 4 : SB / 8); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
+      if (s % spg == 0) {
+        _mm_prefetch((const char *)(sc + g * 16) + sahead, _MM_HINT_T0);
+        if (mn) _mm_prefetch((const char *)(mn + g * 16) + sahead, _MM_HINT_T0);
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      __m256i wv[SB / 4]; /* operand j: columns k0 + 4j .. k0 + 4j + 3 of rows 8h .. 8h + 7 */
+      if (BITS == 8) {
+        for (int j = 0; j < SB / 4; j++)
+          wv[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + (k0 / 4 + j) * 64 + 32 * h)), flip);
+      } else {
+        for (int j = 0; j < SB / 8; j++) {
+          const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (k0 / 8 + j) * 64 + 32 * h));
+          wv[2 * j] = _mm256_and_si256(v, lo4);
+          wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        }
+      }
+      const __m256 ws = _mm256_loadu_ps(sc + g * 16 + 8 * h);
+      for (int m = 0; m < mc; m++) {
+        const int32_t *xr = (const int32_t *)(xq + m * K + k0);
+        __m256i ia;
+        if (BITS == 4) { /* int16 sums over the sub-block, widened once */
+          __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xr[0]));
+          for (int j = 1; j < SB / 4; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xr[j])));
+          ia = _mm256_madd_epi16(s16, ones);
+        } else {
+          ia = _mm256_setzero_si256();
+          for (int j = 0; j < SB / 4; j++) {
+            const __m256i xb = _mm256_set1_epi32(xr[j]);
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(wv[j], xb));
+            ia = _mm256_add_epi32(ia, _mm256_madd_epi16(p, ones));
+          }
+        }
+        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(ws, _mm256_set1_ps(xd[m * KB + k0 / 32])),
+                                    acc[h][m]);
+      }
+    }
+    if (mn) {
+      for (int h = 0; h < 2; h++) {
+        const __m256 wm = _mm256_loadu_ps(mn + g * 16 + 8 * h);
+        for (int m = 0; m < mc; m++) acc[h][m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xfs[m * NS + s]), acc[h][m]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; h++) {
+    const int valid = nvalid - 8 * h;
+    if (valid <= 0) break;
+    if (valid >= 8) {
+      for (int m = 0; m < mc; m++) _mm256_storeu_ps(y + m * ldy + 8 * h, acc[h][m]);
+    } else {
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int m = 0; m < mc; m++) _mm256_maskstore_ps(y + m * ldy + 8 * h, keep, acc[h][m]);
+    }
+  }
+}
+
+#define TILE2_MC(BITS, SB)                                                                          \
+  switch (mc) {                                                                                     \
+    case 8: tile2(xq, xd, xfs, 8, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+    case 7: tile2(xq, xd, xfs, 7, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+    case 6: tile2(xq, xd, xfs, 6, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+    case 5: tile2(xq, xd, xfs, 5, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+    case 4: tile2(xq, xd, xfs, 4, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+    case 3: tile2(xq, xd, xfs, 3, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+    case 2: tile2(xq, xd, xfs, 2, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+    default: tile2(xq, xd, xfs, 1, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+  }
+
+TARGET2 static void tile2_any(const int8_t *xq, const float *xd, const float *xfs, int mc, int64_t K, const uint8_t *w,
+                              int bits, int sb, const float *sc, const float *mn, int64_t spg, float *y, int64_t ldy,
+                              int nvalid, int64_t ahead, int64_t sahead) {
+  if (bits == 8 && sb == 32) { TILE2_MC(8, 32) }
+  else if (bits == 8) { TILE2_MC(8, 16) }
+  else if (sb == 32) { TILE2_MC(4, 32) }
+  else { TILE2_MC(4, 16) }
+}
+
 /* y [M, N] = x [M, K] @ W^T with W packed as above (wq: the tiles, sc / mn: [N / 16, G, 16], mn may be
- * NULL). Needs lm_has_vnni(). */
+ * NULL). vnni 1: the AVX-512 VNNI kernel (needs lm_has_vnni()); 0: the AVX2 one (needs lm_has_avx2(),
+ * and int8 weights in -127..127). */
 void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const float *sc,
-                    const float *mn, int64_t group, float *y, int nthreads) {
+                    const float *mn, int64_t group, float *y, int nthreads, int vnni) {
   const int sb = group == 16 ? 16 : 32;
   const int64_t NS = K / sb, G = K / group, T = (N + 15) / 16, spg = group / sb;
   const int64_t tile_bytes = bits == 8 ? 16 * K : 8 * K;
@@ -162,18 +321,24 @@ void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int
     fprintf(stderr, "lmserve: out of memory in lm_qgemm_tiles (M=%lld, K=%lld)\n", (long long)M, (long long)K);
     abort();
   }
-  quant_x_tiles(x, M, K, sb, xq, xd, xis, xfs, nthreads);
+  if (vnni) quant_x_tiles(x, M, K, sb, xq, xd, xis, xfs, nthreads);
+  else quant_x_tiles2(x, M, K, sb, xq, xd, xis, xfs, nthreads);
+  const int mt = vnni ? MT : MT2;
 #pragma omp parallel num_threads(nthreads)
   for (int64_t c0 = 0; c0 < M; c0 += MCH) {
     const int64_t c1 = M - c0 < MCH ? M : c0 + MCH;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
       const int nvalid = N - t * 16 >= 16 ? 16 : (int)(N - t * 16);
-      for (int64_t m0 = c0; m0 < c1; m0 += MT) {
-        const int mc = c1 - m0 < MT ? (int)(c1 - m0) : MT;
-        tile_any(xq + m0 * K, xd + m0 * (K / 32), xis + m0 * NS, xfs + m0 * NS, mc, K, wq + t * tile_bytes, bits, sb,
-                 sc + t * G * 16, mn ? mn + t * G * 16 : NULL, spg, y + m0 * N + t * 16, N, nvalid,
-                 PF_TILES * tile_bytes, PF_TILES * G * 16 * (int64_t)sizeof(float));
+      for (int64_t m0 = c0; m0 < c1; m0 += mt) {
+        const int mc = c1 - m0 < mt ? (int)(c1 - m0) : mt;
+        const int64_t ahead = PF_TILES * tile_bytes, sahead = PF_TILES * G * 16 * (int64_t)sizeof(float);
+        if (vnni)
+          tile_any(xq + m0 * K, xd + m0 * (K / 32), xis + m0 * NS, xfs + m0 * NS, mc, K, wq + t * tile_bytes, bits, sb,
+                   sc + t * G * 16, mn ? mn + t * G * 16 : NULL, spg, y + m0 * N + t * 16, N, nvalid, ahead, sahead);
+        else
+          tile2_any(xq + m0 * K, xd + m0 * (K / 32), xfs + m0 * NS, mc, K, wq + t * tile_bytes, bits, sb,
+                    sc + t * G * 16, mn ? mn + t * G * 16 : NULL, spg, y + m0 * N + t * 16, N, nvalid, ahead, sahead);
       }
     }
   }
