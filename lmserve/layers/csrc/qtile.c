@@ -214,18 +214,19 @@ TARGET2 static void quant_x_tiles2(const float *x, int64_t M, int64_t K, int sb,
   }
 }
 
-/* tile() for AVX2: 16 output rows as two halves of 8 lanes, mc <= MT2 rows of x. */
-TARGET2 INLINE void tile2(const int8_t *xq, const float *xd, const float *xfs, const int mc, int64_t K,
-                          const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn, int64_t spg,
-                          float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
-  __m256 acc[2][8];
-  for (int h = 0; h < 2; h++)
-    for (int m = 0; m < mc; m++) acc[h][m] = _mm256_setzero_ps();
+/* tile() for AVX2, one half: output rows 8h .. 8h + 7 of the tile against mc <= 8 rows of x (half 0
+ * prefetches ahead; half 1 finds the tile's lines in L1). A half at a time keeps the accumulators and
+ * a sub-block's weight operands in the 16 ymm registers. */
+TARGET2 INLINE void tile2h(const int8_t *xq, const float *xd, const float *xfs, const int mc, int64_t K,
+                           const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn, int64_t spg,
+                           float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead, const int h) {
+  __m256 acc[8];
+  for (int m = 0; m < mc; m++) acc[m] = _mm256_setzero_ps();
   const int64_t NS = K / SB, KB = K / 32;
   const __m256i lo4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   for (int64_t s = 0; s < NS; s++) {
     const int64_t k0 = s * SB, g = s / spg;
-    {
+    if (h == 0) {
       const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
       for (int j = 0; j < (BITS == 8 ? SB / 4 : SB / 8); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
       if (s % spg == 0) {
@@ -233,55 +234,54 @@ TARGET2 INLINE void tile2(const int8_t *xq, const float *xd, const float *xfs, c
         if (mn) _mm_prefetch((const char *)(mn + g * 16) + sahead, _MM_HINT_T0);
       }
     }
-    for (int h = 0; h < 2; h++) {
-      __m256i wv[SB / 4]; /* operand j: columns k0 + 4j .. k0 + 4j + 3 of rows 8h .. 8h + 7 */
-      if (BITS == 8) {
-        for (int j = 0; j < SB / 4; j++)
-          wv[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + (k0 / 4 + j) * 64 + 32 * h)), flip);
+    __m256i wv[8]; /* operand j < SB / 4: columns k0 + 4j .. k0 + 4j + 3 of rows 8h .. 8h + 7 (a fixed size: no alloca) */
+    if (BITS == 8) {
+      for (int j = 0; j < SB / 4; j++)
+        wv[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + (k0 / 4 + j) * 64 + 32 * h)), flip);
+    } else {
+      for (int j = 0; j < SB / 8; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (k0 / 8 + j) * 64 + 32 * h));
+        wv[2 * j] = _mm256_and_si256(v, lo4);
+        wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      }
+    }
+    const __m256 ws = _mm256_loadu_ps(sc + g * 16 + 8 * h);
+    for (int m = 0; m < mc; m++) {
+      const int32_t *xr = (const int32_t *)(xq + m * K + k0);
+      __m256i ia;
+      if (BITS == 4) { /* int16 sums over the sub-block, widened once */
+        __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xr[0]));
+        for (int j = 1; j < SB / 4; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xr[j])));
+        ia = _mm256_madd_epi16(s16, ones);
       } else {
-        for (int j = 0; j < SB / 8; j++) {
-          const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (k0 / 8 + j) * 64 + 32 * h));
-          wv[2 * j] = _mm256_and_si256(v, lo4);
-          wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        ia = _mm256_setzero_si256();
+        for (int j = 0; j < SB / 4; j++) {
+          const __m256i xb = _mm256_set1_epi32(xr[j]);
+          const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(wv[j], xb));
+          ia = _mm256_add_epi32(ia, _mm256_madd_epi16(p, ones));
         }
       }
-      const __m256 ws = _mm256_loadu_ps(sc + g * 16 + 8 * h);
-      for (int m = 0; m < mc; m++) {
-        const int32_t *xr = (const int32_t *)(xq + m * K + k0);
-        __m256i ia;
-        if (BITS == 4) { /* int16 sums over the sub-block, widened once */
-          __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xr[0]));
-          for (int j = 1; j < SB / 4; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xr[j])));
-          ia = _mm256_madd_epi16(s16, ones);
-        } else {
-          ia = _mm256_setzero_si256();
-          for (int j = 0; j < SB / 4; j++) {
-            const __m256i xb = _mm256_set1_epi32(xr[j]);
-            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(wv[j], xb));
-            ia = _mm256_add_epi32(ia, _mm256_madd_epi16(p, ones));
-          }
-        }
-        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(ws, _mm256_set1_ps(xd[m * KB + k0 / 32])),
-                                    acc[h][m]);
-      }
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(ws, _mm256_set1_ps(xd[m * KB + k0 / 32])), acc[m]);
     }
     if (mn) {
-      for (int h = 0; h < 2; h++) {
-        const __m256 wm = _mm256_loadu_ps(mn + g * 16 + 8 * h);
-        for (int m = 0; m < mc; m++) acc[h][m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xfs[m * NS + s]), acc[h][m]);
-      }
+      const __m256 wm = _mm256_loadu_ps(mn + g * 16 + 8 * h);
+      for (int m = 0; m < mc; m++) acc[m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xfs[m * NS + s]), acc[m]);
     }
   }
-  for (int h = 0; h < 2; h++) {
-    const int valid = nvalid - 8 * h;
-    if (valid <= 0) break;
-    if (valid >= 8) {
-      for (int m = 0; m < mc; m++) _mm256_storeu_ps(y + m * ldy + 8 * h, acc[h][m]);
-    } else {
-      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      for (int m = 0; m < mc; m++) _mm256_maskstore_ps(y + m * ldy + 8 * h, keep, acc[h][m]);
-    }
+  const int valid = nvalid - 8 * h;
+  if (valid >= 8) {
+    for (int m = 0; m < mc; m++) _mm256_storeu_ps(y + m * ldy + 8 * h, acc[m]);
+  } else if (valid > 0) {
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int m = 0; m < mc; m++) _mm256_maskstore_ps(y + m * ldy + 8 * h, keep, acc[m]);
   }
+}
+
+TARGET2 INLINE void tile2(const int8_t *xq, const float *xd, const float *xfs, const int mc, int64_t K,
+                          const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn, int64_t spg,
+                          float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
+  tile2h(xq, xd, xfs, mc, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead, 0);
+  if (nvalid > 8) tile2h(xq, xd, xfs, mc, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead, 1);
 }
 
 #define TILE2_MC(BITS, SB)                                                                          \
