@@ -32,6 +32,21 @@ def test_cpu_backend_matches_float64(idx, isa, monkeypatch):  # type: ignore[no-
     assert (ref.double() - exact).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("idx", range(len(KERNEL_CASES)))
+@pytest.mark.parametrize("d", [20, 264])
+def test_head_dims_the_vector_loops_do_not_take(idx, d, monkeypatch):  # type: ignore[no-untyped-def]
+    """The generic loop (a head dim not a multiple of 8, or over 256) against the same oracle."""
+    monkeypatch.setenv("LMSERVE_ISA", "avx2")
+    window = KERNEL_CASES[idx][4]
+    meta, cache, tables, q, k, v = case_inputs(idx, hkv=2, d=d, device="cpu", dtype=torch.float32, seed=11)
+    scale = d ** -0.5
+    ref_cache = cache.clone()
+    TorchAttention().forward(q, k, v, ref_cache, meta, scale, window)
+    got = CpuAttention().forward(q, k, v, cache, meta, scale, window)
+    exact = float64_attention(q, ref_cache, meta, tables, scale, window)
+    assert (got.double() - exact).abs().max() < 2e-5
+
+
 @pytest.mark.parametrize("idx", [1, 3, 5])  # decode-only cases, one with a window
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "c"])
 def test_bf16_cache_is_read_in_place(idx, isa, monkeypatch):  # type: ignore[no-untyped-def]

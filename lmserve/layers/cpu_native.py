@@ -44,7 +44,7 @@ HEADERS = [Path(__file__).with_name("csrc") / "vmath.h"]  # included by the sour
 # avx512 / avx2 / c: float activations (qgemv.c). Ordered by speed: the first this CPU has is its path.
 ISA_NAMES = {"vnni": 4, "avx2int8": 3, "avx512": 2, "avx2": 1, "c": 0}
 _LEVEL_NAMES = {v: k for k, v in ISA_NAMES.items()}
-FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-fno-trapping-math"]  # no FP traps: clamps vectorise
 
 
 def cache_dir() -> Path:

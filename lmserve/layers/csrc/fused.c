@@ -6,8 +6,10 @@
 
 #include "vmath.h"
 
-/* each entry point compiled for AVX-512, AVX2 and the baseline, picked at load time (ifunc) */
-#define CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+/* each entry point compiled for AVX-512, AVX2 and the baseline, picked at load time (ifunc) by feature:
+ * not "arch=haswell", whose resolver asks whether the CPU *is* an Intel Haswell (AMD Zen and later Intel
+ * AVX2 cores then ran the baseline SSE2 code: SiLU-and-mul at 6 ns an element) */
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
 /* out = rmsnorm(x + res) * w; new_res = x + res (res may be NULL: then no new_res). x, res: [n, d],
  * row strides sx / sr (elements). */
@@ -32,10 +34,10 @@ CLONES void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t
 }
 
 /* The gated activations: [n, 2i] gate | up -> [n, i] act(gate) * up, one loop for both. */
-static inline float silu(float g) { return g / (1.f + lm_expf(-g)); }
+static inline __attribute__((always_inline)) float silu(float g) { return g / (1.f + lm_expf(-g)); }
 /* gelu_tanh(g) = g / 2 (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), and (1 + tanh(u)) / 2 =
  * 1 / (1 + exp(-2u)) (no cancellation for negative g, where the product is tiny). GeGLU (Gemma). */
-static inline float gelu_tanh(float g) {
+static inline __attribute__((always_inline)) float gelu_tanh(float g) {
   return g / (1.f + lm_expf(-2.f * 0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
 #define GATED(NAME, ACT)                                                                 \
