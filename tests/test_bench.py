@@ -44,3 +44,32 @@ def test_latency_with_naive_curve(tiny_models, tmp_path):  # type: ignore[no-unt
     assert len(naive["lengths"]) == len(naive["naive_s_per_token"]) == len(naive["cached_s_per_token"])
     assert r["baselines"]["hf"]["tpot_s"] > 0
     assert out.with_name(out.stem + "-naive.png").is_file()
+
+
+def test_hf_latency_times_the_first_token_inside_the_run(monkeypatch):  # type: ignore[no-untyped-def]
+    """TTFT comes from the measured generate() itself (a streamer at each token), so a slow separate
+    1-token run cannot make TTFT exceed the whole run and TPOT negative (seen: TPOT -65 ms for a 1,024-
+    token prompt). A fake model whose clock we set: prompt, first token at 50 ms, then 10 ms a token."""
+    from lmserve.bench import hf as hf_bench
+    now = [0.0]
+    monkeypatch.setattr(hf_bench.time, "perf_counter", lambda: now[0])
+
+    class Fake:
+        calls = 0
+
+        def generate(self, input_ids, max_new_tokens, min_new_tokens, streamer=None, **kw):  # type: ignore[no-untyped-def]
+            Fake.calls += 1
+            if Fake.calls == 3:  # a second, separate 1-token run would be this slow
+                now[0] += 5.0
+            if streamer is not None:
+                streamer.put(input_ids)
+            for i in range(max_new_tokens):
+                now[0] += 0.05 if i == 0 else 0.01
+                if streamer is not None:
+                    streamer.put(None)
+            if streamer is not None:
+                streamer.end()
+
+    r = hf_bench.hf_latency(Fake(), [1, 2, 3], batch_size=1, output_len=8, device="cpu")
+    assert abs(r["ttft_s"] - 0.05) < 1e-9 and abs(r["tpot_s"] - 0.01) < 1e-9 and abs(r["total_s"] - 0.12) < 1e-9
+    assert Fake.calls == 2  # the warm-up and the measured run: no separate 1-token run
