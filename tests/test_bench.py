@@ -73,3 +73,17 @@ def test_hf_latency_times_the_first_token_inside_the_run(monkeypatch):  # type: 
     r = hf_bench.hf_latency(Fake(), [1, 2, 3], batch_size=1, output_len=8, device="cpu")
     assert abs(r["ttft_s"] - 0.05) < 1e-9 and abs(r["tpot_s"] - 0.01) < 1e-9 and abs(r["total_s"] - 0.12) < 1e-9
     assert Fake.calls == 2  # the warm-up and the measured run: no separate 1-token run
+
+
+def test_hf_latency_streams_a_batch_with_real_transformers(tiny_models):  # type: ignore[no-untyped-def]
+    """transformers' generate() hands the streamer each step's tokens at any batch size: one measured
+    run, no separate 1-token run (which the fallback would add as a third generate call)."""
+    import transformers as tf
+
+    from lmserve.bench.hf import hf_latency
+    model = tf.AutoModelForCausalLM.from_pretrained(str(tiny_models["llama"][0])).eval()
+    calls: list[int] = []
+    real = model.generate
+    model.generate = lambda **kw: calls.append(kw["max_new_tokens"]) or real(**kw)  # type: ignore[method-assign]
+    r = hf_latency(model, [5, 9, 2, 7], batch_size=2, output_len=6, device="cpu")
+    assert calls == [2, 6] and 0 < r["ttft_s"] < r["total_s"] and r["tpot_s"] > 0

@@ -223,3 +223,26 @@ def test_the_avx2_tiles_equal_the_vnni_tiles_bit_for_bit(kind):  # type: ignore[
         a = cpu_native.qgemm_tiles(x, layer.tiles(), isa_name="vnni")
         b = cpu_native.qgemm_tiles(x, layer.tiles(), isa_name="avx2int8")
         assert torch.equal(a, b), (kind, m)
+
+
+@needs_lib
+@pytest.mark.parametrize("bits, group, with_mins", [(4, 16, True), (4, 32, False), (8, 16, True), (8, 64, False)])
+@pytest.mark.parametrize("isa", INT8_X)
+def test_tile_kernel_short_last_tile_and_every_block_kind(bits, group, with_mins, isa):  # type: ignore[no-untyped-def]
+    """The tile kernel straight from packed values: 197 rows (the last tile holds 5: under one 8-row
+    half), groups of 16 (int4 too, which no layer takes but qgemm can), with and without mins."""
+    if isa not in runnable():
+        pytest.skip(f"this CPU has no {isa}")
+    g = torch.Generator().manual_seed(5)
+    n, k = 197, 128
+    values = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else torch.randint(-127, 128, (n, k), generator=g)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    mins = (torch.rand(n, k // group, generator=g) - 0.5) * 0.1 if with_mins else None
+    tiles = cpu_native.pack_tiles(values, bits, scales, mins, group)
+    W = (values.double().view(n, -1, group) * scales.double()[..., None]
+         + (0 if mins is None else mins.double()[..., None])).view(n, k)
+    for m in (1, 5, 9):
+        x = torch.randn(m, k, generator=g)
+        y = cpu_native.qgemm_tiles(x, tiles, isa_name=isa)  # (m, 197)
+        want = x_blocks_dequantized(x) @ W.T
+        assert (y.double() - want).abs().max() <= 2e-5 * want.abs().max(), (m, isa)

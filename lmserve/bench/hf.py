@@ -100,17 +100,17 @@ def hf_latency(model: Any, prompt: list[int], batch_size: int, output_len: int, 
     sync(device)
     clock = _TokenClock()
     t0 = time.perf_counter()
-    model.generate(input_ids=ids, max_new_tokens=output_len, min_new_tokens=output_len,
-                   streamer=clock if batch_size == 1 else None, **kw)
+    model.generate(input_ids=ids, max_new_tokens=output_len, min_new_tokens=output_len, streamer=clock, **kw)
     sync(device)
     total = time.perf_counter() - t0
-    if batch_size == 1 and len(clock.times) == output_len + 1:  # the prompt, then each token
+    if len(clock.times) == output_len + 1:  # the prompt, then each step's tokens (any batch size)
         ttft = clock.times[1] - t0
-    else:  # HF streamers take batch 1 only: a 1-token run for the first token
+    else:  # a generate() that streams otherwise: a 1-token run for the first token
         t1 = time.perf_counter()
         model.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, **kw)
         sync(device)
         ttft = min(time.perf_counter() - t1, total)
     tpot = (total - ttft) / max(1, output_len - 1)
     return {"ttft_s": ttft, "tpot_s": tpot, "total_s": total,
-            "tokens_per_s": batch_size * output_len / total, "decode_tokens_per_s": batch_size / tpot}
+            "tokens_per_s": batch_size * output_len / total,
+            "decode_tokens_per_s": batch_size / tpot if tpot > 0 else float("nan")}

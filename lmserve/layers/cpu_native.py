@@ -44,7 +44,11 @@ HEADERS = [Path(__file__).with_name("csrc") / "vmath.h"]  # included by the sour
 # avx512 / avx2 / c: float activations (qgemv.c). Ordered by speed: the first this CPU has is its path.
 ISA_NAMES = {"vnni": 4, "avx2int8": 3, "avx512": 2, "avx2": 1, "c": 0}
 _LEVEL_NAMES = {v: k for k, v in ISA_NAMES.items()}
-FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-fno-trapping-math"]  # no FP traps: clamps vectorise
+# -fno-trapping-math: no FP traps, so the clamps in vmath.h vectorise. -ffp-contract=off: C expressions
+# round as written (explicit _mm*_fmadd intrinsics stay fused), so a loop gives the same bits whether
+# its vector body or its scalar remainder computes an element; with contraction the decode plan and
+# the module path (rotary through different alias checks) parted at a near tie on an AVX2 + FMA clone.
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-fno-trapping-math", "-ffp-contract=off"]
 
 
 def cache_dir() -> Path:
@@ -248,11 +252,10 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, min
     mn = None if mins is None or mins.dtype == torch.float32 else mins.float()
     mn = mins if mn is None else mn
     level = _level(lib, isa_name)
-    if level >= 3 and tiles_fit(bits, K, group_size):  # repacked per call here; layers keep theirs
+    if level >= 3 and tiles_fit(bits, K, group_size) and (level == 4 or bits == 4 or int(q.min()) > -128):
         values = q if bits == 8 else torch.stack([q & 15, q >> 4], dim=-1).reshape(N, K)  # (N, K)
-        tiles = pack_tiles(values, bits, sc, mn, group_size)
-        if level == 4 or tiles.avx2_ok:
-            return qgemm_tiles(xf, tiles, isa_name=isa_name)
+        return qgemm_tiles(xf, pack_tiles(values, bits, sc, mn, group_size), isa_name=isa_name)  # repacked per
+        # call here (a test and bench entry point); layers keep theirs. A -128 on AVX2: the float-x kernel.
     if bits == 4:
         xp = torch.empty_like(xf)  # (M, K), each 32-column chunk as evens then odds
         lib.lm_permute_x4(xf.data_ptr(), M, K, xp.data_ptr())

@@ -6,10 +6,16 @@
 
 #include "vmath.h"
 
-/* each entry point compiled for AVX-512, AVX2 and the baseline, picked at load time (ifunc) by feature:
- * not "arch=haswell", whose resolver asks whether the CPU *is* an Intel Haswell (AMD Zen and later Intel
- * AVX2 cores then ran the baseline SSE2 code: SiLU-and-mul at 6 ns an element) */
+/* each entry point compiled for AVX-512, AVX2 + FMA and the baseline, picked at load time (ifunc) by
+ * feature: not "arch=haswell", whose resolver asks whether the CPU *is* an Intel Haswell (AMD Zen and
+ * later Intel AVX2 cores then ran the baseline SSE2 code: SiLU-and-mul at 6 ns an element).
+ * "arch=x86-64-v3" (AVX2, FMA, F16C, BMI2) is resolved by the ISA level's feature bit (GCC 12+);
+ * older compilers get a plain "avx2" clone (no FMA contraction, same results up to rounding). */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
+#else
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 
 /* out = rmsnorm(x + res) * w; new_res = x + res (res may be NULL: then no new_res). x, res: [n, d],
  * row strides sx / sr (elements). */

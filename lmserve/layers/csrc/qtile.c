@@ -18,8 +18,8 @@
  *         in the high one (one 64-byte load gives two vpdpbusd operands: & 15, and >> 4 & 15)
  *   scales, mins: float32 [N / 16, G, 16]
  * Shape rules: K % 32 == 0; group == 16 or a multiple of 32 dividing K.
- * Threads: OpenMP over tiles of 16 output rows, x rows 8 at a time inside a tile (the tile's bytes
- * stay in L1 for the next 8), and x in chunks of 64 rows (they stay in L2) for long inputs.
+ * Threads: OpenMP over tiles of 16 output rows, x rows 8 at a time inside a tile (4 in the AVX2
+ * variant; the tile's bytes stay in L1 for the next pass), and x in chunks of 64 rows (they stay in L2) for long inputs.
  *
  * The AVX2 variant (CPUs without AVX-512 VNNI; variant 0 of lm_qgemm_tiles) reads the same layout, a
  * 64-byte chunk as two 256-bit halves of 8 rows each. It has no vpdpbusd: vpmaddubsw multiplies unsigned
@@ -27,7 +27,7 @@
  * AVX2 dot products do the same). int4: the weight nibble (0..15) is the unsigned operand and x the
  * signed one; a pair is at most 2 * 15 * 127 = 3810, so the int16 sums of a 32-column sub-block (8
  * pairs: 30480) never saturate and widen once. int8: the stored q + 128 becomes q again (xor 0x80), and
- * |x| times q with x's sign (vpsignb) keeps the unsigned operand <= 127 (pairs <= 32512): exact for q
+ * |x| times q with x's sign (vpsignb) keeps the unsigned operand <= 127 (pairs <= 2 * 127 * 127): exact for q
  * in -127..127; a weight holding -128 is refused for this variant (pack_tiles flags it), since vpsignb
  * cannot negate it.
  */
@@ -43,9 +43,8 @@
 #endif
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 #define TARGET2 __attribute__((target("avx2,fma")))
-#ifndef MT2
-#define MT2 4 /* x rows per pass over a tile in the AVX2 variant (16 ymm registers) */
-#endif
+#define MT2 4 /* x rows per pass over a tile in the AVX2 variant (measured against 2, 6 and 8 on a Zen 3:
+                 best or tied; the accumulators and a block's operands mostly stay in the 16 ymm) */
 #define INLINE static inline __attribute__((always_inline))
 
 int lm_has_avx2(void) {
@@ -214,13 +213,13 @@ TARGET2 static void quant_x_tiles2(const float *x, int64_t M, int64_t K, int sb,
   }
 }
 
-/* tile() for AVX2, one half: output rows 8h .. 8h + 7 of the tile against mc <= 8 rows of x (half 0
+/* tile() for AVX2, one half: output rows 8h .. 8h + 7 of the tile against mc <= MT2 rows of x (half 0
  * prefetches ahead; half 1 finds the tile's lines in L1). A half at a time keeps the accumulators and
  * a sub-block's weight operands in the 16 ymm registers. */
 TARGET2 INLINE void tile2h(const int8_t *xq, const float *xd, const float *xfs, const int mc, int64_t K,
                            const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn, int64_t spg,
                            float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead, const int h) {
-  __m256 acc[8];
+  __m256 acc[MT2];
   for (int m = 0; m < mc; m++) acc[m] = _mm256_setzero_ps();
   const int64_t NS = K / SB, KB = K / 32;
   const __m256i lo4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
@@ -286,10 +285,6 @@ TARGET2 INLINE void tile2(const int8_t *xq, const float *xd, const float *xfs, c
 
 #define TILE2_MC(BITS, SB)                                                                          \
   switch (mc) {                                                                                     \
-    case 8: tile2(xq, xd, xfs, 8, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
-    case 7: tile2(xq, xd, xfs, 7, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
-    case 6: tile2(xq, xd, xfs, 6, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
-    case 5: tile2(xq, xd, xfs, 5, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
     case 4: tile2(xq, xd, xfs, 4, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
     case 3: tile2(xq, xd, xfs, 3, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
     case 2: tile2(xq, xd, xfs, 2, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
