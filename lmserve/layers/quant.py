@@ -19,10 +19,9 @@ or a q / scales / zeros / group record (canonical int4, w = (q - zeros) * scales
 Forward, the fp32 reference: dequantize a tile of rows at a time on the CPU (the tile stays in cache),
 then matmul. On CUDA the Triton kernels of layers/triton_quant.py dequantize inside the matmul. With
 cpu_kernel (load_model sets it) int8 / int4 multiply with our CPU kernels (layers/cpu_native.py: the
-packed bytes read once per call): on CPUs with AVX2 (AVX-512 VNNI or AVX2 variants) any number of
-rows, with the weight repacked into tiles (`tiles()`) and x quantized per 32 columns, as llama.cpp
-does; for shapes the tiles do not take (and an int8 weight holding -128 on AVX2) up to MAX_ROWS rows
-(decode, verification) with float x, more (prefill) on the reference path. fp8 uses
+packed bytes read once per call): with AVX2 any number of rows, the weight repacked into tiles
+(`tiles()`), x quantized per 32 columns as llama.cpp does; where the tiles do not apply up to MAX_ROWS
+rows with float x, more (prefill) on the reference path. fp8 uses
 torch._scaled_mm on GPUs with fp8 tensor cores.
 """
 
@@ -167,9 +166,8 @@ class GroupQuantLinear(LinearBase):
     columns: w = q * scale (+ min). Subclasses fix the bit width and the integer storage.
 
     cpu_kernel (off by default; load_model turns it on): on the CPU, x multiplies with our kernels
-    (layers/cpu_native.py: any rows through the tile kernel where it takes the layer, up to
-    cpu_native.MAX_ROWS with float x otherwise); off, or more rows where the tiles do not apply, the
-    fp32 reference path (dequantize + matmul)."""
+    (layers/cpu_native.py: any rows through the tile kernel where it applies, else up to MAX_ROWS
+    with float x); off, or more rows without the tiles, the fp32 reference (dequantize + matmul)."""
 
     bits = 8
     qdtype = torch.int8
