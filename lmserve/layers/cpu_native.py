@@ -94,7 +94,6 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_paged_decode_attn.argtypes = [p, p, p, i32, p, i64, p, i64, i32, i32, i32, i64, ctypes.c_float, i64, p, i32, i32,
                                          p, p, p, i64, i64]
     lib.lm_paged_decode_attn.restype = None
-    lib.lm_attn_isa.restype = i32
     lib.lm_attn_avx512.restype = i32
     f32 = ctypes.c_float
     lib.lm_add_rmsnorm.argtypes = [p, i64, p, i64, p, f32, i64, i64, p, p, i32]
@@ -194,6 +193,12 @@ class Tiles(NamedTuple):
     avx2_ok: bool
 
 
+def avx2_exact(values: torch.Tensor, bits: int) -> bool:
+    """The AVX2 tile variant multiplies these integer values exactly: int4, or int8 without a -128
+    (vpsignb cannot negate it; csrc/qtile.c)."""
+    return bits == 4 or values.numel() == 0 or int(values.min()) > -128
+
+
 def pack_tiles(values: torch.Tensor, bits: int, scales: torch.Tensor, mins: torch.Tensor | None,
                group_size: int) -> Tiles:
     """Integer values [n, k] (int8 in -128..127, or 0..15 for bits 4), scales / mins float [n, k / group]
@@ -213,9 +218,8 @@ def pack_tiles(values: torch.Tensor, bits: int, scales: torch.Tensor, mins: torc
     def per_tile(a: torch.Tensor) -> torch.Tensor:  # (n, G) -> (T, G, 16)
         return F.pad(a.float(), (0, 0, 0, pad)).view(t, 16, -1).transpose(1, 2).contiguous()
 
-    avx2_ok = bits == 4 or values.numel() == 0 or int(values.min()) > -128
     return Tiles(u.contiguous(), per_tile(scales), None if mins is None else per_tile(mins), bits, n, k, group_size,
-                 avx2_ok)
+                 avx2_exact(values, bits))
 
 
 def qgemm_tiles(x: torch.Tensor, w: Tiles, out: torch.Tensor | None = None, isa_name: str | None = None
@@ -252,7 +256,7 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, bits: int, scales: torch.Tensor, min
     mn = None if mins is None or mins.dtype == torch.float32 else mins.float()
     mn = mins if mn is None else mn
     level = _level(lib, isa_name)
-    if level >= 3 and tiles_fit(bits, K, group_size) and (level == 4 or bits == 4 or int(q.min()) > -128):
+    if level >= 3 and tiles_fit(bits, K, group_size) and (level == 4 or avx2_exact(q, bits)):
         values = q if bits == 8 else torch.stack([q & 15, q >> 4], dim=-1).reshape(N, K)  # (N, K)
         return qgemm_tiles(xf, pack_tiles(values, bits, sc, mn, group_size), isa_name=isa_name)  # repacked per
         # call here (a test and bench entry point); layers keep theirs. A -128 on AVX2: the float-x kernel.
@@ -271,7 +275,7 @@ def attn_simd(isa_name: str | None = None) -> int:
     lib, level = _lib(), _level(_lib(), isa_name)  # type: ignore[arg-type]
     assert lib is not None
     level = _float_level(level)
-    return 2 if level >= 2 and lib.lm_attn_avx512() else int(level >= 1 and lib.lm_attn_isa())
+    return 2 if level >= 2 and lib.lm_attn_avx512() else int(level >= 1 and lib.lm_has_avx2())
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -194,11 +194,6 @@ int lm_attn_avx512(void) {
   return __builtin_cpu_supports("avx512f");
 }
 
-int lm_attn_isa(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 /* Before attending, new_k / new_v [B, Hkv, D] (the cache's element type; NULL: none) are written at
  * cache slots `slots` [B] (a slot < 0 is skipped): the store and the attention in one call. q_stride /
  * new_stride: elements between sequences' rows of q and of new_k / new_v (views of one qkv buffer). */
