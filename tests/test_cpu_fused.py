@@ -25,9 +25,12 @@ def test_add_rmsnorm(rows):  # type: ignore[no-untyped-def]
     assert none is None and torch.allclose(alone, F.rms_norm(x, (576,), w, 1e-5), atol=1e-5)
 
 
-def test_silu_and_mul():
-    gu = torch.randn(5, 2 * 1536)
-    assert torch.allclose(cpu_fused.silu_and_mul(gu), F.silu(gu[:, :1536]) * gu[:, 1536:], atol=1e-6)
+@pytest.mark.parametrize("width", [1536, 300, 7])  # whole chunks of 256, a partial last chunk, one short chunk
+def test_silu_and_mul(width):  # type: ignore[no-untyped-def]
+    gu = torch.randn(5, 2 * width)
+    assert torch.allclose(cpu_fused.silu_and_mul(gu), F.silu(gu[:, :width]) * gu[:, width:], atol=1e-6)
+    assert torch.allclose(cpu_fused.gelu_tanh_and_mul(gu), F.gelu(gu[:, :width], approximate="tanh") * gu[:, width:],
+                          atol=1e-6)
 
 
 def test_silu_and_mul_over_the_whole_float_range_against_float64():

@@ -39,23 +39,36 @@ CLONES void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t
   }
 }
 
-/* The gated activations: [n, 2i] gate | up -> [n, i] act(gate) * up, one loop for both. */
-static inline __attribute__((always_inline)) float silu(float g) { return g / (1.f + lm_expf(-g)); }
-/* gelu_tanh(g) = g / 2 (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), and (1 + tanh(u)) / 2 =
- * 1 / (1 + exp(-2u)) (no cancellation for negative g, where the product is tiny). GeGLU (Gemma). */
-static inline __attribute__((always_inline)) float gelu_tanh(float g) {
-  return g / (1.f + lm_expf(-2.f * 0.7978845608028654f * (g + 0.044715f * g * g * g)));
+/* The gated activations: [n, 2i] gate | up -> [n, i] act(gate) * up. act(g) = g / (1 + exp(e(g))):
+ * SiLU e(g) = -g; gelu_tanh(g) = g / 2 (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), and
+ * (1 + tanh(u)) / 2 = 1 / (1 + exp(-2u)) (no cancellation for negative g, where the product is tiny): GeGLU
+ * (Gemma). Two loops over chunks of a row, the exps first, then the divisions: in one loop the exp's
+ * long dependency chain in front of each vdivps kept the out-of-order window from overlapping
+ * iterations (3.3 ns an element on a Zen 3 against 1.0 in two; the same operations, so the same
+ * values). */
+#define GCHUNK 256
+static inline __attribute__((always_inline)) float silu_arg(float g) { return -g; }
+static inline __attribute__((always_inline)) float gelu_tanh_arg(float g) {
+  return -2.f * 0.7978845608028654f * (g + 0.044715f * g * g * g);
 }
-#define GATED(NAME, ACT)                                                                 \
-  CLONES void NAME(const float *gu, int64_t n, int64_t i, float *out, int nthreads) {    \
+#define GATED(NAME, ARG)                                                                   \
+  CLONES void NAME(const float *gu, int64_t n, int64_t i, float *out, int nthreads) {      \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (n * i > 262144)") \
-    for (int64_t r = 0; r < n; r++) {                                                    \
-      _Pragma("omp simd")                                                                \
-      for (int64_t j = 0; j < i; j++) out[r * i + j] = ACT(gu[r * 2 * i + j]) * gu[r * 2 * i + i + j]; \
-    }                                                                                    \
+    for (int64_t r = 0; r < n; r++) {                                                      \
+      const float *g = gu + r * 2 * i, *u = gu + r * 2 * i + i;                            \
+      float *o = out + r * i;                                                              \
+      float e[GCHUNK];                                                                     \
+      for (int64_t j0 = 0; j0 < i; j0 += GCHUNK) {                                         \
+        const int64_t m = i - j0 < GCHUNK ? i - j0 : GCHUNK;                               \
+        _Pragma("omp simd")                                                                \
+        for (int64_t j = 0; j < m; j++) e[j] = lm_expf(ARG(g[j0 + j]));                    \
+        _Pragma("omp simd")                                                                \
+        for (int64_t j = 0; j < m; j++) o[j0 + j] = g[j0 + j] / (1.f + e[j]) * u[j0 + j];  \
+      }                                                                                    \
+    }                                                                                      \
   }
-GATED(lm_silu_and_mul, silu)
-GATED(lm_gelu_tanh_and_mul, gelu_tanh)
+GATED(lm_silu_and_mul, silu_arg)
+GATED(lm_gelu_tanh_and_mul, gelu_tanh_arg)
 
 /* In place, rotate-half: x [n, h, d] with strides (sn, sh, 1); cos / sin [n, d] (halves equal). */
 CLONES void lm_rotary(float *x, int64_t n, int64_t h, int64_t d, int64_t sn, int64_t sh, const float *cos_,
