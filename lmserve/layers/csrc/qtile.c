@@ -108,7 +108,7 @@ TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, c
   const int64_t NS = K / SB, KB = K / 32;
   const __m512i lo4 = _mm512_set1_epi8(15);
   for (int64_t s = 0; s < NS; s++) {
-    const int64_t k0 = s * SB, g = s / spg;
+    const int64_t k0 = s * SB, g = spg == 1 ? s : s / spg; /* no idiv in the common case */
     { /* this sub-block's bytes PF_TILES tiles on, requested now: in cache when that tile comes, so the
          stream from memory overlaps the multiply-adds of several x rows */
       const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
@@ -224,7 +224,7 @@ TARGET2 INLINE void tile2h(const int8_t *xq, const float *xd, const float *xfs, 
   const int64_t NS = K / SB, KB = K / 32;
   const __m256i lo4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   for (int64_t s = 0; s < NS; s++) {
-    const int64_t k0 = s * SB, g = s / spg;
+    const int64_t k0 = s * SB, g = spg == 1 ? s : s / spg; /* no idiv in the common case */
     if (h == 0) {
       const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
       for (int j = 0; j < (BITS == 8 ? SB / 4 : SB / 8); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
