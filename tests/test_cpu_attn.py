@@ -47,6 +47,42 @@ def test_head_dims_the_vector_loops_do_not_take(idx, d, monkeypatch):  # type: i
     assert (got.double() - exact).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("idx", range(len(KERNEL_CASES)))
+@pytest.mark.parametrize("d", [72, 128])
+def test_head_dims_of_the_avx2_loop(idx, d, monkeypatch):  # type: ignore[no-untyped-def]
+    """The AVX2 loop at a head dim it compiles for (128) and one it takes by count with an odd number
+    of 8-lane chunks (72: the value pass's last chunk alone), against the oracle."""
+    monkeypatch.setenv("LMSERVE_ISA", "avx2")
+    window = KERNEL_CASES[idx][4]
+    meta, cache, tables, q, k, v = case_inputs(idx, hkv=2, d=d, device="cpu", dtype=torch.float32, seed=13)
+    scale = d ** -0.5
+    ref_cache = cache.clone()
+    TorchAttention().forward(q, k, v, ref_cache, meta, scale, window)
+    got = CpuAttention().forward(q, k, v, cache, meta, scale, window)
+    exact = float64_attention(q, ref_cache, meta, tables, scale, window)
+    assert (got.double() - exact).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "c"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(isa, dtype, monkeypatch):  # type: ignore[no-untyped-def]
+    """The kernel splits a batch into one task per sequence and one per (sequence, kv head) for a
+    single row: the same sums in the same order either way, so a row's output does not depend on
+    what else is in the step (deterministic mode relies on it)."""
+    monkeypatch.setenv("LMSERVE_ISA", isa)
+    g = torch.Generator().manual_seed(21)
+    bs, hkv, h, d, lens = 16, 3, 9, 64, [37, 100, 5, 64, 17, 80, 33, 48]
+    tables = torch.randperm(60, generator=g)[:8 * 7].view(8, 7)  # (B, T) distinct blocks
+    cache = torch.randn(2, 60 * bs, hkv, d, generator=g).to(dtype)  # (2, slots, Hkv, d)
+    q = torch.randn(8, h, d, generator=g)  # (B, H, d)
+    seq_lens = torch.tensor(lens)
+    together = cpu_native.paged_decode_attention(q, cache, tables, seq_lens, bs, 0.125, None)  # (B, H, d)
+    for b in range(8):
+        alone = cpu_native.paged_decode_attention(q[b:b + 1], cache, tables[b:b + 1], seq_lens[b:b + 1], bs, 0.125,
+                                                  None)
+        assert torch.equal(alone[0], together[b])
+
+
 @pytest.mark.parametrize("idx", [1, 3, 5])  # decode-only cases, one with a window
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "c"])
 def test_bf16_cache_is_read_in_place(idx, isa, monkeypatch):  # type: ignore[no-untyped-def]

@@ -132,9 +132,26 @@ static void attend_avx512(const float *q, const void *k, const void *v, int bf16
   }
 }
 
-/* AVX2 + FMA, head dim a multiple of 8 (up to 256): attend_avx512's loop with 8 lanes. (The generic
- * attend_avx2 copies each row out and reduces a dot per (head, key) in scalar tails: 4x slower at a
- * head dim of 64.) */
+/* Row index (in D-element rows of the [S, Hkv, D] cache) of every key of one sequence and kv head, in
+ * order: keys[j] = ((table[pos / bs] * bs + pos % bs) * Hkv + kvh) * D for pos = first + j. Walked a
+ * block at a time (no division per key: a 64-bit idiv per key and pass cost more than the key's
+ * arithmetic). */
+static inline void key_rows(const int64_t *table, int64_t len, int64_t first, int64_t bs, int Hkv, int kvh, int D,
+                            int64_t *keys) {
+  for (int64_t p = first; p < len;) {
+    const int64_t b = p / bs, off = p - b * bs, m = bs - off < len - p ? bs - off : len - p;
+    const int64_t base = table[b] * bs + off;
+    for (int64_t t = 0; t < m; t++) keys[p - first + t] = ((base + t) * Hkv + kvh) * D;
+    p += m;
+  }
+}
+
+/* AVX2 + FMA, head dim a multiple of 8 (up to 256): the same sums as attend_avx512 with 8 lanes, in the
+ * same order. Scores: a key's row read once for the G heads of its group. Values: a pass over the keys
+ * for each pair of 8-lane chunks and up to 3 heads, their 6 sums in registers (a running sum in
+ * memory, loaded and stored for every key, head and chunk, made the pass latency-bound). The rows a
+ * few keys on are prefetched: blocks lie anywhere in the pool, so the hardware prefetcher cannot
+ * follow. keys: scratch for n row indices. */
 #define MAXC8 32 /* 8-lane chunks of a head: D up to 256 */
 __attribute__((target("avx2,fma")))
 static inline __m256 load8(const void *base, int64_t off, int bf16) {
@@ -151,42 +168,70 @@ static inline float hsum8(__m256 v) {
 }
 
 __attribute__((target("avx2,fma")))
-static void attend_avx2v(const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len,
-                         int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores,
-                         float *out) {
+static inline __attribute__((always_inline)) void attend_avx2_body(
+    const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t first,
+    int64_t bs, int Hkv, int kvh, int nkv, int G, const int C, float scale, float *scores, int64_t *keys, float *out) {
   const int64_t n = len - first;
-  const int C = D / 8;
+  const int D = 8 * C;
   const int esize = bf16 ? 2 : 4;
+  key_rows(table, len, first, bs, Hkv, kvh, D, keys);
   for (int64_t j = 0; j < n; j++) {
-    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
-    const int64_t row = (slot * Hkv + kvh) * D;
-    if (j + PF_KEYS < n) { /* as attend_avx512: the rows PF_KEYS keys on requested now */
-      const int64_t p2 = pos + PF_KEYS, ahead = ((table[p2 / bs] * bs + p2 % bs) * Hkv + kvh) * D * esize;
-      for (int64_t b = 0; b < (int64_t)D * esize; b += 64) {
+    if (j + PF_KEYS < n) { /* the kv heads' rows are adjacent in a slot: one run of lines */
+      const int64_t ahead = keys[j + PF_KEYS] * esize;
+      for (int64_t b = 0; b < (int64_t)nkv * D * esize; b += 64) {
         _mm_prefetch((const char *)k + ahead + b, _MM_HINT_T0);
         _mm_prefetch((const char *)v + ahead + b, _MM_HINT_T1);
       }
     }
-    __m256 kc[MAXC8];
-    for (int c = 0; c < C; c++) kc[c] = load8(k, row + 8 * c, bf16);
-    for (int g = 0; g < G; g++) {
-      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), kc[0]);
-      for (int c = 1; c < C; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), kc[c], acc);
-      scores[g * n + j] = hsum8(acc) * scale;
-    }
-  }
-  softmax_rows(scores, G, n, out, D);
-  for (int64_t j = 0; j < n; j++) {
-    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
-    const int64_t row = (slot * Hkv + kvh) * D;
-    for (int c = 0; c < C; c++) {
-      const __m256 vc = load8(v, row + 8 * c, bf16);
-      for (int g = 0; g < G; g++) {
-        float *o = out + g * D + 8 * c;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * n + j]), vc, _mm256_loadu_ps(o)));
+    for (int h = 0; h < nkv; h++) {
+      const int64_t row = keys[j] + (int64_t)h * D;
+      __m256 kc[MAXC8];
+      for (int c = 0; c < C; c++) kc[c] = load8(k, row + 8 * c, bf16);
+      for (int g = h * G; g < (h + 1) * G; g++) {
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), kc[0]);
+        for (int c = 1; c < C; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), kc[c], acc);
+        scores[g * n + j] = hsum8(acc) * scale;
       }
     }
   }
+  softmax_rows(scores, nkv * G, n, out, D);
+  for (int h = 0; h < nkv; h++)
+    for (int c0 = 0; c0 < C; c0 += 2) {
+      const int two = c0 + 1 < C;
+      for (int g0 = h * G; g0 < (h + 1) * G; g0 += 3) {
+        const int gn = (h + 1) * G - g0 < 3 ? (h + 1) * G - g0 : 3;
+        const float *s0 = scores + g0 * n, *s1 = s0 + (gn > 1 ? n : 0), *s2 = s0 + (gn > 2 ? 2 * n : 0);
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+        for (int64_t j = 0; j < n; j++) {
+          const int64_t row = keys[j] + (int64_t)h * D + 8 * c0;
+          const __m256 v0 = load8(v, row, bf16), v1 = two ? load8(v, row + 8, bf16) : v0;
+          const __m256 p0 = _mm256_broadcast_ss(s0 + j), p1 = _mm256_broadcast_ss(s1 + j), p2 = _mm256_broadcast_ss(s2 + j);
+          a00 = _mm256_fmadd_ps(p0, v0, a00); a01 = _mm256_fmadd_ps(p0, v1, a01);
+          a10 = _mm256_fmadd_ps(p1, v0, a10); a11 = _mm256_fmadd_ps(p1, v1, a11);
+          a20 = _mm256_fmadd_ps(p2, v0, a20); a21 = _mm256_fmadd_ps(p2, v1, a21);
+        }
+        const __m256 a[3][2] = {{a00, a01}, {a10, a11}, {a20, a21}};
+        for (int g = 0; g < gn; g++) {
+          _mm256_storeu_ps(out + (g0 + g) * D + 8 * c0, a[g][0]);
+          if (two) _mm256_storeu_ps(out + (g0 + g) * D + 8 * c0 + 8, a[g][1]);
+        }
+      }
+    }
+}
+
+/* nkv kv heads from kvh on (their query heads' rows of q and out adjacent), scores [nkv * G, n] */
+#define AVX2_ARGS const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, \
+    int64_t first, int64_t bs, int Hkv, int kvh, int nkv, int G, int D, float scale, float *scores, int64_t *keys, \
+    float *out
+#define AVX2_PASS(C) attend_avx2_body(q, k, v, bf16, table, len, first, bs, Hkv, kvh, nkv, G, C, scale, scores, keys, out)
+/* the common head dims with the chunk count fixed (the K row and the loops in registers), any other by count */
+__attribute__((target("avx2,fma"))) static void attend_avx2_64(AVX2_ARGS) { (void)D; AVX2_PASS(8); }
+__attribute__((target("avx2,fma"))) static void attend_avx2_128(AVX2_ARGS) { (void)D; AVX2_PASS(16); }
+__attribute__((target("avx2,fma"))) static void attend_avx2_any(AVX2_ARGS) { AVX2_PASS(D / 8); }
+static void attend_avx2v(AVX2_ARGS) {
+  if (D == 64) attend_avx2_64(q, k, v, bf16, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
+  else if (D == 128) attend_avx2_128(q, k, v, bf16, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
+  else attend_avx2_any(q, k, v, bf16, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
 }
 
 int lm_attn_avx512(void) {
@@ -214,27 +259,37 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const i
   }
   int64_t maxlen = 0;
   for (int64_t b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B * Hkv > 1)
+  const int avx512 = use_simd == 2 && D % 16 == 0 && D <= 16 * MAXC;
+  const int avx2v = !avx512 && use_simd && D % 8 == 0 && D <= 8 * MAXC8;
+  /* kv heads per task: all of a sequence's when there are sequences enough to share out (the AVX2
+   * path): a slot's heads are adjacent, so a task then reads whole slot rows (a stream the memory
+   * system serves about twice as fast as a head's 1 / Hkv of each row), else one */
+  const int per = avx2v && B >= 2 * (int64_t)nthreads ? Hkv : 1;
+  const int64_t tasks = B * (Hkv / per);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tasks > 1)
   {
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(G * (maxlen > 0 ? maxlen : 1)));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(per * G * (maxlen > 0 ? maxlen : 1)));
     float *row = (float *)malloc(sizeof(float) * (size_t)D);
+    int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxlen > 0 ? maxlen : 1));
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < B * Hkv; t++) {
-      const int64_t b = t / Hkv;
-      const int kvh = (int)(t % Hkv);
+    for (int64_t t = 0; t < tasks; t++) {
+      const int64_t b = t / (Hkv / per);
+      const int kvh = (int)(t % (Hkv / per)) * per;
       const int64_t len = lens[b];
       const int64_t first = window > 0 && len > window ? len - window : 0;
       const float *qg = q + b * q_stride + (int64_t)kvh * G * D;
       float *og = out + (b * H + (int64_t)kvh * G) * D;
-      if (len <= 0) { memset(og, 0, sizeof(float) * (size_t)(G * D)); continue; }
-      if (use_simd == 2 && D % 16 == 0 && D <= 16 * MAXC)
+      if (len <= 0) { memset(og, 0, sizeof(float) * (size_t)(per * G * D)); continue; }
+      if (avx512)
         attend_avx512(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, og);
-      else if (use_simd && D % 8 == 0 && D <= 8 * MAXC8)
-        attend_avx2v(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, og);
+      else if (avx2v)
+        attend_avx2v(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, per, G, D, scale, scores, keys,
+                     og);
       else if (use_simd) attend_avx2(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, row, og);
       else attend_c(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, row, og);
     }
     free(scores);
     free(row);
+    free(keys);
   }
 }
