@@ -75,6 +75,28 @@ def test_plan_steps_aside(tiny_models):  # type: ignore[no-untyped-def]
     assert not plan.applies(torch.zeros(18, 64), caches, meta3)  # a prefill chunk in the step
 
 
+def test_plan_steps_aside_when_a_weight_changes(tiny_models):  # type: ignore[no-untyped-def]
+    """The plan multiplies the tiles it took when built: a weight written in place (a reload), or a
+    linear's qweight rebound, sends the step to the module path (which repacks)."""
+    from lmserve.attention.testing import random_step
+    meta, _, _ = random_step([5], [1], 4, 2, 16, seed=0)
+    x = torch.zeros(1, 64)
+    for change in ("norm", "linear", "rebind"):
+        llm = _llm(tiny_models["llama"][0])
+        model, caches = llm.engine.model, llm.engine.runner.kv_cache.layers
+        plan = model.cpu_plan()
+        assert plan.applies(x, caches, meta)
+        layer = model.layers[1]
+        with torch.no_grad():
+            if change == "norm":
+                layer.post_attention_layernorm.weight.mul_(1.0)
+            elif change == "linear":
+                layer.mlp.down_proj.qweight.add_(0)
+            else:
+                layer.self_attn.o_proj.qweight = layer.self_attn.o_proj.qweight.clone()
+        assert not plan.applies(x, caches, meta), change
+
+
 def test_verification_steps_run_in_the_plan_with_the_module_paths_tokens(tiny_models, monkeypatch, tile_isa):  # type: ignore[no-untyped-def]
     """n-gram speculation verifies k + 1 tokens a sequence a step: through the plan (a token a row of
     the attention kernel) the greedy tokens equal the module path's and speculation's absence."""

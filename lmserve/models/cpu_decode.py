@@ -67,6 +67,10 @@ class CpuDecodePlan:
         self.rotary = model.layers[0].self_attn.rotary
         self.simd = cpu_native.attn_simd()
         self.ptrs = self._weights_key()  # the weights the plan read, as they were
+        # what `applies` re-reads each step: each norm weight, and each linear's buffers (its qweight is
+        # looked up again there: a reload may rebind it; a dict lookup, not nn.Module's __getattr__)
+        self._watch = [(t, None) if isinstance(t, torch.Tensor) else (t.layer.qweight, t.layer._buffers)
+                       for entry in self.layers for t in entry if isinstance(t, (torch.Tensor, _Linear))]
 
     @staticmethod
     def read_layer(layer: Any) -> tuple[Any, ...]:
@@ -110,7 +114,17 @@ class CpuDecodePlan:
         number of sequences), float32 caches, fused ops not off."""
         return (dispatch.cpu_fast_allowed() and not meta.static_decode and meta.max_query_len <= ROWS_PER_SEQ
                 and all(isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in kv_caches[:1])
-                and self.ptrs == self._weights_key())
+                and self._weights_unchanged())
+
+    def _weights_unchanged(self) -> bool:
+        """The weights are those the plan read: each the same tensor (a linear's qweight looked up again)
+        at the same in-place version. (`_weights_key` compared again, without building it: it took ~0.3 ms
+        a step, mostly in nn.Module attribute lookups.)"""
+        for (t, buffers), (ptr, version) in zip(self._watch, self.ptrs):
+            now = t if buffers is None else buffers["qweight"]
+            if now.data_ptr() != ptr or tensor_version(now) != version:
+                return False
+        return True
 
     @torch.inference_mode()
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
