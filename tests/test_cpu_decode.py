@@ -56,6 +56,25 @@ def test_plan_equals_the_module_path(tiny_models, monkeypatch, tile_isa):  # typ
     assert got == ref and (3, 3) in runs
 
 
+def test_the_layer_loop_in_c_equals_the_python_loop(tiny_models, tile_isa):  # type: ignore[no-untyped-def]
+    """decode.c's lm_llama_layers (the plan's default) and the plan's Python loop over the same kernels
+    (kept for tensor parallelism) give the same logits bit for bit, decode and verification steps."""
+    llm = _llm(tiny_models["llama"][0])
+    plan = llm.engine.model.cpu_plan()
+    assert plan.native is not None
+    ids = [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 11, 2, 9]
+    native = llm.score(ids, decode_from=3)  # (T, V)
+    arrays, plan.native = plan.native, None
+    python = llm.score(ids, decode_from=3)
+    assert torch.equal(native, python)
+    plan.native = arrays
+    prompts = [[5, 9, 2, 7], [4, 4, 8], [1, 2, 3, 4, 5, 6, 7]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    plan.native = None
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
 def test_plan_steps_aside(tiny_models):  # type: ignore[no-untyped-def]
     assert _llm(tiny_models["qwen3"][0]).engine.model.cpu_plan() is None  # q/k norms
     assert LLM(str(tiny_models["llama"][0]), kv_cache_memory="16MiB", quantization="none").engine.model.cpu_plan() is None

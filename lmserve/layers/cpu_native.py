@@ -37,7 +37,8 @@ from lmserve.utils import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "qtile.c", "paged_attn.c", "fused.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qgemv.c", "qtile.c", "paged_attn.c", "fused.c",
+                                                                           "decode.c")]
 MAX_ROWS = 16  # qgemv.c: up to this many rows of x it beats dequantize + matmul (measured: docs/architecture.md)
 HEADERS = [Path(__file__).with_name("csrc") / "vmath.h"]  # included by the sources (part of the build's key)
 # vnni / avx2int8: the tile kernel (qtile.c, int8 activations) with AVX-512 VNNI / AVX2;
@@ -101,7 +102,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_gelu_tanh_and_mul.argtypes = [p, i64, i64, p, i32]
     lib.lm_rotary.argtypes = [p, i64, i64, i64, i64, i64, p, p]
     lib.lm_apply_bitmask.argtypes = [p, i64, i64, p, i64, i32]
-    for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary, lib.lm_apply_bitmask):
+    lib.lm_llama_layers.argtypes = [i64, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, p, p, i32, i32, i32,
+                                    p, p, p, p, p, p, p, p]
+    for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary, lib.lm_apply_bitmask,
+               lib.lm_llama_layers):
         fn.restype = None
     return lib
 

@@ -8,6 +8,8 @@ exactly the kernels the module path runs on the CPU (layers/cpu_native.py: add +
 quantized GEMV, rotary, store + paged attention, SiLU-and-mul), in the same order, so its hidden
 states equal the module path's; tests/test_cpu_decode.py holds it to that. It is what CUDA graphs are
 for the GPU path: the same math with the host work taken out, and the module path stays the reference.
+For the Llama layer the loop itself is one C call (layers/csrc/decode.c); the Python loop stays for
+tensor parallelism (an all-reduce between kernels) and Gemma.
 
 It applies (`CpuDecodePlan.build` returns None otherwise) to float32 Llama / Mistral / Qwen2-shaped
 models without q/k norms or biases whose four linears per layer are quantized layers our CPU kernel
@@ -37,6 +39,8 @@ class _Linear:
         self.n, self.k = t.n, t.k
         self.args = (t.q.data_ptr(), t.bits, t.n, t.scales.data_ptr(), None if t.mins is None else t.mins.data_ptr(),
                      t.group)
+        self.row = [t.q.data_ptr(), t.bits, t.n, t.k, t.scales.data_ptr(), 0 if t.mins is None else t.mins.data_ptr(),
+                    t.group]  # as decode.c's lm_llama_layers reads a linear
         self.vnni = int(cpu_native.tile_vnni())  # the kernel's variant (layer.tiled() said this one takes it)
 
     def __call__(self, lib: Any, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
@@ -67,10 +71,25 @@ class CpuDecodePlan:
         self.rotary = model.layers[0].self_attn.rotary
         self.simd = cpu_native.attn_simd()
         self.ptrs = self._weights_key()  # the weights the plan read, as they were
+        self.native = self.layer_arrays()  # the layer loop in C (decode.c), where this layer shape has one
         # what `applies` re-reads each step: each norm weight, and each linear's buffers (its qweight is
         # looked up again there: a reload may rebind it; a dict lookup, not nn.Module's __getattr__)
         self._watch = [(t, None) if isinstance(t, torch.Tensor) else (t.layer.qweight, t.layer._buffers)
                        for entry in self.layers for t in entry if isinstance(t, (torch.Tensor, _Linear))]
+
+    def layer_arrays(self) -> tuple[torch.Tensor, ...] | None:
+        """The per-layer pointers decode.c's lm_llama_layers takes (linears [L, 4, 7], norms [L, 2],
+        scales [L], windows [L]), or None where the loop stays in Python: tensor parallel (an all-reduce
+        between kernels)."""
+        if self.reduce is not None:
+            return None
+        lin = torch.tensor([[*qkv.row, *o.row, *gu.row, *down.row] for _, qkv, o, _, gu, down, _, _ in self.layers],
+                           dtype=torch.int64)  # (L, 28)
+        norms = torch.tensor([[w_in.data_ptr(), w_post.data_ptr()] for w_in, _, _, w_post, *_ in self.layers],
+                             dtype=torch.int64)  # (L, 2)
+        scales = torch.tensor([entry[6] for entry in self.layers], dtype=torch.float32)  # (L,)
+        windows = torch.tensor([entry[7] for entry in self.layers], dtype=torch.int64)  # (L,)
+        return lin, norms, scales, windows
 
     @staticmethod
     def read_layer(layer: Any) -> tuple[Any, ...]:
@@ -142,6 +161,8 @@ class CpuDecodePlan:
         cos, sin = meta.memo(("rope2d", id(self.rotary)), lambda: tuple(
             t.squeeze(1) for t in self.rotary.lookup(positions)))  # (B, d) each
         cos, sin = cos.contiguous(), sin.contiguous()
+        if self.native is not None:
+            return self._run_native(x, cos, sin, kv_caches, meta)
         first = True
         for i, ((w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm, scale, window), cache) in enumerate(
                 zip(self.layers, kv_caches)):
@@ -178,6 +199,32 @@ class CpuDecodePlan:
         return x, res
 
 
+    def _run_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run`'s layer loop as one call into decode.c (the same kernels, arguments and order)."""
+        lin, norms, scales, windows = self.native  # type: ignore[misc]
+        b, hd, h, hkv, d = x.shape[0], self.hidden, self.h, self.hkv, self.d
+        n_layers = len(self.layers)
+        inter = int(lin[0, 14 + 2]) // 2  # gate_up's n / 2
+        res, hbuf, tmp, out = (torch.empty(b, hd) for _ in range(4))  # (B, hidden) each
+        qkv = torch.empty(b, (h + 2 * hkv) * d)  # (B, (H + 2 Hkv) d)
+        att = torch.empty(b, h * d)  # (B, H d)
+        gate_up, act = torch.empty(b, 2 * inter), torch.empty(b, inter)  # (B, 2I), (B, I)
+        rows = []
+        for i in range(n_layers):
+            tables, lens, slots = _rows(meta.for_layer(i))  # kept alive by the step's memo
+            rows.append((tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr()))
+        rows_t = torch.tensor(rows, dtype=torch.int64)  # (L, 4)
+        caches = torch.tensor([(c.data_ptr(), c.data_ptr() + c.stride(0) * c.element_size()) for c in kv_caches[:n_layers]],
+                              dtype=torch.int64)  # (L, 2)
+        self.lib.lm_llama_layers(n_layers, lin.data_ptr(), norms.data_ptr(), scales.data_ptr(), windows.data_ptr(),
+                                 caches.data_ptr(), rows_t.data_ptr(), x.data_ptr(), b, hd, self.eps, h, hkv, d,
+                                 meta.block_size, cos.data_ptr(), sin.data_ptr(), self.simd, torch.get_num_threads(),
+                                 self.layers[0][1].vnni, res.data_ptr(), hbuf.data_ptr(), qkv.data_ptr(), att.data_ptr(),
+                                 tmp.data_ptr(), gate_up.data_ptr(), act.data_ptr(), out.data_ptr())
+        return out, res
+
+
 def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's attention rows, once per KV group and step: each new token's block table (B, T), its
     number of keys (B,) and its cache slot (B,), as contiguous int64."""
@@ -190,6 +237,10 @@ def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 class GemmaDecodePlan(CpuDecodePlan):
     """The plan for Gemma 3 (models/gemma3.py): q / k normed per head, sandwich norms, GeGLU, and a
     window and a rotary table per layer; the same kernels as its module path, in its order."""
+
+    def layer_arrays(self) -> None:
+        """Gemma's layer loop stays in Python (decode.c has the Llama layer only)."""
+        return None
 
     @staticmethod
     def read_layer(layer: Any) -> tuple[Any, ...]:

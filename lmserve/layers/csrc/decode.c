@@ -1,0 +1,67 @@
+/* The CPU decode plan's layer loop in one call (issue #15): models/cpu_decode.py's CpuDecodePlan.run for
+ * a Llama-family layer (add + RMSNorm, qkv, rotary, store + paged attention, o, add + RMSNorm, gate_up,
+ * SiLU-and-mul, down), the same kernels with the same arguments in the same order as the Python loop it
+ * replaces, so the hidden states are bit for bit the same (tests/test_cpu_decode.py holds it to that).
+ * Why: the loop made 240 calls through ctypes and 90 tensor allocations a step, ~0.6-0.9 ms of a 9 ms
+ * batch-1 step on two cores.
+ *
+ * Per layer i (arrays of int64 holding pointers, as Python reads them once):
+ *   lin     [L, 4, 7]  qkv, o, gate_up, down: (tiles, bits, n, k, scales, mins or 0, group), the tile kernel's
+ *   norms   [L, 2]     input and post-attention RMSNorm weights
+ *   scales  [L] float  attention scale;  windows [L]: sliding window (0: none)
+ *   cache   [L, 2]     K and V halves of the layer's float32 cache
+ *   rows  [L, 4]     this step's block tables (B, T) int64, T, lens (B,) int64, slots (B,) int64
+ * Buffers (float32, row-major): res, hbuf, tmp [B, hidden]; qkv [B, (H + 2 Hkv) d]; att [B, H d];
+ * gate_up [B, 2 I]; act [B, I]; out [B, hidden] (the last layer's down projection). x [B, hidden] is the
+ * embedded input. */
+#include <stdint.h>
+#include <string.h>
+
+void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t sr, const float *w, float eps, int64_t n,
+                    int64_t d, float *out, float *new_res, int nthreads);
+void lm_silu_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthreads);
+void lm_rotary(float *x, int64_t n, int64_t h, int64_t d, int64_t sn, int64_t sh, const float *cos_, const float *sin_);
+void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const float *sc,
+                    const float *mn, int64_t group, float *y, int nthreads, int vnni);
+void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const int64_t *tables, int64_t T,
+                          const int64_t *lens, int64_t B, int H, int Hkv, int D, int64_t block_size, float scale,
+                          int64_t window, float *out, int use_simd, int nthreads, const void *new_k, const void *new_v,
+                          const int64_t *slots, int64_t q_stride, int64_t new_stride);
+
+#define P(v) ((void *)(intptr_t)(v))
+
+/* y (B, n) = x (B, k) @ W.T for one linear's row l of `lin` */
+static void linear(const int64_t *l, const float *x, int64_t b, float *y, int nthreads, int vnni) {
+  lm_qgemm_tiles(x, b, l[3], (const uint8_t *)P(l[0]), (int)l[1], l[2], (const float *)P(l[4]), (const float *)P(l[5]),
+                 l[6], y, nthreads, vnni);
+}
+
+void lm_llama_layers(int64_t L, const int64_t *lin, const int64_t *norms, const float *scales, const int64_t *windows,
+                     const int64_t *cache, const int64_t *rows, const float *x, int64_t b, int64_t hd, float eps, int h,
+                     int hkv, int d, int64_t block_size, const float *cos_, const float *sin_, int simd, int nthreads,
+                     int vnni, float *res, float *hbuf, float *qkv, float *att, float *tmp, float *gate_up, float *act,
+                     float *out) {
+  const int64_t width = (int64_t)(h + 2 * hkv) * d;
+  for (int64_t i = 0; i < L; i++) {
+    const int64_t *li = lin + i * 28, *r = rows + i * 4;
+    const float *w_in = (const float *)P(norms[2 * i]), *w_post = (const float *)P(norms[2 * i + 1]);
+    if (i == 0) { /* residual = x; h = norm(x) */
+      lm_add_rmsnorm(x, hd, NULL, 0, w_in, eps, b, hd, hbuf, NULL, nthreads);
+      memcpy(res, x, sizeof(float) * (size_t)(b * hd));
+    } else { /* residual += the last layer's output; h = norm(residual) */
+      lm_add_rmsnorm(out, hd, res, hd, w_in, eps, b, hd, hbuf, res, nthreads);
+    }
+    linear(li, hbuf, b, qkv, nthreads, vnni);
+    lm_rotary(qkv, b, h + hkv, d, width, d, cos_, sin_); /* q and k heads */
+    const float *new_k = qkv + (int64_t)h * d;
+    lm_paged_decode_attn(qkv, P(cache[2 * i]), P(cache[2 * i + 1]), 0, (const int64_t *)P(r[0]), r[1],
+                         (const int64_t *)P(r[2]), b, h, hkv, d, block_size, scales[i], windows[i], att, simd, nthreads,
+                         new_k, new_k + (int64_t)hkv * d, (const int64_t *)P(r[3]), width, width);
+    linear(li + 7, att, b, tmp, nthreads, vnni);
+    lm_add_rmsnorm(tmp, hd, res, hd, w_post, eps, b, hd, hbuf, res, nthreads);
+    const int64_t gu = li[14 + 2]; /* gate_up's n = 2 I */
+    linear(li + 14, hbuf, b, gate_up, nthreads, vnni);
+    lm_silu_and_mul(gate_up, b, gu / 2, act, nthreads);
+    linear(li + 21, act, b, out, nthreads, vnni);
+  }
+}
