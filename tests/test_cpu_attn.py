@@ -1,6 +1,6 @@
 """The CPU attention backend (decode through our C kernel reading the paged cache in place) against
 the float64 oracle on the kernel cases (ragged, GQA groups 1-8, block sizes 16 / 32, windows, prefixes
-ending mid-block), fp32 and bf16 caches, every code path."""
+ending mid-block), fp32, bf16 and int8 caches, every code path."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from lmserve.attention.cpu_attn import CpuAttention
 from lmserve.attention.registry import get_backend
 from lmserve.attention.testing import KERNEL_CASES, case_inputs, float64_attention
 from lmserve.attention.torch_ref import TorchAttention
+from lmserve.kv.cache import QuantizedKV, dequantize
 from lmserve.layers import cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler to build the CPU kernels")
@@ -63,8 +64,28 @@ def test_head_dims_of_the_avx2_loop(idx, d, monkeypatch):  # type: ignore[no-unt
     assert (got.double() - exact).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("idx", range(len(KERNEL_CASES)))
+@pytest.mark.parametrize("isa, d", [("avx512", 64), ("avx2", 64), ("c", 64), ("avx2", 128), ("avx2", 72), ("avx2", 20)])
+def test_int8_cache_is_stored_and_read_in_place(idx, isa, d, monkeypatch):  # type: ignore[no-untyped-def]
+    """kv_cache_dtype int8: the kernel quantizes the step's K / V into the QuantizedKV exactly as
+    QuantizedKV.store does (the same bytes and scales), and attends over the cache's dequantized
+    contents as the float64 oracle does. d = 64, 128: a scale per 32 channels (AVX-512 machines take
+    the AVX2 loop); 72: one per head, an odd number of 8-lane chunks; 20: the generic loop."""
+    monkeypatch.setenv("LMSERVE_ISA", isa)
+    window = KERNEL_CASES[idx][4]
+    meta, cache, tables, q, k, v = case_inputs(idx, hkv=2, d=d, device="cpu", dtype=torch.float32, seed=17)
+    scale = d ** -0.5
+    ref_cache, cpu_cache = QuantizedKV.from_float(cache, torch.int8), QuantizedKV.from_float(cache, torch.int8)
+    TorchAttention().forward(q, k, v, ref_cache, meta, scale, window)  # stores with QuantizedKV.store
+    got = CpuAttention().forward(q, k, v, cpu_cache, meta, scale, window)
+    assert torch.equal(cpu_cache.data, ref_cache.data) and torch.equal(cpu_cache.scale, ref_cache.scale)
+    dense = dequantize(ref_cache.data, ref_cache.scale)  # (2, slots, Hkv, d) float32
+    exact = float64_attention(q, dense, meta, tables, scale, window)
+    assert (got.double() - exact).abs().max() < 2e-5
+
+
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "c"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(isa, dtype, monkeypatch):  # type: ignore[no-untyped-def]
     """The kernel splits a batch into one task per sequence and one per (sequence, kv head) for a
     single row: the same sums in the same order either way, so a row's output does not depend on
@@ -73,7 +94,8 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(isa, dtype, monkeypa
     g = torch.Generator().manual_seed(21)
     bs, hkv, h, d, lens = 16, 3, 9, 64, [37, 100, 5, 64, 17, 80, 33, 48]
     tables = torch.randperm(60, generator=g)[:8 * 7].view(8, 7)  # (B, T) distinct blocks
-    cache = torch.randn(2, 60 * bs, hkv, d, generator=g).to(dtype)  # (2, slots, Hkv, d)
+    cache = torch.randn(2, 60 * bs, hkv, d, generator=g)  # (2, slots, Hkv, d)
+    cache = QuantizedKV.from_float(cache, dtype) if dtype == torch.int8 else cache.to(dtype)
     q = torch.randn(8, h, d, generator=g)  # (B, H, d)
     seq_lens = torch.tensor(lens)
     together = cpu_native.paged_decode_attention(q, cache, tables, seq_lens, bs, 0.125, None)  # (B, H, d)

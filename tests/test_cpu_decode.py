@@ -75,6 +75,24 @@ def test_the_layer_loop_in_c_equals_the_python_loop(tiny_models, tile_isa):  # t
     assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+def test_plan_with_an_int8_cache_equals_the_module_path(tiny_models, monkeypatch, tile_isa):  # type: ignore[no-untyped-def]
+    """kv_cache_dtype int8: decode steps run in the plan (its C loop and its Python loop), storing and
+    reading the QuantizedKV in the attention kernel, with the module path's logits bit for bit."""
+    llm = _llm(tiny_models["llama"][0], kv_cache_dtype="int8")
+    model = llm.engine.model
+    plan = model.cpu_plan()
+    runs = record_runs(plan, monkeypatch)
+    ids = [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 11, 2, 9]
+    native = llm.score(ids, decode_from=3)  # (T, V)
+    assert [rows for rows, _ in runs] == [3] + [1] * 10
+    arrays, plan.native = plan.native, None
+    python = llm.score(ids, decode_from=3)
+    plan.native = arrays
+    model._cpu_plan = None
+    module = llm.score(ids, decode_from=3)
+    assert torch.equal(native, module) and torch.equal(python, module)
+
+
 def test_plan_steps_aside(tiny_models):  # type: ignore[no-untyped-def]
     assert _llm(tiny_models["qwen3"][0]).engine.model.cpu_plan() is None  # q/k norms
     assert LLM(str(tiny_models["llama"][0]), kv_cache_memory="16MiB", quantization="none").engine.model.cpu_plan() is None

@@ -2,9 +2,10 @@
 (layers/csrc/paged_attn.c: no gather of every page into a dense copy per layer per step), and so do
 steps of a few new tokens a sequence (speculative verification, short chunks: each token a row of its
 own, AttentionMetadata.token_rows); longer prefill chunks go through the torch reference (SDPA over
-the gathered pages: compute-bound, where the gather is a small share). A quantized cache
-(QuantizedKV) or an unusual cache dtype takes the reference path whole; tests/test_cpu_attn.py holds
-the kernel to the float64 oracle.
+the gathered pages: compute-bound, where the gather is a small share). The kernel reads float32, bf16
+and int8 caches (kv_cache_dtype int8: a QuantizedKV, quantized on store as QuantizedKV.store does);
+an fp8 cache or an unusual dtype takes the reference path whole; tests/test_cpu_attn.py holds the
+kernel to the float64 oracle.
 """
 
 from __future__ import annotations
@@ -50,6 +51,6 @@ class CpuAttention(TorchAttention):
 
 
 def _reads(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV) -> bool:
-    """The kernel reads this cache: a float32 / bf16 tensor on the CPU (a quantized one: the reference)."""
-    return not isinstance(kv_cache, QuantizedKV) and kv_cache.dtype in (torch.float32, torch.bfloat16) \
-        and q.device.type == "cpu" and kv_cache.is_contiguous()
+    """The kernel reads this cache: a float32 / bf16 tensor or an int8 QuantizedKV on the CPU (fp8: the
+    reference)."""
+    return q.device.type == "cpu" and cpu_native.kv_reads(kv_cache)

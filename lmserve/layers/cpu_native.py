@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from lmserve.kv.cache import QuantizedKV
 from lmserve.utils import cache_root
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_qgemm_tiles.restype = None
     lib.lm_has_vnni.restype = i32
     lib.lm_has_avx2.restype = i32
-    lib.lm_paged_decode_attn.argtypes = [p, p, p, i32, p, i64, p, i64, i32, i32, i32, i64, ctypes.c_float, i64, p, i32, i32,
-                                         p, p, p, i64, i64]
+    lib.lm_paged_decode_attn.argtypes = [p, p, p, i32, p, p, p, i64, p, i64, i32, i32, i32, i64, ctypes.c_float, i64, p,
+                                         i32, i32, p, p, p, i64, i64]
     lib.lm_paged_decode_attn.restype = None
     lib.lm_attn_avx512.restype = i32
     f32 = ctypes.c_float
@@ -103,7 +104,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_rotary.argtypes = [p, i64, i64, i64, i64, i64, p, p]
     lib.lm_apply_bitmask.argtypes = [p, i64, i64, p, i64, i32]
     lib.lm_llama_layers.argtypes = [i64, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, p, p, i32, i32, i32,
-                                    p, p, p, p, p, p, p, p]
+                                    i32, p, p, p, p, p, p, p, p]
     for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary, lib.lm_apply_bitmask,
                lib.lm_llama_layers):
         fn.restype = None
@@ -282,20 +283,45 @@ def attn_simd(isa_name: str | None = None) -> int:
     return 2 if level >= 2 and lib.lm_attn_avx512() else int(level >= 1 and lib.lm_has_avx2())
 
 
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # paged_attn.c's cache element types
+
+
+def kv_reads(cache: torch.Tensor | QuantizedKV) -> bool:
+    """The attention kernel reads this cache in place: float32, bf16, or an int8 QuantizedKV, contiguous,
+    on the CPU."""
+    data = cache.data if isinstance(cache, QuantizedKV) else cache
+    return data.device.type == "cpu" and data.dtype in KV_KINDS and data.is_contiguous() \
+        and (isinstance(cache, QuantizedKV) == (data.dtype == torch.int8))
+
+
+def kv_pointers(cache: torch.Tensor | QuantizedKV) -> tuple[int, int, int, int | None, int | None]:
+    """(kind, K, V, K scales, V scales) as the kernel takes a layer's cache (2, S, Hkv, D): its element
+    type (KV_KINDS), the addresses of its halves, and for an int8 cache those of its scales' halves."""
+    if isinstance(cache, QuantizedKV):
+        d, sc = cache.data, cache.scale
+        return (2, d.data_ptr(), d.data_ptr() + d.stride(0) * d.element_size(), sc.data_ptr(),
+                sc.data_ptr() + sc.stride(0) * sc.element_size())
+    return (KV_KINDS[cache.dtype], cache.data_ptr(), cache.data_ptr() + cache.stride(0) * cache.element_size(), None,
+            None)
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, scale: float, window: int | None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            isa_name: str | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context, read in place: q (B, H, D), kv_cache
-    (2, S, Hkv, D) float32 or bf16, block_tables (B, T) int64, seq_lens (B,) int64 -> (B, H, D) float32.
-    window: attend to the last `window` keys only (None: all). new_kv: (k, v (B, Hkv, D) in the cache's
-    dtype, slots (B,)) written into the cache first (a slot < 0 skipped)."""
+    (2, S, Hkv, D) float32 or bf16, or an int8 QuantizedKV (kv_cache_dtype int8), block_tables (B, T)
+    int64, seq_lens (B,) int64 -> (B, H, D) float32. window: attend to the last `window` keys only
+    (None: all). new_kv: (k, v (B, Hkv, D) in the cache's dtype (float32 for an int8 cache, quantized
+    as QuantizedKV.store does), slots (B,)) written into the cache first (a slot < 0 skipped)."""
     lib = _lib()
     assert lib is not None, "cpu_native.paged_decode_attention called without the library (check available())"
     B, H, D = q.shape
-    Hkv = kv_cache.shape[2]
-    if kv_cache.dtype not in (torch.float32, torch.bfloat16) or not kv_cache.is_contiguous():
-        raise ValueError(f"paged_decode_attention reads a contiguous float32 or bfloat16 cache, not {kv_cache.dtype}")
+    if not kv_reads(kv_cache):
+        raise ValueError("paged_decode_attention reads a contiguous float32 or bfloat16 cache, or an int8 QuantizedKV, "
+                         f"not {kv_cache.dtype}")
+    kind, k_ptr, v_ptr, ks_ptr, vs_ptr = kv_pointers(kv_cache)
+    Hkv = kv_cache.data.shape[2] if isinstance(kv_cache, QuantizedKV) else kv_cache.shape[2]
     qc = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()  # (B, H, D)
     tables = block_tables.long().contiguous()  # (B, T); no copies when already so
     lens = seq_lens.long().contiguous()  # (B,)
@@ -303,13 +329,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     simd = attn_simd(isa_name)
     ptrs = (None, None, None)
     if new_kv is not None:
+        want = torch.float32 if kind == 2 else kv_cache.dtype
         nk, nv, slots = (t.contiguous() for t in new_kv)
-        if nk.dtype != kv_cache.dtype or nv.dtype != kv_cache.dtype or slots.dtype != torch.int64:
-            raise ValueError("new_kv: k / v in the cache's dtype, slots int64")
+        if nk.dtype != want or nv.dtype != want or slots.dtype != torch.int64:
+            raise ValueError(f"new_kv: k / v in {want} (the cache's dtype, float32 for an int8 cache), slots int64")
         ptrs = (nk.data_ptr(), nv.data_ptr(), slots.data_ptr())
-    k_ptr = kv_cache.data_ptr()
-    v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
-    lib.lm_paged_decode_attn(qc.data_ptr(), k_ptr, v_ptr, int(kv_cache.dtype == torch.bfloat16),
+    lib.lm_paged_decode_attn(qc.data_ptr(), k_ptr, v_ptr, kind, ks_ptr, vs_ptr,
                              tables.data_ptr(), tables.shape[1], lens.data_ptr(), B, H, Hkv,
                              D, block_size, scale, window or 0, out.data_ptr(), simd, torch.get_num_threads(), *ptrs,
                              H * D, Hkv * D)

@@ -13,7 +13,7 @@ tensor parallelism (an all-reduce between kernels) and Gemma.
 
 It applies (`CpuDecodePlan.build` returns None otherwise) to float32 Llama / Mistral / Qwen2-shaped
 models without q/k norms or biases whose four linears per layer are quantized layers our CPU kernel
-takes (the default GGUF model under quantization=auto), with float32 caches, when the fused CPU ops
+takes (the default GGUF model under quantization=auto), with float32 or int8 (kv_cache_dtype int8) caches, when the fused CPU ops
 are not switched off (layers/dispatch.use_fused(False) keeps the torch reference).
 """
 
@@ -130,9 +130,9 @@ class CpuDecodePlan:
 
     def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """This step can run here: at most ROWS_PER_SEQ new tokens a sequence (decode, verification; any
-        number of sequences), float32 caches, fused ops not off."""
+        number of sequences), float32 or int8 caches, fused ops not off."""
         return (dispatch.cpu_fast_allowed() and not meta.static_decode and meta.max_query_len <= ROWS_PER_SEQ
-                and all(isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in kv_caches[:1])
+                and all(cpu_native.kv_reads(c) and cpu_native.kv_pointers(c)[0] in (0, 2) for c in kv_caches[:1])
                 and self._weights_unchanged())
 
     def _weights_unchanged(self) -> bool:
@@ -177,12 +177,12 @@ class CpuDecodePlan:
                                    hbuf.data_ptr(), res.data_ptr(), threads)
             qkv_mm(lib, hbuf, qkv, threads)
             lib.lm_rotary(qkv.data_ptr(), b, h + hkv, d, width, d, cos.data_ptr(), sin.data_ptr())  # q and k heads
-            k_cache = cache.data_ptr()
-            v_cache = k_cache + cache.stride(0) * cache.element_size()
+            kind, k_cache, v_cache, k_scale, v_scale = cpu_native.kv_pointers(cache)
             new_k = qkv.data_ptr() + h * d * 4
-            lib.lm_paged_decode_attn(qkv.data_ptr(), k_cache, v_cache, 0, tables.data_ptr(), tables.shape[1],
-                                     lens.data_ptr(), b, h, hkv, d, meta.block_size, scale, window, att.data_ptr(),
-                                     self.simd, threads, new_k, new_k + hkv * d * 4, slots.data_ptr(), width, width)
+            lib.lm_paged_decode_attn(qkv.data_ptr(), k_cache, v_cache, kind, k_scale, v_scale, tables.data_ptr(),
+                                     tables.shape[1], lens.data_ptr(), b, h, hkv, d, meta.block_size, scale, window,
+                                     att.data_ptr(), self.simd, threads, new_k, new_k + hkv * d * 4, slots.data_ptr(),
+                                     width, width)
             o_mm(lib, att, tmp, threads)
             if self.reduce is not None:
                 self.reduce.all_reduce(tmp)
@@ -215,12 +215,13 @@ class CpuDecodePlan:
             tables, lens, slots = _rows(meta.for_layer(i))  # kept alive by the step's memo
             rows.append((tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr()))
         rows_t = torch.tensor(rows, dtype=torch.int64)  # (L, 4)
-        caches = torch.tensor([(c.data_ptr(), c.data_ptr() + c.stride(0) * c.element_size()) for c in kv_caches[:n_layers]],
-                              dtype=torch.int64)  # (L, 2)
+        ptrs = [cpu_native.kv_pointers(c) for c in kv_caches[:n_layers]]  # (kind, K, V, K scales, V scales) each
+        caches = torch.tensor([(k, v, ks or 0, vs or 0) for _, k, v, ks, vs in ptrs], dtype=torch.int64)  # (L, 4)
         self.lib.lm_llama_layers(n_layers, lin.data_ptr(), norms.data_ptr(), scales.data_ptr(), windows.data_ptr(),
                                  caches.data_ptr(), rows_t.data_ptr(), x.data_ptr(), b, hd, self.eps, h, hkv, d,
                                  meta.block_size, cos.data_ptr(), sin.data_ptr(), self.simd, torch.get_num_threads(),
-                                 self.layers[0][1].vnni, res.data_ptr(), hbuf.data_ptr(), qkv.data_ptr(), att.data_ptr(),
+                                 self.layers[0][1].vnni, ptrs[0][0], res.data_ptr(), hbuf.data_ptr(), qkv.data_ptr(),
+                                 att.data_ptr(),
                                  tmp.data_ptr(), gate_up.data_ptr(), act.data_ptr(), out.data_ptr())
         return out, res
 
@@ -285,12 +286,12 @@ class GemmaDecodePlan(CpuDecodePlan):
             cos, sin = meta.memo(("rope2d", id(rotary)), lambda r=rotary: tuple(
                 t.squeeze(1).contiguous() for t in r.lookup(positions)))  # (B, d) each
             lib.lm_rotary(qkv.data_ptr(), b, h + hkv, d, width, d, cos.data_ptr(), sin.data_ptr())
-            k_cache = cache.data_ptr()
+            kind, k_cache, v_cache, k_scale, v_scale = cpu_native.kv_pointers(cache)
             new_k = qkv.data_ptr() + h * d * 4
-            lib.lm_paged_decode_attn(qkv.data_ptr(), k_cache, k_cache + cache.stride(0) * cache.element_size(), 0,
-                                     tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h, hkv, d, meta.block_size,
-                                     scale, window, att.data_ptr(), self.simd, threads, new_k, new_k + hkv * d * 4,
-                                     slots.data_ptr(), width, width)
+            lib.lm_paged_decode_attn(qkv.data_ptr(), k_cache, v_cache, kind, k_scale, v_scale, tables.data_ptr(),
+                                     tables.shape[1], lens.data_ptr(), b, h, hkv, d, meta.block_size, scale, window,
+                                     att.data_ptr(), self.simd, threads, new_k, new_k + hkv * d * 4, slots.data_ptr(),
+                                     width, width)
             o_mm(lib, att, tmp, threads)
             if self.reduce is not None:
                 self.reduce.all_reduce(tmp)

@@ -9,7 +9,8 @@
  *   lin     [L, 4, 7]  qkv, o, gate_up, down: (tiles, bits, n, k, scales, mins or 0, group), the tile kernel's
  *   norms   [L, 2]     input and post-attention RMSNorm weights
  *   scales  [L] float  attention scale;  windows [L]: sliding window (0: none)
- *   cache   [L, 2]     K and V halves of the layer's float32 cache
+ *   cache   [L, 4]     K and V halves of the layer's cache, and their scales (an int8 cache; else 0);
+ *                      kv_kind: the caches' element type (0 float32, 2 int8: paged_attn.c)
  *   rows  [L, 4]     this step's block tables (B, T) int64, T, lens (B,) int64, slots (B,) int64
  * Buffers (float32, row-major): res, hbuf, tmp [B, hidden]; qkv [B, (H + 2 Hkv) d]; att [B, H d];
  * gate_up [B, 2 I]; act [B, I]; out [B, hidden] (the last layer's down projection). x [B, hidden] is the
@@ -23,10 +24,11 @@ void lm_silu_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthr
 void lm_rotary(float *x, int64_t n, int64_t h, int64_t d, int64_t sn, int64_t sh, const float *cos_, const float *sin_);
 void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const float *sc,
                     const float *mn, int64_t group, float *y, int nthreads, int vnni);
-void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const int64_t *tables, int64_t T,
-                          const int64_t *lens, int64_t B, int H, int Hkv, int D, int64_t block_size, float scale,
-                          int64_t window, float *out, int use_simd, int nthreads, const void *new_k, const void *new_v,
-                          const int64_t *slots, int64_t q_stride, int64_t new_stride);
+void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_scale, float *v_scale,
+                          const int64_t *tables, int64_t T, const int64_t *lens, int64_t B, int H, int Hkv, int D,
+                          int64_t block_size, float scale, int64_t window, float *out, int use_simd, int nthreads,
+                          const void *new_k, const void *new_v, const int64_t *slots, int64_t q_stride,
+                          int64_t new_stride);
 
 #define P(v) ((void *)(intptr_t)(v))
 
@@ -39,7 +41,7 @@ static void linear(const int64_t *l, const float *x, int64_t b, float *y, int nt
 void lm_llama_layers(int64_t L, const int64_t *lin, const int64_t *norms, const float *scales, const int64_t *windows,
                      const int64_t *cache, const int64_t *rows, const float *x, int64_t b, int64_t hd, float eps, int h,
                      int hkv, int d, int64_t block_size, const float *cos_, const float *sin_, int simd, int nthreads,
-                     int vnni, float *res, float *hbuf, float *qkv, float *att, float *tmp, float *gate_up, float *act,
+                     int vnni, int kv_kind, float *res, float *hbuf, float *qkv, float *att, float *tmp, float *gate_up, float *act,
                      float *out) {
   const int64_t width = (int64_t)(h + 2 * hkv) * d;
   for (int64_t i = 0; i < L; i++) {
@@ -54,7 +56,8 @@ void lm_llama_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
     linear(li, hbuf, b, qkv, nthreads, vnni);
     lm_rotary(qkv, b, h + hkv, d, width, d, cos_, sin_); /* q and k heads */
     const float *new_k = qkv + (int64_t)h * d;
-    lm_paged_decode_attn(qkv, P(cache[2 * i]), P(cache[2 * i + 1]), 0, (const int64_t *)P(r[0]), r[1],
+    const int64_t *c = cache + 4 * i;
+    lm_paged_decode_attn(qkv, P(c[0]), P(c[1]), kv_kind, (float *)P(c[2]), (float *)P(c[3]), (const int64_t *)P(r[0]), r[1],
                          (const int64_t *)P(r[2]), b, h, hkv, d, block_size, scales[i], windows[i], att, simd, nthreads,
                          new_k, new_k + (int64_t)hkv * d, (const int64_t *)P(r[3]), width, width);
     linear(li + 7, att, b, tmp, nthreads, vnni);

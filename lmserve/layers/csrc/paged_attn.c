@@ -2,7 +2,10 @@
  * read in place from the paged cache through the block table (no gather into a dense copy).
  *
  *   q      float [B, H, D]        the decode tokens' queries
- *   k, v   [S, Hkv, D] float32 or bf16 (kv_bf16 = 1), S = blocks * block_size cache slots
+ *   k, v   [S, Hkv, D] float32 (kind 0), bf16 (1) or int8 (2), S = blocks * block_size cache slots;
+ *          int8: k_scale, v_scale [S, Hkv, D / g] float32, a scale per g channels (g = 32, or D when D
+ *          is not a multiple of 32), element ~ q * scale (kv/cache.py's QuantizedKV, its layout and
+ *          its quantization: absmax / 127 per group, round half to even)
  *   tables int64 [B, T]           block ids of each sequence
  *   lens   int64 [B]              context length (the new token included)
  *   out    float [B, H, D]
@@ -25,12 +28,21 @@ static inline float bf16_to_f32(uint16_t b) {
   return c.f;
 }
 
-#define ROW(T) \
-  static inline void row_##T(const void *base, int64_t idx, int bf16, int D, float *dst) { \
-    if (bf16) { const uint16_t *p = (const uint16_t *)base + idx * D; for (int i = 0; i < D; i++) dst[i] = bf16_to_f32(p[i]); } \
-    else memcpy(dst, (const float *)base + idx * D, sizeof(float) * (size_t)D); \
+/* channels per int8 scale (kv/cache.py kv_group_size) */
+static inline int kv_group(int D) { return D % 32 == 0 ? 32 : D; }
+
+/* row idx of a [S * Hkv, D] cache half as float32: bf16 widened, int8 times its group's scale (sc: the
+ * half's scales [S * Hkv, D / g]) */
+static inline void row_kv(const void *base, int64_t idx, int kind, const float *sc, int D, float *dst) {
+  if (kind == 1) { const uint16_t *p = (const uint16_t *)base + idx * D; for (int i = 0; i < D; i++) dst[i] = bf16_to_f32(p[i]); }
+  else if (kind == 2) {
+    const int8_t *p = (const int8_t *)base + idx * D;
+    const int g = kv_group(D);
+    const float *r = sc + idx * (D / g);
+    for (int i = 0; i < D; i++) dst[i] = (float)p[i] * r[i / g];
   }
-ROW(kv)
+  else memcpy(dst, (const float *)base + idx * D, sizeof(float) * (size_t)D);
+}
 
 /* Each of the G rows of scores [G, n] to its softmax (max subtracted), and out [G, D] zeroed. */
 static inline void softmax_rows(float *scores, int G, int64_t n, float *out, int D) {
@@ -48,12 +60,13 @@ static inline void softmax_rows(float *scores, int G, int64_t n, float *out, int
 /* scores [G, len - first]; q, out: the group's G heads [G, D]. Plain C, inlined into a plain and an
  * AVX2 + FMA copy below (the compiler vectorises the `omp simd` loops for each target). */
 static inline __attribute__((always_inline)) void attend_body(
-    const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t first,
-    int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores, float *row, float *out) {
+    const float *q, const void *k, const void *v, int kind, const float *ks, const float *vs, const int64_t *table,
+    int64_t len, int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores, float *row,
+    float *out) {
   const int64_t n = len - first;
   for (int64_t j = 0; j < n; j++) {
     const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
-    row_kv(k, slot * Hkv + kvh, bf16, D, row);
+    row_kv(k, slot * Hkv + kvh, kind, ks, D, row);
     for (int g = 0; g < G; g++) {
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -64,7 +77,7 @@ static inline __attribute__((always_inline)) void attend_body(
   softmax_rows(scores, G, n, out, D);
   for (int64_t j = 0; j < n; j++) {
     const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
-    row_kv(v, slot * Hkv + kvh, bf16, D, row);
+    row_kv(v, slot * Hkv + kvh, kind, vs, D, row);
     for (int g = 0; g < G; g++) {
       const float p = scores[g * n + j];
 #pragma omp simd
@@ -73,13 +86,14 @@ static inline __attribute__((always_inline)) void attend_body(
   }
 }
 
-#define ATTEND_ARGS const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, \
-    int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores, float *row, float *out
+#define ATTEND_ARGS const float *q, const void *k, const void *v, int kind, const float *ks, const float *vs, \
+    const int64_t *table, int64_t len, int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, \
+    float *scores, float *row, float *out
 __attribute__((target("avx2,fma"))) static void attend_avx2(ATTEND_ARGS) {
-  attend_body(q, k, v, bf16, table, len, first, bs, Hkv, kvh, G, D, scale, scores, row, out);
+  attend_body(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, G, D, scale, scores, row, out);
 }
 static void attend_c(ATTEND_ARGS) {
-  attend_body(q, k, v, bf16, table, len, first, bs, Hkv, kvh, G, D, scale, scores, row, out);
+  attend_body(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, G, D, scale, scores, row, out);
 }
 
 /* AVX-512, head dim a multiple of 16 (up to 256): K / V rows read straight from the cache (bf16 widened
@@ -153,9 +167,14 @@ static inline void key_rows(const int64_t *table, int64_t len, int64_t first, in
  * few keys on are prefetched: blocks lie anywhere in the pool, so the hardware prefetcher cannot
  * follow. keys: scratch for n row indices. */
 #define MAXC8 32 /* 8-lane chunks of a head: D up to 256 */
+/* 8 channels from element off of a cache half as float32: bf16 widened; int8 converted and times the
+ * scale at sc (its group's: QuantizedKV's dequantize, the same float32 product) */
 __attribute__((target("avx2,fma")))
-static inline __m256 load8(const void *base, int64_t off, int bf16) {
-  if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))), 16));
+static inline __m256 load8(const void *base, int64_t off, int kind, const float *sc) {
+  if (kind == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))), 16));
+  if (kind == 2)
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + off)))),
+                         _mm256_broadcast_ss(sc));
   return _mm256_loadu_ps((const float *)base + off);
 }
 
@@ -169,11 +188,13 @@ static inline float hsum8(__m256 v) {
 
 __attribute__((target("avx2,fma")))
 static inline __attribute__((always_inline)) void attend_avx2_body(
-    const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t first,
-    int64_t bs, int Hkv, int kvh, int nkv, int G, const int C, float scale, float *scores, int64_t *keys, float *out) {
+    const float *q, const void *k, const void *v, int kind, const float *ks, const float *vs, const int64_t *table,
+    int64_t len, int64_t first, int64_t bs, int Hkv, int kvh, int nkv, int G, const int C, float scale, float *scores,
+    int64_t *keys, float *out) {
   const int64_t n = len - first;
   const int D = 8 * C;
-  const int esize = bf16 ? 2 : 4;
+  const int esize = kind == 1 ? 2 : kind == 2 ? 1 : 4;
+  const int g = kv_group(D), ng = D / g; /* int8: channels per scale, scales per row */
   key_rows(table, len, first, bs, Hkv, kvh, D, keys);
   for (int64_t j = 0; j < n; j++) {
     if (j + PF_KEYS < n) { /* the kv heads' rows are adjacent in a slot: one run of lines */
@@ -185,8 +206,9 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
     }
     for (int h = 0; h < nkv; h++) {
       const int64_t row = keys[j] + (int64_t)h * D;
+      const float *sr = kind == 2 ? ks + row / D * ng : NULL;
       __m256 kc[MAXC8];
-      for (int c = 0; c < C; c++) kc[c] = load8(k, row + 8 * c, bf16);
+      for (int c = 0; c < C; c++) kc[c] = load8(k, row + 8 * c, kind, sr + (kind == 2 ? 8 * c / g : 0));
       for (int g = h * G; g < (h + 1) * G; g++) {
         __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), kc[0]);
         for (int c = 1; c < C; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), kc[c], acc);
@@ -204,7 +226,9 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
         for (int64_t j = 0; j < n; j++) {
           const int64_t row = keys[j] + (int64_t)h * D + 8 * c0;
-          const __m256 v0 = load8(v, row, bf16), v1 = two ? load8(v, row + 8, bf16) : v0;
+          const float *sr = kind == 2 ? vs + (keys[j] / D + h) * ng : NULL;
+          const __m256 v0 = load8(v, row, kind, sr + (kind == 2 ? 8 * c0 / g : 0));
+          const __m256 v1 = two ? load8(v, row + 8, kind, sr + (kind == 2 ? (8 * c0 + 8) / g : 0)) : v0;
           const __m256 p0 = _mm256_broadcast_ss(s0 + j), p1 = _mm256_broadcast_ss(s1 + j), p2 = _mm256_broadcast_ss(s2 + j);
           a00 = _mm256_fmadd_ps(p0, v0, a00); a01 = _mm256_fmadd_ps(p0, v1, a01);
           a10 = _mm256_fmadd_ps(p1, v0, a10); a11 = _mm256_fmadd_ps(p1, v1, a11);
@@ -220,18 +244,20 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
 }
 
 /* nkv kv heads from kvh on (their query heads' rows of q and out adjacent), scores [nkv * G, n] */
-#define AVX2_ARGS const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, \
-    int64_t first, int64_t bs, int Hkv, int kvh, int nkv, int G, int D, float scale, float *scores, int64_t *keys, \
-    float *out
-#define AVX2_PASS(C) attend_avx2_body(q, k, v, bf16, table, len, first, bs, Hkv, kvh, nkv, G, C, scale, scores, keys, out)
+#define AVX2_ARGS const float *q, const void *k, const void *v, int kind, const float *ks, const float *vs, \
+    const int64_t *table, int64_t len, int64_t first, int64_t bs, int Hkv, int kvh, int nkv, int G, int D, float scale, \
+    float *scores, int64_t *keys, float *out
+#define AVX2_PASS(C) attend_avx2_body(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, C, scale, scores, \
+                                      keys, out)
 /* the common head dims with the chunk count fixed (the K row and the loops in registers), any other by count */
 __attribute__((target("avx2,fma"))) static void attend_avx2_64(AVX2_ARGS) { (void)D; AVX2_PASS(8); }
 __attribute__((target("avx2,fma"))) static void attend_avx2_128(AVX2_ARGS) { (void)D; AVX2_PASS(16); }
 __attribute__((target("avx2,fma"))) static void attend_avx2_any(AVX2_ARGS) { AVX2_PASS(D / 8); }
 static void attend_avx2v(AVX2_ARGS) {
-  if (D == 64) attend_avx2_64(q, k, v, bf16, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
-  else if (D == 128) attend_avx2_128(q, k, v, bf16, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
-  else attend_avx2_any(q, k, v, bf16, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
+  if (D == 64) attend_avx2_64(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
+  else if (D == 128)
+    attend_avx2_128(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
+  else attend_avx2_any(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
 }
 
 int lm_attn_avx512(void) {
@@ -239,27 +265,57 @@ int lm_attn_avx512(void) {
   return __builtin_cpu_supports("avx512f");
 }
 
-/* Before attending, new_k / new_v [B, Hkv, D] (the cache's element type; NULL: none) are written at
- * cache slots `slots` [B] (a slot < 0 is skipped): the store and the attention in one call. q_stride /
- * new_stride: elements between sequences' rows of q and of new_k / new_v (views of one qkv buffer). */
-void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const int64_t *tables,
-                          int64_t T, const int64_t *lens, int64_t B, int H, int Hkv, int D, int64_t block_size,
-                          float scale, int64_t window, float *out, int use_simd, int nthreads,
+/* An int8 cache row's quantization (kv/cache.py quantize, bit for bit: scale = max |x| / 127 over each
+ * group of g channels by IEEE division, element = x / scale (1 where the scale is 0) clamped to
+ * [-127, 127] and rounded half to even): x [D] float32 -> dst [D], sc [D / g]. */
+static void quantize_row(const float *x, int D, int8_t *dst, float *sc) {
+  const int g = kv_group(D);
+  for (int i0 = 0; i0 < D; i0 += g) {
+    float amax = 0.f;
+    for (int i = i0; i < i0 + g; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float s = amax / 127.f, div = s > 0.f ? s : 1.f;
+    sc[i0 / g] = s;
+    for (int i = i0; i < i0 + g; i++) {
+      float y = x[i] / div;
+      y = y < -127.f ? -127.f : (y > 127.f ? 127.f : y);
+      dst[i] = (int8_t)nearbyintf(y);
+    }
+  }
+}
+
+/* Before attending, new_k / new_v [B, Hkv, D] (the cache's element type, or float32 for an int8 cache,
+ * quantized here; NULL: none) are written at cache slots `slots` [B] (a slot < 0 is skipped): the store
+ * and the attention in one call. q_stride / new_stride: elements between sequences' rows of q and of
+ * new_k / new_v (views of one qkv buffer). kind: the cache's element type (0 float32, 1 bf16, 2 int8
+ * with k_scale / v_scale, else NULL). */
+void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_scale, float *v_scale,
+                          const int64_t *tables, int64_t T, const int64_t *lens, int64_t B, int H, int Hkv, int D,
+                          int64_t block_size, float scale, int64_t window, float *out, int use_simd, int nthreads,
                           const void *new_k, const void *new_v, const int64_t *slots, int64_t q_stride,
                           int64_t new_stride) {
   const int G = H / Hkv;
-  if (new_k) {
-    const size_t row = (size_t)Hkv * (size_t)D * (kv_bf16 ? 2 : 4); /* bytes of one slot */
+  if (new_k && kind == 2) {
+    const int ng = D / kv_group(D);
     for (int64_t b = 0; b < B; b++) {
       if (slots[b] < 0) continue;
-      const size_t from = (size_t)(b * new_stride) * (kv_bf16 ? 2 : 4);
+      for (int h = 0; h < Hkv; h++) {
+        const int64_t row = slots[b] * Hkv + h, from = b * new_stride + (int64_t)h * D;
+        quantize_row((const float *)new_k + from, D, (int8_t *)k + row * D, k_scale + row * ng);
+        quantize_row((const float *)new_v + from, D, (int8_t *)v + row * D, v_scale + row * ng);
+      }
+    }
+  } else if (new_k) {
+    const size_t row = (size_t)Hkv * (size_t)D * (kind == 1 ? 2 : 4); /* bytes of one slot */
+    for (int64_t b = 0; b < B; b++) {
+      if (slots[b] < 0) continue;
+      const size_t from = (size_t)(b * new_stride) * (kind == 1 ? 2 : 4);
       memcpy((char *)k + slots[b] * row, (const char *)new_k + from, row);
       memcpy((char *)v + slots[b] * row, (const char *)new_v + from, row);
     }
   }
   int64_t maxlen = 0;
   for (int64_t b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
-  const int avx512 = use_simd == 2 && D % 16 == 0 && D <= 16 * MAXC;
+  const int avx512 = use_simd == 2 && kind != 2 && D % 16 == 0 && D <= 16 * MAXC; /* int8: the AVX2 loop */
   const int avx2v = !avx512 && use_simd && D % 8 == 0 && D <= 8 * MAXC8;
   /* kv heads per task: all of a sequence's when there are sequences enough to share out (the AVX2
    * path): a slot's heads are adjacent, so a task then reads whole slot rows (a stream the memory
@@ -281,12 +337,16 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kv_bf16, const i
       float *og = out + (b * H + (int64_t)kvh * G) * D;
       if (len <= 0) { memset(og, 0, sizeof(float) * (size_t)(per * G * D)); continue; }
       if (avx512)
-        attend_avx512(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, og);
+        attend_avx512(qg, k, v, kind, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, og);
       else if (avx2v)
-        attend_avx2v(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, per, G, D, scale, scores, keys,
-                     og);
-      else if (use_simd) attend_avx2(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, row, og);
-      else attend_c(qg, k, v, kv_bf16, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, row, og);
+        attend_avx2v(qg, k, v, kind, k_scale, v_scale, tables + b * T, len, first, block_size, Hkv, kvh, per, G, D, scale,
+                     scores, keys, og);
+      else if (use_simd)
+        attend_avx2(qg, k, v, kind, k_scale, v_scale, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores,
+                    row, og);
+      else
+        attend_c(qg, k, v, kind, k_scale, v_scale, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores,
+                 row, og);
     }
     free(scores);
     free(row);
