@@ -152,8 +152,9 @@ def test_verification_steps_run_in_the_plan_with_the_module_paths_tokens(tiny_mo
 
 
 def test_gemma_plan_equals_the_module_path(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
-    """Gemma 3's plan (q / k norms per head, sandwich norms, GeGLU, local and global layers) gives the
-    module path's logits bit for bit, and its tokens, decode and verification steps alike."""
+    """Gemma 3's plan (q / k norms per head, sandwich norms, GeGLU, local and global layers), its C loop
+    and its Python loop, gives the module path's logits bit for bit, and its tokens, decode and
+    verification steps alike."""
     import transformers as tf
 
     from lmserve.models.cpu_decode import GemmaDecodePlan
@@ -176,6 +177,10 @@ def test_gemma_plan_equals_the_module_path(tmp_path, monkeypatch):  # type: igno
     ids = [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 11, 2, 9, 30, 31, 32]
     with_plan = llm.score(ids, decode_from=3)  # the 3-token prompt, then 13 decode steps (past the window)
     assert [rows for rows, _ in runs] == [3] + [1] * 13
+    assert plan.native is not None  # that was decode.c's loop; its Python loop (tensor parallelism's) too:
+    arrays, plan.native = plan.native, None
+    assert torch.equal(with_plan, llm.score(ids, decode_from=3))
+    plan.native = arrays
     model._cpu_plan = None
     assert torch.equal(with_plan, llm.score(ids, decode_from=3))
     prompts = [[5, 9, 2, 7], [4, 4, 8, 4, 4, 8, 4, 4]]

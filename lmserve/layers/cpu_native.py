@@ -105,8 +105,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_apply_bitmask.argtypes = [p, i64, i64, p, i64, i32]
     lib.lm_llama_layers.argtypes = [i64, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, p, p, i32, i32, i32,
                                     i32, p, p, p, p, p, p, p, p]
+    lib.lm_gemma_layers.argtypes = [i64, p, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, i32, i32, i32, i32,
+                                    p, p, p, p, p, p, p, p, p]
     for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary, lib.lm_apply_bitmask,
-               lib.lm_llama_layers):
+               lib.lm_llama_layers, lib.lm_gemma_layers):
         fn.restype = None
     return lib
 

@@ -8,8 +8,8 @@ exactly the kernels the module path runs on the CPU (layers/cpu_native.py: add +
 quantized GEMV, rotary, store + paged attention, SiLU-and-mul), in the same order, so its hidden
 states equal the module path's; tests/test_cpu_decode.py holds it to that. It is what CUDA graphs are
 for the GPU path: the same math with the host work taken out, and the module path stays the reference.
-For the Llama layer the loop itself is one C call (layers/csrc/decode.c); the Python loop stays for
-tensor parallelism (an all-reduce between kernels) and Gemma.
+The layer loop itself is one C call (layers/csrc/decode.c: the Llama layer and Gemma's); the Python
+loop stays for tensor parallelism (an all-reduce between kernels).
 
 It applies (`CpuDecodePlan.build` returns None otherwise) to float32 Llama / Mistral / Qwen2-shaped
 models without q/k norms or biases whose four linears per layer are quantized layers our CPU kernel
@@ -199,30 +199,40 @@ class CpuDecodePlan:
         return x, res
 
 
+    def _step_arrays(self, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This step's per-layer pointers for decode.c: rows (L, 4) (block tables, their width, lens,
+        slots; kept alive by the step's memo), caches (L, 4) (K, V and an int8 cache's scales) and the
+        caches' element type."""
+        n_layers = len(self.layers)
+        rows = []
+        for i in range(n_layers):
+            tables, lens, slots = _rows(meta.for_layer(i))
+            rows.append((tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr()))
+        ptrs = [cpu_native.kv_pointers(c) for c in kv_caches[:n_layers]]  # (kind, K, V, K scales, V scales) each
+        caches = torch.tensor([(k, v, ks or 0, vs or 0) for _, k, v, ks, vs in ptrs], dtype=torch.int64)  # (L, 4)
+        return torch.tensor(rows, dtype=torch.int64), caches, ptrs[0][0]
+
+    def _buffers(self, b: int, extra: int = 0) -> list[torch.Tensor]:
+        """A step's buffers for decode.c: res, hbuf, tmp, out (and `extra` more) (B, hidden); qkv
+        (B, (H + 2 Hkv) d); att (B, H d); gate_up (B, 2I); act (B, I)."""
+        lin = self.native[0]  # type: ignore[index]
+        inter = int(lin[0, 14 + 2]) // 2  # gate_up's n / 2
+        hidden = [torch.empty(b, self.hidden) for _ in range(4 + extra)]
+        return [*hidden, torch.empty(b, (self.h + 2 * self.hkv) * self.d), torch.empty(b, self.h * self.d),
+                torch.empty(b, 2 * inter), torch.empty(b, inter)]
+
     def _run_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """`run`'s layer loop as one call into decode.c (the same kernels, arguments and order)."""
         lin, norms, scales, windows = self.native  # type: ignore[misc]
-        b, hd, h, hkv, d = x.shape[0], self.hidden, self.h, self.hkv, self.d
-        n_layers = len(self.layers)
-        inter = int(lin[0, 14 + 2]) // 2  # gate_up's n / 2
-        res, hbuf, tmp, out = (torch.empty(b, hd) for _ in range(4))  # (B, hidden) each
-        qkv = torch.empty(b, (h + 2 * hkv) * d)  # (B, (H + 2 Hkv) d)
-        att = torch.empty(b, h * d)  # (B, H d)
-        gate_up, act = torch.empty(b, 2 * inter), torch.empty(b, inter)  # (B, 2I), (B, I)
-        rows = []
-        for i in range(n_layers):
-            tables, lens, slots = _rows(meta.for_layer(i))  # kept alive by the step's memo
-            rows.append((tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr()))
-        rows_t = torch.tensor(rows, dtype=torch.int64)  # (L, 4)
-        ptrs = [cpu_native.kv_pointers(c) for c in kv_caches[:n_layers]]  # (kind, K, V, K scales, V scales) each
-        caches = torch.tensor([(k, v, ks or 0, vs or 0) for _, k, v, ks, vs in ptrs], dtype=torch.int64)  # (L, 4)
-        self.lib.lm_llama_layers(n_layers, lin.data_ptr(), norms.data_ptr(), scales.data_ptr(), windows.data_ptr(),
-                                 caches.data_ptr(), rows_t.data_ptr(), x.data_ptr(), b, hd, self.eps, h, hkv, d,
-                                 meta.block_size, cos.data_ptr(), sin.data_ptr(), self.simd, torch.get_num_threads(),
-                                 self.layers[0][1].vnni, ptrs[0][0], res.data_ptr(), hbuf.data_ptr(), qkv.data_ptr(),
-                                 att.data_ptr(),
-                                 tmp.data_ptr(), gate_up.data_ptr(), act.data_ptr(), out.data_ptr())
+        rows, caches, kind = self._step_arrays(kv_caches, meta)
+        res, hbuf, tmp, out, qkv, att, gate_up, act = self._buffers(x.shape[0])
+        self.lib.lm_llama_layers(len(self.layers), lin.data_ptr(), norms.data_ptr(), scales.data_ptr(),
+                                 windows.data_ptr(), caches.data_ptr(), rows.data_ptr(), x.data_ptr(), x.shape[0],
+                                 self.hidden, self.eps, self.h, self.hkv, self.d, meta.block_size, cos.data_ptr(),
+                                 sin.data_ptr(), self.simd, torch.get_num_threads(), self.layers[0][1].vnni, kind,
+                                 res.data_ptr(), hbuf.data_ptr(), qkv.data_ptr(), att.data_ptr(), tmp.data_ptr(),
+                                 gate_up.data_ptr(), act.data_ptr(), out.data_ptr())
         return out, res
 
 
@@ -239,9 +249,17 @@ class GemmaDecodePlan(CpuDecodePlan):
     """The plan for Gemma 3 (models/gemma3.py): q / k normed per head, sandwich norms, GeGLU, and a
     window and a rotary table per layer; the same kernels as its module path, in its order."""
 
-    def layer_arrays(self) -> None:
-        """Gemma's layer loop stays in Python (decode.c has the Llama layer only)."""
-        return None
+    def layer_arrays(self) -> tuple[torch.Tensor, ...] | None:
+        """decode.c's lm_gemma_layers' per-layer pointers: linears [L, 4, 7], norms [L, 6] (input, q, k,
+        post-attention, pre- and post-feedforward), scales [L], windows [L]; None under tensor
+        parallelism."""
+        if self.reduce is not None:
+            return None
+        lin = torch.tensor([[*e[1].row, *e[6].row, *e[8].row, *e[9].row] for e in self.layers], dtype=torch.int64)
+        norms = torch.tensor([[e[j].data_ptr() for j in (0, 3, 4, 2, 7, 10)] for e in self.layers], dtype=torch.int64)
+        scales = torch.tensor([e[11] for e in self.layers], dtype=torch.float32)  # (L,)
+        windows = torch.tensor([e[12] for e in self.layers], dtype=torch.int64)  # (L,)
+        return lin, norms, scales, windows
 
     @staticmethod
     def read_layer(layer: Any) -> tuple[Any, ...]:
@@ -264,6 +282,8 @@ class GemmaDecodePlan(CpuDecodePlan):
         b, hd, h, hkv, d = x.shape[0], self.hidden, self.h, self.hkv, self.d
         width = (h + 2 * hkv) * d
         x = x.contiguous()
+        if self.native is not None:
+            return self._run_gemma_native(x, positions, kv_caches, meta)
         res = torch.empty(b, hd)  # (B, hidden): the residual stream
         hbuf, tmp, normed = torch.empty(b, hd), torch.empty(b, hd), torch.empty(b, hd)  # (B, hidden) each
         qkv = torch.empty(b, width)  # (B, (H + 2 Hkv) d): q and k normed and rotated in place
@@ -309,3 +329,24 @@ class GemmaDecodePlan(CpuDecodePlan):
             x = torch.empty(b, hd)  # (B, hidden): the MLP block's output, normed
             lib.lm_add_rmsnorm(tmp.data_ptr(), hd, None, 0, w_post_ff.data_ptr(), eps, b, hd, x.data_ptr(), None, threads)
         return x, res
+
+    def _run_gemma_native(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run`'s layer loop as one call into decode.c (the same kernels, arguments and order)."""
+        lin, norms, scales, windows = self.native  # type: ignore[misc]
+        rows, caches, kind = self._step_arrays(kv_caches, meta)
+        rope = []
+        for entry in self.layers:
+            rotary = entry[5]
+            cos, sin = meta.memo(("rope2d", id(rotary)), lambda r=rotary: tuple(
+                t.squeeze(1).contiguous() for t in r.lookup(positions)))  # (B, d) each, kept alive by the memo
+            rope.append((cos.data_ptr(), sin.data_ptr()))
+        rope_t = torch.tensor(rope, dtype=torch.int64)  # (L, 2)
+        res, hbuf, tmp, out, normed, qkv, att, gate_up, act = self._buffers(x.shape[0], extra=1)
+        self.lib.lm_gemma_layers(len(self.layers), lin.data_ptr(), norms.data_ptr(), scales.data_ptr(),
+                                 windows.data_ptr(), caches.data_ptr(), rows.data_ptr(), rope_t.data_ptr(), x.data_ptr(),
+                                 x.shape[0], self.hidden, self.eps, self.h, self.hkv, self.d, meta.block_size, self.simd,
+                                 torch.get_num_threads(), self.layers[0][1].vnni, kind, res.data_ptr(), hbuf.data_ptr(),
+                                 qkv.data_ptr(), att.data_ptr(), tmp.data_ptr(), normed.data_ptr(), gate_up.data_ptr(),
+                                 act.data_ptr(), out.data_ptr())
+        return out, res

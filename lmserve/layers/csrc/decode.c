@@ -38,6 +38,28 @@ static void linear(const int64_t *l, const float *x, int64_t b, float *y, int nt
                  l[6], y, nthreads, vnni);
 }
 
+/* residual = x (layer 0) or residual += the last layer's output; hbuf = norm(residual) * w */
+static void block_input(int64_t i, const float *x, const float *out, float *res, const float *w, float eps, int64_t b,
+                        int64_t hd, float *hbuf, int nthreads) {
+  if (i == 0) {
+    lm_add_rmsnorm(x, hd, NULL, 0, w, eps, b, hd, hbuf, NULL, nthreads);
+    memcpy(res, x, sizeof(float) * (size_t)(b * hd));
+  } else {
+    lm_add_rmsnorm(out, hd, res, hd, w, eps, b, hd, hbuf, res, nthreads);
+  }
+}
+
+/* the step's k / v rows of qkv (B, (H + 2 Hkv) d) stored in the layer's cache c (K, V, scales) and
+ * attention through its rows r (tables, T, lens, slots) into att (B, H d) */
+static void attend(const float *qkv, const int64_t *c, const int64_t *r, int kv_kind, int64_t b, int h, int hkv, int d,
+                   int64_t block_size, float scale, int64_t window, float *att, int simd, int nthreads) {
+  const int64_t width = (int64_t)(h + 2 * hkv) * d;
+  const float *new_k = qkv + (int64_t)h * d;
+  lm_paged_decode_attn(qkv, P(c[0]), P(c[1]), kv_kind, (float *)P(c[2]), (float *)P(c[3]), (const int64_t *)P(r[0]), r[1],
+                       (const int64_t *)P(r[2]), b, h, hkv, d, block_size, scale, window, att, simd, nthreads, new_k,
+                       new_k + (int64_t)hkv * d, (const int64_t *)P(r[3]), width, width);
+}
+
 void lm_llama_layers(int64_t L, const int64_t *lin, const int64_t *norms, const float *scales, const int64_t *windows,
                      const int64_t *cache, const int64_t *rows, const float *x, int64_t b, int64_t hd, float eps, int h,
                      int hkv, int d, int64_t block_size, const float *cos_, const float *sin_, int simd, int nthreads,
@@ -47,24 +69,54 @@ void lm_llama_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
   for (int64_t i = 0; i < L; i++) {
     const int64_t *li = lin + i * 28, *r = rows + i * 4;
     const float *w_in = (const float *)P(norms[2 * i]), *w_post = (const float *)P(norms[2 * i + 1]);
-    if (i == 0) { /* residual = x; h = norm(x) */
-      lm_add_rmsnorm(x, hd, NULL, 0, w_in, eps, b, hd, hbuf, NULL, nthreads);
-      memcpy(res, x, sizeof(float) * (size_t)(b * hd));
-    } else { /* residual += the last layer's output; h = norm(residual) */
-      lm_add_rmsnorm(out, hd, res, hd, w_in, eps, b, hd, hbuf, res, nthreads);
-    }
+    block_input(i, x, out, res, w_in, eps, b, hd, hbuf, nthreads);
     linear(li, hbuf, b, qkv, nthreads, vnni);
     lm_rotary(qkv, b, h + hkv, d, width, d, cos_, sin_); /* q and k heads */
-    const float *new_k = qkv + (int64_t)h * d;
-    const int64_t *c = cache + 4 * i;
-    lm_paged_decode_attn(qkv, P(c[0]), P(c[1]), kv_kind, (float *)P(c[2]), (float *)P(c[3]), (const int64_t *)P(r[0]), r[1],
-                         (const int64_t *)P(r[2]), b, h, hkv, d, block_size, scales[i], windows[i], att, simd, nthreads,
-                         new_k, new_k + (int64_t)hkv * d, (const int64_t *)P(r[3]), width, width);
+    attend(qkv, cache + 4 * i, r, kv_kind, b, h, hkv, d, block_size, scales[i], windows[i], att, simd, nthreads);
     linear(li + 7, att, b, tmp, nthreads, vnni);
     lm_add_rmsnorm(tmp, hd, res, hd, w_post, eps, b, hd, hbuf, res, nthreads);
     const int64_t gu = li[14 + 2]; /* gate_up's n = 2 I */
     linear(li + 14, hbuf, b, gate_up, nthreads, vnni);
     lm_silu_and_mul(gate_up, b, gu / 2, act, nthreads);
     linear(li + 21, act, b, out, nthreads, vnni);
+  }
+}
+
+void lm_gelu_tanh_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthreads);
+
+/* models/cpu_decode.py's GemmaDecodePlan.run, kernel for kernel: q / k RMSNorm per head, a rotary
+ * table per layer (local and global layers differ), sandwich norms, GeGLU. Per layer i, beside
+ * lm_llama_layers' lin, scales, windows, cache and rows:
+ *   norms [L, 6]  input, q, k, post-attention, pre-feedforward and post-feedforward RMSNorm weights
+ *   rope  [L, 2]  this step's cos and sin (B, d) float32 for the layer's rotary table
+ * Buffers as lm_llama_layers', plus normed [B, hidden]. */
+void lm_gemma_layers(int64_t L, const int64_t *lin, const int64_t *norms, const float *scales, const int64_t *windows,
+                     const int64_t *cache, const int64_t *rows, const int64_t *rope, const float *x, int64_t b,
+                     int64_t hd, float eps, int h, int hkv, int d, int64_t block_size, int simd, int nthreads, int vnni,
+                     int kv_kind, float *res, float *hbuf, float *qkv, float *att, float *tmp, float *normed,
+                     float *gate_up, float *act, float *out) {
+  const int64_t width = (int64_t)(h + 2 * hkv) * d;
+  for (int64_t i = 0; i < L; i++) {
+    const int64_t *li = lin + i * 28, *r = rows + i * 4, *nw = norms + i * 6;
+    const float *w_in = (const float *)P(nw[0]), *w_q = (const float *)P(nw[1]), *w_k = (const float *)P(nw[2]);
+    const float *w_post_attn = (const float *)P(nw[3]), *w_pre_ff = (const float *)P(nw[4]);
+    const float *w_post_ff = (const float *)P(nw[5]);
+    block_input(i, x, out, res, w_in, eps, b, hd, hbuf, nthreads);
+    linear(li, hbuf, b, qkv, nthreads, vnni);
+    for (int64_t t = 0; t < b; t++) { /* q and k heads normed in place, a row of d per head */
+      float *row = qkv + t * width;
+      lm_add_rmsnorm(row, d, NULL, 0, w_q, eps, h, d, row, NULL, nthreads);
+      lm_add_rmsnorm(row + (int64_t)h * d, d, NULL, 0, w_k, eps, hkv, d, row + (int64_t)h * d, NULL, nthreads);
+    }
+    lm_rotary(qkv, b, h + hkv, d, width, d, (const float *)P(rope[2 * i]), (const float *)P(rope[2 * i + 1]));
+    attend(qkv, cache + 4 * i, r, kv_kind, b, h, hkv, d, block_size, scales[i], windows[i], att, simd, nthreads);
+    linear(li + 7, att, b, tmp, nthreads, vnni);
+    lm_add_rmsnorm(tmp, hd, NULL, 0, w_post_attn, eps, b, hd, normed, NULL, nthreads); /* the attention block's output norm */
+    lm_add_rmsnorm(normed, hd, res, hd, w_pre_ff, eps, b, hd, hbuf, res, nthreads);
+    const int64_t gu = li[14 + 2];
+    linear(li + 14, hbuf, b, gate_up, nthreads, vnni);
+    lm_gelu_tanh_and_mul(gate_up, b, gu / 2, act, nthreads);
+    linear(li + 21, act, b, tmp, nthreads, vnni);
+    lm_add_rmsnorm(tmp, hd, NULL, 0, w_post_ff, eps, b, hd, out, NULL, nthreads); /* the MLP block's output, normed */
   }
 }
