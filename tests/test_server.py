@@ -59,13 +59,13 @@ def serving(app):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def server(smol):  # type: ignore[no-untyped-def]
+def server(smol_default):  # type: ignore[no-untyped-def]
     from lmserve.server.app import build_app
     from lmserve.server.async_engine import AsyncEngine
-    ae = AsyncEngine(smol.engine, max_queue=64)
+    ae = AsyncEngine(smol_default.engine, max_queue=64)
     app = build_app(ae, "smollm2-135m", api_key=KEY, max_body_bytes=64 * 1024)
     with serving(app) as (url, _):
-        yield {"url": url, "ae": ae, "engine": smol.engine, "llm": smol, "srv": app.state.server}
+        yield {"url": url, "ae": ae, "engine": smol_default.engine, "llm": smol_default, "srv": app.state.server}
 
 
 @pytest.fixture
@@ -667,6 +667,10 @@ def test_streamed_tool_calls_keep_every_tokens_logprobs(client, server):  # type
     msgs = [{"role": "user", "content": "Time in Paris?"}]
     kw = dict(model="smollm2-135m", messages=msgs, tools=[WEATHER, TIME], max_tokens=100, temperature=0,
               logprobs=True, top_logprobs=2, extra_body=extra)
+    # once first, so that the two runs compared both find the prompt's blocks in the prefix cache: a
+    # full prefill and a cached one differ in float rounding, which the default model's int8
+    # activations can amplify past 1e-3 (issue #18's deterministic mode is what makes them equal)
+    client.chat.completions.create(**kw)
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls"
     ref = [(t.token, t.logprob) for t in whole.logprobs.content]

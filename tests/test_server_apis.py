@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
-server, client = base.server, base.client  # the server (module scope, the smol model) and an openai client
+server, client = base.server, base.client  # the server (module scope, the default model) and an openai client
 
 MODEL = "smollm2-135m"
 QUESTION = "What is 2+2? Answer with one number."
