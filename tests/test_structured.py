@@ -16,6 +16,13 @@ xgr = pytest.importorskip("xgrammar")
 from lmserve import SamplingParams, StructuredOutputsParams  # noqa: E402
 from lmserve.structured import apply_bitmask  # noqa: E402
 
+
+@pytest.fixture
+def smol(smol_default):  # type: ignore[no-untyped-def]
+    """The default model as users run it (quantization auto): what the constraints are checked on here
+    (every check reads the outputs themselves, none compares with HF's float weights)."""
+    return smol_default
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
@@ -231,9 +238,14 @@ def test_greedy_constrained_equals_free_when_free_conforms(smol):  # type: ignor
     conforming = [(p, o.outputs[0]) for p, o in zip(prompts, free)
                   if o.outputs[0].finish_reason == "stop" and re.fullmatch(pat, o.outputs[0].text)]
     assert len(conforming) >= 2, [o.outputs[0].text for o in free]
-    got = smol.generate([p for p, _ in conforming], greedy(64, regex=pat), use_tqdm=False)
-    for (_, want), o in zip(conforming, got):
-        assert o.outputs[0].token_ids == want.token_ids, (o.outputs[0].text, want.text)
+    # the free answers again in the batch the constrained ones run in, the prompts' blocks cached for both:
+    # a different batch or cache state changes float rounding, which the default model's int8
+    # activations can amplify into another greedy token at a near tie (the mask is what is tested here)
+    batch = [p for p, _ in conforming]
+    want = smol.generate(batch, SamplingParams(max_tokens=64, temperature=0), use_tqdm=False)
+    got = smol.generate(batch, greedy(64, regex=pat), use_tqdm=False)
+    for w, o in zip(want, got):
+        assert o.outputs[0].token_ids == w.outputs[0].token_ids, (o.outputs[0].text, w.outputs[0].text)
 
 
 def test_min_tokens_never_forces_a_token_the_grammar_forbids(smol):  # type: ignore[no-untyped-def]
