@@ -51,7 +51,8 @@ def test_needle_alone_equals_needle_in_a_crowd(quantization):  # type: ignore[no
 
 def test_without_the_mode_float_weights_drift():
     """The inverse: the mode off, float weights, the same comparison differs (batch-size-dependent
-    matmul kernels); with the default GGUF blocks our kernels happen to be row-invariant already."""
+    matmul kernels). (With the default GGUF blocks the linears are row-invariant already; the
+    attention of a long prefill chunk is not: docs/architecture.md, deterministic mode.)"""
     llm = LLM(quantization="none", max_num_batched_tokens=64)
     alone, crowd = _needle_vs_crowd(llm, seeded=False)
     assert not torch.equal(alone[1], crowd[1])
