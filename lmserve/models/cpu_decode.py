@@ -37,17 +37,15 @@ class _Linear:
         self.layer = layer
         self.tiles = t = layer.tiles()  # kept alive here
         self.n, self.k = t.n, t.k
-        self.args = (t.q.data_ptr(), t.bits, t.n, t.scales.data_ptr(), None if t.mins is None else t.mins.data_ptr(),
-                     t.group)
+        # (tiles, bits, n, k, scales, mins or 0 (NULL), group): the tile kernel's arguments, as decode.c reads a linear
         self.row = [t.q.data_ptr(), t.bits, t.n, t.k, t.scales.data_ptr(), 0 if t.mins is None else t.mins.data_ptr(),
-                    t.group]  # as decode.c's lm_llama_layers reads a linear
+                    t.group]
         self.vnni = int(cpu_native.tile_vnni())  # the kernel's variant (layer.tiled() said this one takes it)
 
     def __call__(self, lib: Any, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
         """y (B, N) = x (B, K) @ W.T, both float32 contiguous."""
-        q, bits, n, sc, mn, group = self.args
-        lib.lm_qgemm_tiles(x.data_ptr(), x.shape[0], self.k, q, bits, n, sc, mn, group, y.data_ptr(), threads,
-                           self.vnni)
+        q, bits, n, k, sc, mn, group = self.row
+        lib.lm_qgemm_tiles(x.data_ptr(), x.shape[0], k, q, bits, n, sc, mn, group, y.data_ptr(), threads, self.vnni)
 
 
 def weights_key(items: Any) -> tuple[tuple[int, int], ...]:
@@ -197,7 +195,6 @@ class CpuDecodePlan:
             if self.reduce is not None:
                 self.reduce.all_reduce(x)
         return x, res
-
 
     def _step_arrays(self, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, int]:
         """This step's per-layer pointers for decode.c: rows (L, 4) (block tables, their width, lens,
