@@ -15,7 +15,7 @@ run: setup
 	.venv/bin/lmserve generate --chat "$(PROMPT)" --max-tokens 64
 
 test: setup-test
-	.venv/bin/python -m pytest -q -rs --durations=25 tests
+	.venv/bin/python -m pytest -q -rs --durations=25 -n 2 --dist loadfile tests  # two workers, a module each (tests/conftest.py splits the cores)
 
 bench-cpu: setup-test
 	scripts/bench_cpu.sh

@@ -10,6 +10,12 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores for torch
+# and our OpenMP kernels, so the workers do not oversubscribe the machine (2 cores in CI).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "llama_mqa"]
 
 
