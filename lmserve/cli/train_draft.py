@@ -1,12 +1,16 @@
 """`lmserve train-draft --method eagle`: train an EAGLE-style draft head for the target model (spec/eagle.py).
 
-Data: the target's own continuations of a prompt set (built in: PROMPTS, or --prompts-file, one per
-line), sampled (temperature 0.7, seeded) until --tokens tokens; 10% of the sequences are held out.
+Data: the target's own answers to a prompt set (built in: PROMPTS and spec/prompts.builtin_prompts(),
+3,722 requests; or --prompts-file, one per line), greedy by default (what a greedy draft must imitate;
+--sample-temperature samples them, seeded) until --tokens tokens; 10% of the sequences are held out.
 Everything lands in --out: the collected token ids (data.json, reused on a rerun with the same model,
 budget, seed and prompts), the training checkpoint (resumed from on a rerun with that data), the head
 (model.safetensors + eagle_config.json) and the loss curve (loss.png, with matplotlib). The head drafts
 from the --draft-vocab most frequent tokens of the training text (its read-out then costs that fraction
-of the LM head; exactness does not depend on it). Budget and time for the default model: BENCHMARKS.md.
+of the LM head; exactness does not depend on it), and is trained as it drafts: --chain tokens ahead from
+every position, each from its own previous prediction (spec/eagle.chain_forward). The held-out report
+gives the one-token agreement and the chained acceptance a greedy verification would see. Budget and
+time for the default model: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -44,10 +48,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--method", default="eagle", choices=["eagle"])
     p.add_argument("--out", required=True, help="folder for the head, its data, checkpoint and loss curve")
     p.add_argument("--steps", type=int, default=None, help="training steps, a sequence each (default: one pass)")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=1e-3)
     add_data_args(p)
-    p.add_argument("--draft-vocab", type=int, default=8192,
+    p.add_argument("--draft-vocab", type=int, default=4096,
                    help="draft only from the N most frequent tokens of the collected text (0: the whole vocabulary)")
+    p.add_argument("--chain", type=int, default=3,
+                   help="train on this many chained drafts from every position (1: EAGLE-1's one-step loss)")
     add_engine_args(p)
     p.set_defaults(func=cmd_train_draft)
 
@@ -62,7 +68,9 @@ def target_text(a: argparse.Namespace, out: Path, what: str) -> tuple[Any, list[
 
     if a.tensor_parallel_size > 1:
         raise ValueError(f"tensor_parallel_size: {what} reads the whole target's weights and outputs: use 1")
-    prompts = [p for p in (Path(a.prompts_file).read_text().splitlines() if a.prompts_file else PROMPTS) if p.strip()]
+    from lmserve.spec.prompts import builtin_prompts
+    builtin = PROMPTS + builtin_prompts()
+    prompts = [p for p in (Path(a.prompts_file).read_text().splitlines() if a.prompts_file else builtin) if p.strip()]
     if not prompts:
         raise ValueError(f"prompts_file: {a.prompts_file} has no prompt")
     out.mkdir(parents=True, exist_ok=True)
@@ -72,11 +80,12 @@ def target_text(a: argparse.Namespace, out: Path, what: str) -> tuple[Any, list[
     data = out / "data.json"
     t0 = time.perf_counter()
     key = {"model": a.model, "tokens": a.tokens, "seed": a.train_seed, "max_new_tokens": a.max_new_tokens,
-           "prompts": len(prompts)}
+           "prompts": len(prompts), "temperature": a.sample_temperature}
     if data.is_file() and json.loads(data.read_text()).get("key") == key:  # a rerun: the same data
         seqs = json.loads(data.read_text())["seqs"]
     else:
-        seqs = eagle.collect(llm, prompts, a.tokens, a.train_seed, a.max_new_tokens, not a.no_progress)
+        seqs = eagle.collect(llm, prompts, a.tokens, a.train_seed, a.max_new_tokens, not a.no_progress,
+                             a.sample_temperature)
         data.write_text(json.dumps({"key": key, "seqs": seqs}))
         for ck in out.glob("checkpoint*.pt"):
             ck.unlink()
@@ -85,8 +94,11 @@ def target_text(a: argparse.Namespace, out: Path, what: str) -> tuple[Any, list[
 
 def add_data_args(p: Any) -> None:
     p.add_argument("--tokens", type=int, default=50_000,
-                   help="token budget of the collected text (the default: ~21 min with its training, BENCHMARKS.md)")
+                   help="token budget of the collected text (times of a measured run: BENCHMARKS.md)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="length of each collected continuation")
+    p.add_argument("--sample-temperature", type=float, default=0.0,
+                   help="temperature of the collected answers (0: greedy, each prompt once; > 0: sampled, seeded, "
+                        "prompts reused until the budget)")
     p.add_argument("--prompts-file", default=None, help="prompts, one per line (default: a built-in set)")
     p.add_argument("--train-seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -97,38 +109,36 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
 
     from lmserve.spec import eagle
 
+    if a.chain < 1:
+        raise ValueError(f"chain: must be >= 1, got {a.chain}")
     out = Path(a.out)
     progress = not a.no_progress
     llm, seqs, collected = target_text(a, out, "train-draft")
     random.Random(a.train_seed).shuffle(seqs)
     held = max(1, len(seqs) // 10)
-    model = llm.engine.model
-    lm_head = eagle.float_head(model)
-
-    def example(ids: list[int]) -> eagle.Example:
-        with torch.no_grad():
-            return eagle.Example(eagle.features(llm, ids), model.embed(torch.tensor(ids)).float())
-
-    heldout = [example(s) for s in seqs[:held]]
-    train_set = [example(s) for s in seqs[held:]]
+    lm_head = eagle.float_head(llm.engine.model)  # (V, H)
+    heldout = [eagle.example(llm, s) for s in seqs[:held]]
+    train_set = [eagle.example(llm, s) for s in seqs[held:]]
     torch.manual_seed(a.train_seed)
     head = eagle.EagleHead(eagle.EagleConfig.for_target(llm.engine.model_config, a.model))
+    if a.draft_vocab > 0:  # drafts (and the training read-out) from the most frequent tokens only
+        head.draft_vocab = eagle.frequent_vocab(seqs[held:], a.draft_vocab, tuple(llm.tokenizer.eos_token_ids))
+    readout = lm_head if head.draft_vocab is None else lm_head[head.draft_vocab]  # (V', H)
     before = eagle.agreement(head, heldout, lm_head)
     t1 = time.perf_counter()
-    curve = eagle.train(head, train_set, lm_head, a.steps or len(train_set), a.lr, a.train_seed,
-                        out / "checkpoint.pt", progress)
+    curve = eagle.train(head, train_set, readout, a.steps or len(train_set), a.lr, a.train_seed,
+                        out / "checkpoint.pt", progress, chain=a.chain)
     trained = time.perf_counter() - t1
     after = eagle.agreement(head, heldout, lm_head)
+    chained = eagle.chain_acceptance(head, heldout, lm_head, max(4, a.chain))
     tokens = sum(len(s) for s in seqs[held:])
     head.cfg = eagle.EagleConfig(**{**head.cfg.__dict__, "trained_tokens": tokens, "seed": a.train_seed})
-    if a.draft_vocab > 0:
-        eos = tuple(llm.tokenizer.eos_token_ids)
-        head.draft_vocab = eagle.frequent_vocab(seqs[held:], a.draft_vocab, eos)
-    head.save(out, {"heldout_agreement": after, "untrained_agreement": before})
+    head.save(out, {"heldout_agreement": after, "untrained_agreement": before, "heldout_chain_acceptance": chained})
     plot_curve(curve, out / "loss.png")
     print(f"eagle head for {a.model}: {tokens} training tokens ({len(train_set)} sequences), {len(curve)} steps; "
           f"collect {collected:.0f} s, train {trained:.0f} s; held-out next-token agreement with the target "
-          f"{before:.1%} -> {after:.1%}; saved to {out}")
+          f"{before:.1%} -> {after:.1%}; chained greedy drafts accepted (step 1..{len(chained)}) "
+          + " ".join(f"{x:.1%}" for x in chained) + f", {1 + sum(chained):.2f} tokens a verification; saved to {out}")
     return 0
 
 

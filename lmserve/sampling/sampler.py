@@ -119,7 +119,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _needs_processing(s: Sequence) -> bool:
+def needs_processing(s: Sequence) -> bool:
     p = s.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
             or bool(p.logit_bias) or s.num_output_tokens < p.min_tokens)
@@ -185,8 +185,8 @@ class Sampler:
         a copy when anything applies."""
         if bitmask is not None:
             logits = apply_bitmask(logits.clone(), bitmask)
-            return apply_penalties(logits, seqs) if any(_needs_processing(s) for s in seqs) else logits
-        if any(_needs_processing(s) for s in seqs):
+            return apply_penalties(logits, seqs) if any(needs_processing(s) for s in seqs) else logits
+        if any(needs_processing(s) for s in seqs):
             return apply_penalties(logits.clone(), seqs)
         return logits
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 TOKEN_LOSS_WEIGHT = 0.1  # EAGLE's weight of the token loss against the feature loss
+CHAIN_DECAY = 0.8  # weight of each further chained draft's losses (step s: CHAIN_DECAY ** (s - 1))
 
 
 @dataclass(frozen=True)
@@ -172,31 +173,62 @@ def features(llm: Any, token_ids: list[int]) -> torch.Tensor:
     return out[0].clone()  # (T, H); cloned outside inference mode: an ordinary tensor autograd may use
 
 
+@torch.no_grad()
+def example(llm: Any, token_ids: list[int]) -> "Example":
+    """One training / evaluation sequence: the target's features over token_ids, its embeddings of them
+    and its greedy token after each position (from the same teacher-forced prefill)."""
+    out: list[torch.Tensor] = []
+    model = llm.engine.model
+    handle = model.register_forward_hook(lambda m, a, h: out.append(h.detach().float()))
+    try:
+        logits = llm.score(token_ids)  # (T, V)
+    finally:
+        handle.remove()
+    ids = torch.tensor(token_ids)
+    return Example(out[0].clone(), model.embed(ids).float(), logits.argmax(-1), ids)
+
+
 def collect(llm: Any, prompts: list[str], budget: int, seed: int, max_tokens: int = 256,
-            progress: bool = True) -> list[list[int]]:
+            progress: bool = True, temperature: float = 0.0, chunk: int = 128) -> list[list[int]]:
     """Texts the target writes itself: each prompt (through the chat template when the tokenizer has one)
-    and a sampled continuation, until `budget` tokens; token id lists, in a seeded order."""
+    and the target's answer, until `budget` tokens; token id lists, in a seeded order of the prompts.
+    temperature 0: greedy answers, each prompt at most once (a repeat would be the same text);
+    > 0: sampled (top-p 0.95, seeded per request), the prompts reused round after round until the
+    budget. Generated `chunk` requests at a time, so no more is written than the budget needs."""
     from lmserve.sequence import SamplingParams
+    if not temperature >= 0:
+        raise ValueError(f"sample_temperature: must be >= 0, got {temperature}")
     rng = random.Random(seed)
     tok = llm.tokenizer
     out: list[list[int]] = []
     total, round_ = 0, 0
-    while total < budget:
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=budget, desc="collect", unit="tok")
+    while total < budget and (temperature > 0 or round_ == 0):
         order = prompts[:]
         rng.shuffle(order)
-        ids = []
-        for p in order:
-            text = tok.apply_chat_template([{"role": "user", "content": p}]) if tok.has_chat_template else p
-            ids.append(tok.encode(text, add_special_tokens=False))
-        params = [SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=seed * 100003 + round_ * 997 + i)
-                  for i in range(len(ids))]
-        for prompt, o in zip(ids, llm.generate(ids, params, use_tqdm=progress)):
-            seq = prompt + o.outputs[0].token_ids
-            out.append(seq)
-            total += len(seq)
+        for lo in range(0, len(order), chunk):
+            ids = []
+            for p in order[lo:lo + chunk]:
+                text = tok.apply_chat_template([{"role": "user", "content": p}]) if tok.has_chat_template else p
+                ids.append(tok.encode(text, add_special_tokens=False))
+            params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                                     seed=seed * 100003 + round_ * 997 + lo + i) for i in range(len(ids))]
+            for prompt, o in zip(ids, llm.generate(ids, params, use_tqdm=False)):
+                seq = prompt + o.outputs[0].token_ids
+                out.append(seq)
+                total += len(seq)
+                if bar is not None:
+                    bar.update(len(seq))
+                if total >= budget:
+                    break
             if total >= budget:
                 break
         round_ += 1
+    if bar is not None:
+        bar.close()
     return out
 
 
@@ -206,21 +238,82 @@ def collect(llm: Any, prompts: list[str], budget: int, seed: int, max_tokens: in
 class Example:
     feats: torch.Tensor  # (T, H) the target's features
     embeds: torch.Tensor  # (T, H) the target's embeddings of the same tokens
+    labels: torch.Tensor | None = None  # (T,) the target's greedy token after each position (argmax of its logits)
+    tokens: torch.Tensor | None = None  # (T,) the token ids themselves
 
 
-def losses(head: EagleHead, ex: Example, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(feature loss, token loss, top-1 agreement) of one sequence: inputs feature t and embedding t + 1,
-    targets feature t + 1 and the target's distribution read from it."""
-    t = ex.feats.shape[0] - 1
-    pred = head(ex.feats[None, :t], ex.embeds[None, 1:t + 1], torch.arange(t))[0]  # (t, H)
-    true = ex.feats[1:t + 1]  # (t, H)
-    feat_loss = F.smooth_l1_loss(pred, true)
-    logp = F.log_softmax(pred @ lm_head.T, -1)  # (t, V)
+def chain_forward(head: EagleHead, feats: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head drafting `steps` tokens ahead from every position of one sequence at once, as serving
+    drafts them (EAGLE-3's "training-time test"). feats, embeds: (T, H). Step 1 is the plain forward:
+    row t reads feature t and token t + 1 and predicts feature t + 1. Step s > 1, row t: its input is
+    step s - 1's prediction of row t with the embedding of token t + s, at position t + s - 1, and it
+    attends to the step-1 (true) entries of positions <= t and to its own chain's entries of steps
+    2..s (positions t + 1..t + s - 1), as the proposer's KV holds them while it drafts.
+    Returns [step s's predictions (T - s, H), row t = the predicted feature of position t + s]."""
+    c = head.cfg
+    n = feats.shape[0] - 1
+    rep, d = c.num_heads // c.num_kv_heads, c.head_dim
+    pos = torch.arange(n)
+
+    def qkv(x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (m, H) -> (Hq, m, d), (Hkv, m, d) x 2
+        hn = rms_norm(x, head.input_layernorm, c.rms_norm_eps)
+        q = head.q_proj(hn).view(-1, c.num_heads, d).transpose(0, 1)
+        k = head.k_proj(hn).view(-1, c.num_kv_heads, d).transpose(0, 1)
+        v = head.v_proj(hn).view(-1, c.num_kv_heads, d).transpose(0, 1)
+        return rope(q, p, c.rope_theta), rope(k, p, c.rope_theta), v
+
+    def finish(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # residual, o_proj, MLP: (m, H), (Hq, m, d)
+        x = x + head.o_proj(a.transpose(0, 1).reshape(x.shape[0], -1))
+        hn = rms_norm(x, head.post_attention_layernorm, c.rms_norm_eps)
+        return x + head.down_proj(F.silu(head.gate_proj(hn)) * head.up_proj(hn))
+
+    x = head.fc(torch.cat([feats[:n], embeds[1:n + 1]], -1))  # (n, H) step 1's inputs, positions 0..n-1
+    q, k1, v1 = qkv(x, pos)
+    k1, v1 = k1.repeat_interleave(rep, 0), v1.repeat_interleave(rep, 0)  # (Hq, n, d)
+    outs = [finish(x, F.scaled_dot_product_attention(q, k1, v1, is_causal=True))]
+    chain_k: list[torch.Tensor] = []  # steps 2..s: (Hq, rows, d), row t at position t + step - 1
+    chain_v: list[torch.Tensor] = []
+    causal = torch.ones(n, n, dtype=torch.bool).tril()  # (n, n) row t sees positions j <= t
+    for s in range(2, steps + 1):
+        m = n + 1 - s  # rows whose target (position t + s) exists
+        if m <= 0:
+            break
+        x = head.fc(torch.cat([outs[-1][:m], embeds[s:s + m]], -1))  # (m, H)
+        q, k, v = qkv(x, pos[:m] + s - 1)
+        chain_k = [ck[:, :m] for ck in chain_k] + [k.repeat_interleave(rep, 0)]
+        chain_v = [cv[:, :m] for cv in chain_v] + [v.repeat_interleave(rep, 0)]
+        scale = d ** -0.5
+        true_s = (q @ k1.transpose(1, 2)) * scale  # (Hq, m, n)
+        true_s = true_s.masked_fill(~causal[:m], float("-inf"))
+        own = torch.stack([(q * ck).sum(-1) for ck in chain_k], -1) * scale  # (Hq, m, s - 1)
+        p = torch.softmax(torch.cat([true_s, own], -1), -1)  # (Hq, m, n + s - 1)
+        a = p[..., :n] @ v1 + (p[..., n:, None] * torch.stack(chain_v, 2)).sum(2)  # (Hq, m, d)
+        outs.append(finish(x, a))
+    return outs
+
+
+def losses(head: EagleHead, ex: Example, lm_head: torch.Tensor, steps: int = 1
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(feature loss, token loss, top-1 agreement of step 1) of one sequence, over `steps` chained drafts
+    (chain_forward; step s weighted CHAIN_DECAY ** (s - 1)): targets the target's feature at the
+    predicted position and the target's distribution read from it. lm_head: the read-out rows (V', H)
+    (the draft vocabulary's, when the head drafts from one: the target's distribution is then taken
+    over those tokens)."""
+    preds = chain_forward(head, ex.feats, ex.embeds, steps)
     with torch.no_grad():
-        target = F.softmax(true @ lm_head.T, -1)
-    token_loss = -(target * logp).sum(-1).mean()
-    agree = (logp.argmax(-1) == target.argmax(-1)).float().mean()
-    return feat_loss, token_loss, agree
+        target = F.softmax(ex.feats[1:] @ lm_head.T, -1)  # (T - 1, V') the target's, positions 1..T-1
+    feat_loss = token_loss = ex.feats.new_zeros(())
+    total = 0.0
+    agree = ex.feats.new_zeros(())
+    for s, pred in enumerate(preds, 1):  # pred (T - s, H): positions s..T-1
+        w = CHAIN_DECAY ** (s - 1)
+        logp = F.log_softmax(pred @ lm_head.T, -1)  # (T - s, V')
+        feat_loss = feat_loss + w * F.smooth_l1_loss(pred, ex.feats[s:])
+        token_loss = token_loss + w * -(target[s - 1:] * logp).sum(-1).mean()
+        total += w
+        if s == 1:
+            agree = (logp.argmax(-1) == target.argmax(-1)).float().mean()
+    return feat_loss / total, token_loss / total, agree
 
 
 @torch.no_grad()
@@ -235,14 +328,49 @@ def agreement(head: EagleHead, examples: list[Example], lm_head: torch.Tensor) -
     return hits / max(1.0, n)
 
 
+@torch.no_grad()
+def chain_acceptance(head: EagleHead, examples: list[Example], lm_head: torch.Tensor, k: int) -> list[float]:
+    """Greedy chain drafting of k tokens from every position of held-out sequences, drafts accepted while
+    they equal the target's greedy tokens (ex.labels) as a verification would: [P(drafts 1..s all
+    accepted), s = 1..k] (sum + 1 = the mean tokens a verification yields). Over the rows whose next k
+    tokens in the text are the target's greedy ones (all rows of greedy text, near-ties aside): only there
+    is the text the context a greedy draft would meet. lm_head: the target's whole read-out (V, H); the
+    head drafts from its draft_vocab rows when it has one."""
+    vocab = head.draft_vocab
+    out = lm_head if vocab is None else lm_head[vocab]
+    hits = [0.0] * k
+    rows = 0
+    for ex in examples:
+        if ex.labels is None or ex.tokens is None:
+            raise ValueError("chain_acceptance needs the examples' labels and tokens (eagle.example makes them)")
+        preds = chain_forward(head, ex.feats, ex.embeds, k)
+        m = ex.feats.shape[0] - k  # rows with all k targets
+        if len(preds) < k or m <= 0:
+            continue
+        greedy = torch.ones(m, dtype=torch.bool)  # row t: tokens t + 2..t + k are the greedy ones
+        for s in range(1, k):
+            greedy &= ex.tokens[s + 1:s + 1 + m] == ex.labels[s:s + m]
+        alive = greedy.clone()
+        for s, pred in enumerate(preds, 1):
+            tok = (pred[:m] @ out.T).argmax(-1)  # (m,)
+            if vocab is not None:
+                tok = vocab[tok]
+            alive &= tok == ex.labels[s:s + m]  # label at position t + s: the token after it
+            hits[s - 1] += float(alive.sum())
+        rows += int(greedy.sum())
+    return [h / max(1, rows) for h in hits]
+
+
 def train(head: EagleHead, train_set: list[Example], lm_head: torch.Tensor, steps: int, lr: float = 3e-4,
           seed: int = 0, checkpoint: Path | None = None, progress: bool = True,
-          until: int | None = None) -> list[tuple[int, float]]:
-    """The feature + 0.1 token loss over `steps` sequences (spec/training.train_loop: AdamW, cosine,
-    seeded order, resumable checkpoint). Returns the loss curve [(step, loss)]."""
+          until: int | None = None, chain: int = 1) -> list[tuple[int, float]]:
+    """The feature + 0.1 token loss over `steps` sequences, each over `chain` chained drafts (losses;
+    spec/training.train_loop: AdamW, cosine, seeded order, resumable checkpoint). lm_head: the read-out
+    rows the head drafts from (the draft vocabulary's rows when it has one). Returns the loss curve
+    [(step, loss)]."""
     from lmserve.spec.training import train_loop
 
     def loss(i: int) -> torch.Tensor:
-        feat_loss, token_loss, _ = losses(head, train_set[i], lm_head)
+        feat_loss, token_loss, _ = losses(head, train_set[i], lm_head, chain)
         return feat_loss + TOKEN_LOSS_WEIGHT * token_loss
     return train_loop(head, len(train_set), loss, steps, lr, seed, checkpoint, progress, until, "train eagle head")

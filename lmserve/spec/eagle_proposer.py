@@ -17,6 +17,12 @@ a CPU; as FR-Spec does, the read-out may be restricted to the most frequent toke
 data (`draft_vocab`, saved with the head): drafts come only from that subset, and since each draft's
 distribution (zero outside the subset) goes to the rejection step as q, the output stays exact.
 
+On a CPU target whose linears run our int8 kernels (the default model), the head's linears and its
+read-out run them too (weights quantized per row once, at load): a draft then reads ~4 MB of head and
+~2 bytes per read-out token instead of 4x that in fp32, which on a memory-bound CPU is most of a
+draft's cost. A greedy request without penalties drafts the read-out's argmax (a point-mass proposal)
+without building the full-vocabulary distribution.
+
 State per sequence lives outside the KV budget: Hkv x head_dim x 2 values per position (1/30 of the
 default model's KV), freed with the sequence.
 """
@@ -30,8 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.config import EngineConfig, ModelConfig
+from lmserve.layers.quant import GroupQuantLinear, Int8Linear
 from lmserve.layers.rotary import RotaryEmbedding
-from lmserve.sampling.sampler import Sampler, TokenView, draw
+from lmserve.sampling.sampler import Sampler, TokenView, draw, needs_processing
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Sequence
 from lmserve.spec import Proposal
@@ -85,6 +92,9 @@ class EagleProposer:
         self.vocab = None if vocab is None else vocab.to(self.device)  # (Vs,) token ids the drafts come from
         self.lm_head = (lm if vocab is None else lm[vocab]).to(self.device, self.dtype)  # (Vs, H)
         del lm
+        self.readout: torch.nn.Module | None = None  # the read-out as an int8 layer (int8 targets on the CPU)
+        if self.device.type == "cpu" and any(isinstance(m, GroupQuantLinear) and m.cpu_kernel for m in target.modules()):
+            self.head, self.readout = _int8_head(self.head, self.lm_head)
         self.rotary = RotaryEmbedding(c.head_dim, max_model_len + 1, c.rope_theta).to(self.device)
         self.sampler = Sampler()
         self.states: dict[int, _State] = {}
@@ -121,6 +131,10 @@ class EagleProposer:
         k = self.rotary.rotate(h.k_proj(hn).view(-1, c.num_kv_heads, c.head_dim), rope)  # (n, Hkv, d)
         v = h.v_proj(hn).view(-1, c.num_kv_heads, c.head_dim)
         return hn, k.transpose(0, 1), v.transpose(0, 1)
+
+    def _read_out(self, f: torch.Tensor) -> torch.Tensor:
+        """Predicted features (B, H) -> logits (B, Vs) over the draft vocabulary (or all tokens)."""
+        return (f @ self.lm_head.T if self.readout is None else self.readout(f)).float()
 
     def _layer(self, x: torch.Tensor, pos: torch.Tensor, states: list[_State]) -> torch.Tensor:
         """One position per state (decode): x (B, H) at positions pos (B,); each row's K/V appended to its
@@ -210,26 +224,19 @@ class EagleProposer:
         try:
             for r in range(max(ks)):
                 f = self._layer(x, p_t, [st for _, st, _ in active])  # (B, H) predicted features
-                logits = (f @ self.lm_head.T).float()  # (B, Vs)
-                if self.vocab is not None:
-                    logits = torch.full((len(active), self.vocab_size), float("-inf"),
-                                        device=self.device).index_copy_(1, self.vocab, logits)  # (B, V)
-                views = []
-                for i, _, _ in active:
-                    seqs[i].token_ids.extend(drafts[i])  # penalties see the drafts so far (taken back below)
-                    views.append(TokenView(seqs[i], seqs[i].num_tokens))
-                try:
-                    p = self.sampler.target_probs(logits, views)  # (B, V)
-                finally:
-                    for i, _, _ in active:
-                        if drafts[i]:
-                            del seqs[i].token_ids[-len(drafts[i]):]
-                gens = [None if seqs[i].params.temperature == 0 else st.rng for i, st, _ in active]
-                new = draw(p, gens).tolist()
+                logits = self._read_out(f)  # (B, Vs)
+                p: torch.Tensor | None = None
+                if all(seqs[i].params.temperature == 0 and not needs_processing(seqs[i]) for i, _, _ in active):
+                    best = logits.argmax(-1)  # (B,) plain greedy: the argmax, a point mass
+                    new = (best if self.vocab is None else self.vocab[best]).tolist()
+                else:
+                    p = self._probs(logits, seqs, active, drafts)  # (B, V)
+                    gens = [None if seqs[i].params.temperature == 0 else st.rng for i, st, _ in active]
+                    new = draw(p, gens).tolist()
                 keep = []
                 for row, ((i, st, base), tok) in enumerate(zip(active, new)):
                     drafts[i].append(tok)
-                    probs[i].append(p[row])
+                    probs[i].append(None if p is None else p[row])
                     if len(drafts[i]) < ks[i]:
                         keep.append(row)
                 if not keep or r + 1 == max(ks):
@@ -241,9 +248,49 @@ class EagleProposer:
             for _, st, base in started:
                 st.length = min(st.length, base)
         for i, d in drafts.items():
-            props[i] = Proposal(d, torch.stack(probs[i]))
+            rows = probs[i]
+            if all(r is None for r in rows):
+                props[i] = Proposal(d)  # point masses
+            else:
+                props[i] = Proposal(d, torch.stack([self._one_hot(t) if r is None else r for t, r in zip(d, rows)]))
         return props
+
+    def _probs(self, logits: torch.Tensor, seqs: list[Sequence], active: list, drafts: dict[int, list[int]]
+               ) -> torch.Tensor:
+        """The distributions the active rows draw from (B, V): the sampler's, over the whole vocabulary (zero
+        outside the draft vocabulary), penalties seeing each row's drafts so far."""
+        if self.vocab is not None:
+            logits = torch.full((len(active), self.vocab_size), float("-inf"),
+                                device=self.device).index_copy_(1, self.vocab, logits)  # (B, V)
+        views = []
+        for i, _, _ in active:
+            seqs[i].token_ids.extend(drafts[i])  # penalties see the drafts so far (taken back below)
+            views.append(TokenView(seqs[i], seqs[i].num_tokens))
+        try:
+            return self.sampler.target_probs(logits, views)  # (B, V)
+        finally:
+            for i, _, _ in active:
+                if drafts[i]:
+                    del seqs[i].token_ids[-len(drafts[i]):]
+
+    def _one_hot(self, token: int) -> torch.Tensor:  # (V,)
+        return torch.zeros(self.vocab_size, device=self.device).index_fill_(0, torch.tensor([token], device=self.device), 1.0)
 
     def release(self, seq: Sequence) -> None:
         self.states.pop(id(seq), None)
 
+
+
+def _int8_head(head: EagleHead, lm_head: torch.Tensor) -> tuple[EagleHead, torch.nn.Module]:
+    """A copy of the head whose linears, and its read-out rows (Vs, H), are int8 layers on our CPU kernels
+    (weights rounded per output row, as the target's int8 layers are)."""
+    import copy
+    head = copy.deepcopy(head)
+    for name in ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        lin = getattr(head, name)
+        layer = Int8Linear.from_float(lin.weight.detach().float(), None if lin.bias is None else lin.bias.detach().float())
+        layer.cpu_kernel = True
+        setattr(head, name, layer)
+    readout = Int8Linear.from_float(lm_head.float())
+    readout.cpu_kernel = True
+    return head, readout
