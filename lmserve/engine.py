@@ -147,6 +147,8 @@ class Engine:
             return False
         for seq in seqs:
             self.scheduler.finish(seq, "abort")
+        for key in self.scheduler.take_swap_dropped():  # a swapped-out sequence's host copy goes now
+            self.runner.swap.drop(key)
         self._forget(request_id)
         return True
 

@@ -183,6 +183,13 @@ class Scheduler:
         self._swap_out, self._swap_in, self._swap_dropped = [], [], []
         return out
 
+    def take_swap_dropped(self) -> list[Sequence]:
+        """The sequences whose host copies were let go since the last step (finished while swapped out),
+        handed over now instead of with the next step's output: the engine drops them at once on an
+        abort, so an idle engine holds no host memory for requests that are gone."""
+        dropped, self._swap_dropped = self._swap_dropped, []
+        return dropped
+
     def _admit(self, gang: list[Sequence], budget: int) -> list[tuple[Sequence, int]] | None:
         """Admit a waiting sequence, or the waiting beams of one request together (a half-admitted
         beam family would hold blocks while it waits for the rest): prefix-cache lookup, blocks for

@@ -101,9 +101,8 @@ def _chain_reference(head: eagle.EagleHead, feats: torch.Tensor, embeds: torch.T
     return out
 
 
-def test_chained_drafting_matches_a_float64_reference():
-    """chain_forward (the training-time drafting over all positions at once) against the proposer's way
-    written out in float64: every row, every step."""
+def _random_head() -> eagle.EagleHead:
+    """A small head with weights large enough to give every position its own output (seeded)."""
     torch.manual_seed(0)
     cfg = eagle.EagleConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
                             rope_theta=1000.0, rms_norm_eps=1e-6)
@@ -111,6 +110,13 @@ def test_chained_drafting_matches_a_float64_reference():
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.2)
+    return head
+
+
+def test_chained_drafting_matches_a_float64_reference():
+    """chain_forward (the training-time drafting over all positions at once) against the proposer's way
+    written out in float64: every row, every step."""
+    head = _random_head()
     T, steps = 9, 3
     feats, embeds = torch.randn(T, 32), torch.randn(T, 32)
     got = eagle.chain_forward(head, feats, embeds, steps)
@@ -123,13 +129,7 @@ def test_chained_drafting_matches_a_float64_reference():
 
 
 def test_the_heads_forward_matches_a_float64_reference():
-    torch.manual_seed(0)
-    cfg = eagle.EagleConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
-                            rope_theta=1000.0, rms_norm_eps=1e-6)
-    head = eagle.EagleHead(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.2)
+    head = _random_head()
     feats, embeds = torch.randn(7, 32), torch.randn(7, 32)
     got = head(feats[None], embeds[None], torch.arange(7))[0]
     torch.testing.assert_close(got.double(), _reference(head, feats, embeds), rtol=1e-5, atol=1e-5)

@@ -136,8 +136,15 @@ def test_soak_256_streaming_clients_with_disconnects_and_bad_requests(tiny_model
             time.sleep(0.05)
         assert not stats["errors"], stats["errors"][:5]
         assert not eng.requests and not ae._streams
-        tasks_after = httpx.get(base + "/_tasks").json()["n"]
-        assert tasks_after <= tasks_before + 2, (tasks_before, tasks_after)  # no task left behind by a request
+        # no task left behind by a request: the server's connection tasks end as it reads the 256 clients'
+        # closes, which on a loaded machine (the suite's other worker) takes it a while; a leaked task never
+        # ends, so the count is polled for as long as uvicorn's keep-alive timeout (5 s) and some
+        for _ in range(60):
+            tasks_after = httpx.get(base + "/_tasks").json()["n"]
+            if tasks_after <= tasks_before + 2:
+                break
+            time.sleep(0.25)
+        assert tasks_after <= tasks_before + 2, (tasks_before, tasks_after)
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
         # every good output that ran to its end equals the request run alone (a sample, for time)
         sample = random.Random(0).sample(sorted(finished), min(60, len(finished)))

@@ -82,3 +82,27 @@ def test_beams_and_children_swap_and_finish_as_unpreempted(tiny_models):  # type
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
     st = llm.stats()
     assert st.num_swapped > 0 and st.used_blocks == 0
+
+
+def test_an_aborted_swapped_out_request_lets_go_of_its_host_copy_at_once(tiny_models):  # type: ignore[no-untyped-def]
+    """Aborting a request while its sequence waits swapped out frees the host copy then, not with a
+    next step (an idle engine runs none: the copy stayed until the next request; found by the
+    scheduler's random-workload test)."""
+    path, _ = tiny_models["llama"]
+    llm = tight(path, 40, preemption_mode="swap", swap_space="64MiB")
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    swapped = None
+    for _ in range(200):
+        eng.step()
+        swapped = next((s for s in eng.scheduler.waiting if s.swapped is not None), None)
+        if swapped is not None:
+            break
+    assert swapped is not None and swapped in eng.runner.swap.saved
+    free = eng.scheduler.swap_free
+    assert eng.abort_request(swapped.request_id)
+    assert swapped not in eng.runner.swap.saved and eng.scheduler.swap_free > free
+    for rid in list(eng.requests):
+        eng.abort_request(rid)
+    assert not eng.runner.swap.saved and not eng.has_unfinished_requests()

@@ -217,7 +217,7 @@ class EagleProposer:
         if not active:
             return props
         drafts: dict[int, list[int]] = {i: [] for i, _, _ in active}
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
+        probs: dict[int, list[torch.Tensor | None]] = {i: [] for i, _, _ in active}  # None: a greedy argmax
         started = list(active)
         x = self._qkv_in(torch.cat(feats), toks)  # (B, H)
         p_t = torch.tensor(pos, device=self.device)
