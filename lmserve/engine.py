@@ -122,8 +122,7 @@ class Engine:
         """Queue a request: a Request from process_request, or a prompt (text or token ids) with its
         params, processed here. Raises ValueError (naming the field) and changes nothing if bad.
 
-        final_only: step() returns this request's output once, when it finishes (no per-step
-        outputs to build: what a batch caller such as LLM.generate wants); streaming callers leave it off.
+        final_only: step() returns its output once, at its end (batch callers: LLM.generate); streams leave it off.
         """
         if not isinstance(request, Request):
             request = self.process_request(request, params)
@@ -147,8 +146,7 @@ class Engine:
             return False
         for seq in seqs:
             self.scheduler.finish(seq, "abort")
-        for key in self.scheduler.take_swap_dropped():  # a swapped-out sequence's host copy goes now
-            self.runner.swap.drop(key)
+        self.runner.swap.apply([], [], self.scheduler.take_swap_dropped())  # swapped-out copies go now, not next step
         self._forget(request_id)
         return True
 

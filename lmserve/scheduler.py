@@ -1,13 +1,10 @@
 """Iteration-level scheduling: every step, how many tokens each request processes.
 
-One decision covers every case: a decode is 1 new token, a prefill chunk is up to the token budget,
-a resumed (preempted) request recomputes its prompt and output so far. The order within a step is
-decodes first, then unfinished prefills of running requests, then new admissions, so a long prompt
-is split into chunks and never stalls anyone's decode. When the pool runs out of blocks, the most
-recently admitted request is preempted (its blocks freed, it goes back to the front of the queue and
-is recomputed later), never the engine.
-
-The scheduler owns the waiting queue and the running list; the block manager owns block state.
+One decision covers every case: a decode is 1 new token, a prefill chunk is up to the token budget, a
+resumed (preempted) request recomputes or swaps back what it had. Decodes go first, then unfinished
+prefills, then new admissions, so a long prompt is chunked and never stalls a decode. Out of blocks,
+the most recently admitted request is preempted (never the engine). The scheduler owns the waiting
+queue and the running list; the block manager owns block state.
 """
 
 from __future__ import annotations
@@ -184,9 +181,7 @@ class Scheduler:
         return out
 
     def take_swap_dropped(self) -> list[Sequence]:
-        """The sequences whose host copies were let go since the last step (finished while swapped out),
-        handed over now instead of with the next step's output: the engine drops them at once on an
-        abort, so an idle engine holds no host memory for requests that are gone."""
+        """Host copies let go since the last step (finished while swapped out): Engine.abort_request drops them now."""
         dropped, self._swap_dropped = self._swap_dropped, []
         return dropped
 

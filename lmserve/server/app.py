@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -34,6 +34,7 @@ from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Format
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import (BaseRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                      DetokenizeRequest, SamplingRequest, TokenizeRequest)
+from lmserve.server.streaming import ClosingStream
 from lmserve.server.tool_parsers import TOOL_PARSERS, parser_for_model
 from lmserve.tokenizer import Tokenizer
 
@@ -174,8 +175,8 @@ class OpenAIServer:
         if disagg.PUSH_HEADER in request.headers:  # a prefill instance: the prompt only, its KV to a decode one
             return await disagg.prefill_and_push(self, request, jobs, request.headers[disagg.PUSH_HEADER])
         if body.stream:
-            return StreamingResponse(fmt.events(self.stream_all(jobs), *body.usage_flags()),
-                                     media_type="text/event-stream")
+            merged = self.stream_all(jobs)
+            return ClosingStream(fmt.events(merged, *body.usage_flags()), merged, media_type="text/event-stream")
         outs = await self.run_all(request, jobs)
         failed = next((c for o in outs for c in o.outputs if c.finish_reason == "error"), None)
         if failed is not None:
