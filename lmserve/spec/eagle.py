@@ -161,31 +161,30 @@ def float_head(model: nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def features(llm: Any, token_ids: list[int]) -> torch.Tensor:
-    """The target's features (T, H) over token_ids: the final hidden states its LM head reads, from one
-    teacher-forced prefill through the engine (LLM.score), caught at the model's output."""
+def _scored(llm: Any, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One teacher-forced prefill through the engine (LLM.score): the target's features (T, H), the
+    final hidden states its LM head reads, caught at the model's output, and its logits (T, V)."""
     out: list[torch.Tensor] = []
     handle = llm.engine.model.register_forward_hook(lambda m, a, h: out.append(h.detach().float()))
     try:
-        llm.score(token_ids)
+        logits = llm.score(token_ids)
     finally:
         handle.remove()
-    return out[0].clone()  # (T, H); cloned outside inference mode: an ordinary tensor autograd may use
+    return out[0].clone(), logits  # cloned outside inference mode: an ordinary tensor autograd may use
+
+
+def features(llm: Any, token_ids: list[int]) -> torch.Tensor:
+    """The target's features (T, H) over token_ids: the final hidden states its LM head reads."""
+    return _scored(llm, token_ids)[0]
 
 
 @torch.no_grad()
 def example(llm: Any, token_ids: list[int]) -> "Example":
     """One training / evaluation sequence: the target's features over token_ids, its embeddings of them
     and its greedy token after each position (from the same teacher-forced prefill)."""
-    out: list[torch.Tensor] = []
-    model = llm.engine.model
-    handle = model.register_forward_hook(lambda m, a, h: out.append(h.detach().float()))
-    try:
-        logits = llm.score(token_ids)  # (T, V)
-    finally:
-        handle.remove()
+    feats, logits = _scored(llm, token_ids)  # (T, H), (T, V)
     ids = torch.tensor(token_ids)
-    return Example(out[0].clone(), model.embed(ids).float(), logits.argmax(-1), ids)
+    return Example(feats, llm.engine.model.embed(ids).float(), logits.argmax(-1), ids)
 
 
 def collect(llm: Any, prompts: list[str], budget: int, seed: int, max_tokens: int = 256,

@@ -18,9 +18,8 @@ data (`draft_vocab`, saved with the head): drafts come only from that subset, an
 distribution (zero outside the subset) goes to the rejection step as q, the output stays exact.
 
 On a CPU target whose linears run our int8 kernels (the default model), the head's linears and its
-read-out run them too (weights quantized per row once, at load): a draft then reads ~4 MB of head and
-~2 bytes per read-out token instead of 4x that in fp32, which on a memory-bound CPU is most of a
-draft's cost. A greedy request without penalties drafts the read-out's argmax (a point-mass proposal)
+read-out run them too (weights quantized per row once, at load): 4.1 against 7.8 ms a draft in fp32
+(BENCHMARKS.md); most of what remains is the module path's per-call overhead. A greedy request without penalties drafts the read-out's argmax (a point-mass proposal)
 without building the full-vocabulary distribution.
 
 State per sequence lives outside the KV budget: Hkv x head_dim x 2 values per position (1/30 of the
@@ -278,7 +277,6 @@ class EagleProposer:
 
     def release(self, seq: Sequence) -> None:
         self.states.pop(id(seq), None)
-
 
 
 def _int8_head(head: EagleHead, lm_head: torch.Tensor) -> tuple[EagleHead, torch.nn.Module]:
