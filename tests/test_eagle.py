@@ -339,14 +339,18 @@ def test_on_an_int8_target_the_head_runs_int8_and_stays_exact(tiny_models, head_
     assert llm.stats().spec["accepted"] > 0
 
 
-def test_eagle_sampling_distribution_unchanged(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("quantization", ["none", "int8"])  # int8: drafting in C (NativeHead), sampled in Python
+def test_eagle_sampling_distribution_unchanged(tiny_models, head_dir, quantization):  # type: ignore[no-untyped-def]
     from tests.test_sampling import two_sample_pvalue
     path, _ = tiny_models["llama"]
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     N = 1500
     params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=i) for i in range(N)]
-    plain = LLM(str(path), max_num_seqs=256, max_num_batched_tokens=4096)
-    spec = LLM(str(path), draft_model=str(head_dir), max_num_seqs=256, max_num_batched_tokens=4096, **EAGLE)
+    kw = dict(max_num_seqs=256, max_num_batched_tokens=4096, quantization=quantization)
+    plain = LLM(str(path), **kw)
+    spec = LLM(str(path), draft_model=str(head_dir), **kw, **EAGLE)
+    if quantization == "int8" and cpu_native_available():
+        assert spec.engine.spec.proposer.native is not None
     a = plain.generate([prompt] * N, params, use_tqdm=False)
     b = spec.generate([prompt] * N, params, use_tqdm=False)
     st = spec.stats().spec
@@ -388,6 +392,56 @@ def test_eagle_config_errors_name_the_field(tiny_models, tmp_path):  # type: ign
         LLM(str(path), speculative_method="eagle", draft_model=str(tmp_path / "other"))
 
 
+def cpu_native_available() -> bool:
+    from lmserve.layers import cpu_native
+    return cpu_native.available()
+
+
+def test_native_drafting_matches_the_int8_module_path(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    """NativeHead (the head in decode.c) against the proposer's module path with the same int8 layers:
+    the same head KV entries (to float rounding) and the same drafts, batched over sequences of different
+    lengths, across observe / propose rounds with rejected drafts."""
+    from lmserve.scheduler import SchedulerOutput
+    from lmserve.spec.eagle_proposer import EagleProposer
+    if not cpu_native_available():
+        pytest.skip("no C compiler: the int8 CPU kernels are not built")
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), quantization="int8", draft_model=str(head_dir), **EAGLE)
+    e = llm.engine
+    native = e.spec.proposer
+    assert native.native is not None
+    module = EagleProposer(eagle.load_head(head_dir), e.model, e.model_config, e.config, 512)
+    module.native = None
+    H = e.model_config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    seqs = {p: [_seq("a", list(range(5, 25))), _seq("b", list(range(40, 47)))] for p in ("native", "module")}
+    for rnd in range(4):
+        hidden = torch.randn(27 if rnd == 0 else 2 * 4, H, generator=gen)
+        drafts = {}
+        for name, prop in (("native", native), ("module", module)):
+            a, b = seqs[name]
+            if rnd == 0:  # the prompts' prefill
+                prop.observe(SchedulerOutput([(a, 20), (b, 7)]), hidden, {})
+            else:  # a verification of 4 rows each (the last token, 3 drafts): 1 accepted for a, none for b
+                for s in (a, b):
+                    s.num_computed_tokens = len(s.token_ids) - 4
+                prop.observe(SchedulerOutput([(a, 4), (b, 4)]), hidden, {a: 2, b: 3})
+                for s, rejected in ((a, 2), (b, 3)):
+                    del s.token_ids[len(s.token_ids) - rejected:]
+            for s in (a, b):
+                s.num_computed_tokens = len(s.token_ids)
+                s.token_ids.append(100 + rnd)  # the token sampled after the last accepted one
+            drafts[name] = [p.tokens for p in prop.propose([a, b], [3, 3])]
+            for s, d in zip((a, b), drafts[name]):
+                s.token_ids.extend(d)
+        assert drafts["native"] == drafts["module"] and all(len(d) == 3 for d in drafts["native"]), rnd
+        for sn, sm in zip(seqs["native"], seqs["module"]):
+            stn, stm = native.states[id(sn)], module.states[id(sm)]
+            assert stn.length == stm.length > 0
+            for x, y in zip(native.kv.read(stn), module.kv.read(stm)):
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
 def _proposer(tiny_models, head_dir):  # type: ignore[no-untyped-def]
     path, _ = tiny_models["llama"]
     llm = LLM(str(path), draft_model=str(head_dir), **EAGLE)
@@ -425,7 +479,7 @@ def test_a_forked_child_starts_from_its_parents_prompt(tiny_models, head_dir):  
     child.num_computed_tokens = 9  # forked with its fork-point token (the prompt's last) left to run
     prop.observe(SchedulerOutput([(child, 1)]), torch.randn(1, H), {})
     p, c = prop.states[id(parent)], prop.states[id(child)]
-    assert c.length == p.length == 9 and torch.equal(c.k[:, :9], p.k[:, :9]) and c.pending[0] == 9
+    assert c.length == p.length == 9 and torch.equal(prop.kv.read(c)[0], prop.kv.read(p)[0]) and c.pending[0] == 9
 
 
 def test_the_built_in_prompts_leave_the_benchmarks_chat_prompts_out():

@@ -30,7 +30,7 @@ from lmserve.layers.quant import GroupQuantLinear, Int8Linear
 from lmserve.utils import tensor_version
 
 
-class _Linear:
+class TileLinear:
     """One quantized linear as the tile kernel takes it (its repacked weight): pointers read once."""
 
     def __init__(self, layer: GroupQuantLinear) -> None:
@@ -73,7 +73,7 @@ class CpuDecodePlan:
         # what `applies` re-reads each step: each norm weight, and each linear's buffers (its qweight is
         # looked up again there: a reload may rebind it; a dict lookup, not nn.Module's __getattr__)
         self._watch = [(t, None) if isinstance(t, torch.Tensor) else (t.layer.qweight, t.layer._buffers)
-                       for entry in self.layers for t in entry if isinstance(t, (torch.Tensor, _Linear))]
+                       for entry in self.layers for t in entry if isinstance(t, (torch.Tensor, TileLinear))]
 
     def layer_arrays(self) -> tuple[torch.Tensor, ...] | None:
         """The per-layer pointers decode.c's lm_llama_layers takes (linears [L, 4, 7], norms [L, 2],
@@ -93,14 +93,14 @@ class CpuDecodePlan:
     def read_layer(layer: Any) -> tuple[Any, ...]:
         """What `run` needs of one decoder layer: its norm weights, linears, attention scale and window."""
         a, m = layer.self_attn, layer.mlp
-        return (layer.input_layernorm.weight, _Linear(a.qkv_proj), _Linear(a.o_proj),
-                layer.post_attention_layernorm.weight, _Linear(m.gate_up_proj), _Linear(m.down_proj),
+        return (layer.input_layernorm.weight, TileLinear(a.qkv_proj), TileLinear(a.o_proj),
+                layer.post_attention_layernorm.weight, TileLinear(m.gate_up_proj), TileLinear(m.down_proj),
                 a.scale, a.window or 0)
 
     def _weights_key(self) -> tuple[tuple[int, int], ...]:
         """Where the weights are and their in-place version counts (a change means the plan is stale:
         it multiplies the tiles it took when built)."""
-        return weights_key(t for entry in self.layers for t in entry if isinstance(t, (torch.Tensor, _Linear)))
+        return weights_key(t for entry in self.layers for t in entry if isinstance(t, (torch.Tensor, TileLinear)))
 
     @staticmethod
     def shape_fits(cfg: Any, mlp: Any) -> bool:
@@ -261,9 +261,9 @@ class GemmaDecodePlan(CpuDecodePlan):
     @staticmethod
     def read_layer(layer: Any) -> tuple[Any, ...]:
         a, m = layer.self_attn, layer.mlp
-        return (layer.input_layernorm.weight, _Linear(a.qkv_proj), layer.post_attention_layernorm.weight,
-                a.q_norm.weight, a.k_norm.weight, a.rotary, _Linear(a.o_proj), layer.pre_feedforward_layernorm.weight,
-                _Linear(m.gate_up_proj), _Linear(m.down_proj), layer.post_feedforward_layernorm.weight,
+        return (layer.input_layernorm.weight, TileLinear(a.qkv_proj), layer.post_attention_layernorm.weight,
+                a.q_norm.weight, a.k_norm.weight, a.rotary, TileLinear(a.o_proj), layer.pre_feedforward_layernorm.weight,
+                TileLinear(m.gate_up_proj), TileLinear(m.down_proj), layer.post_feedforward_layernorm.weight,
                 a.scale, a.window or 0)
 
     @staticmethod

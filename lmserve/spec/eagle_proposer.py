@@ -18,12 +18,15 @@ data (`draft_vocab`, saved with the head): drafts come only from that subset, an
 distribution (zero outside the subset) goes to the rejection step as q, the output stays exact.
 
 On a CPU target whose linears run our int8 kernels (the default model), the head's linears and its
-read-out run them too (weights quantized per row once, at load): 4.1 against 7.8 ms a draft in fp32
-(BENCHMARKS.md); most of what remains is the module path's per-call overhead. A greedy request without penalties drafts the read-out's argmax (a point-mass proposal)
-without building the full-vocabulary distribution.
+read-out run them too (weights quantized per row once, at load), and where the tile kernel applies the
+whole draft runs in C (spec/eagle_native.NativeHead: ~0.33 ms a draft against 3.1 through the int8
+modules, 7.8 in fp32); the module path below stays the reference. A greedy request without penalties
+drafts the read-out's argmax (a point-mass proposal) without building the full-vocabulary
+distribution.
 
-State per sequence lives outside the KV budget: Hkv x head_dim x 2 values per position (1/30 of the
-default model's KV), freed with the sequence.
+State per sequence (its blocks in the pool `self.kv`, spec/eagle_native.HeadKV) lives outside the KV
+budget: Hkv x head_dim x 2 values per position (1/30 of the default model's KV), freed with the
+sequence.
 """
 
 from __future__ import annotations
@@ -42,32 +45,18 @@ from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Sequence
 from lmserve.spec import Proposal
 from lmserve.spec.eagle import EagleHead, float_head, rms_norm
+from lmserve.spec.eagle_native import HasBlocks, HeadKV, NativeHead
 
 
 @dataclass
-class _State:
-    """One sequence's head KV: entries for positions < next_pos that had a feature (RoPE applied)."""
+class _State(HasBlocks):
+    """One sequence's head KV (its blocks in the proposer's pool): entries for positions < next_pos that
+    had a feature (RoPE applied)."""
 
-    request_id: str
-    k: torch.Tensor  # (Hkv, cap, d)
-    v: torch.Tensor  # (Hkv, cap, d)
-    length: int = 0  # entries in use
+    request_id: str = ""
     next_pos: int = 0  # positions below were fed (or had no feature: prefix-cache hits)
     pending: tuple[int, torch.Tensor] | None = None  # (position, feature (H,)) waiting for its next token
     rng: random.Random = field(default_factory=random.Random)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: (Hkv, n, d) appended, growing the buffers by doubling."""
-        n = k.shape[1]
-        if self.length + n > self.k.shape[1]:
-            cap = max(2 * self.k.shape[1], self.length + n)
-            self.k = torch.cat([self.k[:, :self.length], self.k.new_empty(self.k.shape[0], cap - self.length,
-                                                                          self.k.shape[2])], 1)
-            self.v = torch.cat([self.v[:, :self.length], self.v.new_empty(self.v.shape[0], cap - self.length,
-                                                                          self.v.shape[2])], 1)
-        self.k[:, self.length:self.length + n] = k
-        self.v[:, self.length:self.length + n] = v
-        self.length += n
 
 
 class EagleProposer:
@@ -97,21 +86,26 @@ class EagleProposer:
         self.rotary = RotaryEmbedding(c.head_dim, max_model_len + 1, c.rope_theta).to(self.device)
         self.sampler = Sampler()
         self.states: dict[int, _State] = {}
+        self.kv = HeadKV(c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        self.native: NativeHead | None = None  # drafting in our C kernels (int8 targets on the CPU)
+        if self.readout is not None:
+            ids = torch.arange(cfg.vocab_size, device=self.device) if vocab is None else self.vocab
+            self.native = NativeHead.build(head, self.lm_head, target.embed(ids), self.rotary, self.dtype)
 
     # ---------------------------------------------------------------- the head's pieces
     def _state(self, seq: Sequence) -> _State:
         st = self.states.get(id(seq))
         if st is None or st.request_id != seq.request_id:
-            c = self.head.cfg
-            empty = torch.empty(c.num_kv_heads, 64, c.head_dim, dtype=self.dtype, device=self.device)
-            st = self.states[id(seq)] = _State(seq.request_id, empty, empty.clone(),
+            if st is not None:
+                self.kv.release(st)
+            st = self.states[id(seq)] = _State([], request_id=seq.request_id,
                                                rng=random.Random(seq.generator.getrandbits(62)))
             # an n > 1 child (forked after its parent's prefill): start from the parent's head KV over
             # the shared prompt, when it holds nothing past where the child starts
             for other in self.states.values():
                 fed = other.next_pos - (other.pending is not None)
                 if other is not st and other.request_id == seq.request_id and 0 < fed <= seq.num_computed_tokens:
-                    st.append(other.k[:, :other.length], other.v[:, :other.length])
+                    self.kv.write(st, *self.kv.read(other))
                     st.next_pos = fed
                     break
         return st
@@ -124,12 +118,11 @@ class EagleProposer:
 
     def _kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (n, H) -> the layer's normed input (n, H), k and v (Hkv, n, d); rope: the rows' rotary.lookup."""
+        """x (n, H) -> the layer's normed input (n, H), k and v (n, Hkv, d); rope: the rows' rotary.lookup."""
         c, h = self.head.cfg, self.head
         hn = rms_norm(x, h.input_layernorm, c.rms_norm_eps)
         k = self.rotary.rotate(h.k_proj(hn).view(-1, c.num_kv_heads, c.head_dim), rope)  # (n, Hkv, d)
-        v = h.v_proj(hn).view(-1, c.num_kv_heads, c.head_dim)
-        return hn, k.transpose(0, 1), v.transpose(0, 1)
+        return hn, k, h.v_proj(hn).view(-1, c.num_kv_heads, c.head_dim)
 
     def _read_out(self, f: torch.Tensor) -> torch.Tensor:
         """Predicted features (B, H) -> logits (B, Vs) over the draft vocabulary (or all tokens)."""
@@ -144,8 +137,9 @@ class EagleProposer:
         q = self.rotary.rotate(h.q_proj(hn).view(-1, c.num_heads, c.head_dim), rope)  # (B, Hq, d)
         outs = []
         for i, st in enumerate(states):
-            st.append(k[:, i:i + 1], v[:, i:i + 1])
-            a = F.scaled_dot_product_attention(q[i][:, None], st.k[:, :st.length], st.v[:, :st.length],
+            self.kv.write(st, k[i:i + 1], v[i:i + 1])
+            keys, values = self.kv.read(st)  # (n, Hkv, d) each
+            a = F.scaled_dot_product_attention(q[i][:, None], keys.transpose(0, 1), values.transpose(0, 1),
                                                enable_gqa=True)  # (Hq, 1, d)
             outs.append(a.reshape(1, -1))
         x = x + h.o_proj(torch.cat(outs))  # (B, H)
@@ -188,14 +182,18 @@ class EagleProposer:
             st.next_pos = max(st.next_pos, c + valid)
         if not rows:
             return
+        if self.native is not None:
+            ids = torch.tensor(toks, dtype=torch.long, device=self.device)
+            self.native.feed(self.kv, owners, torch.cat(rows), self.target.embed(ids), pos)
+            return
         x = self._qkv_in(torch.cat(rows), toks)  # (R, H)
-        _, k, v = self._kv(x, self.rotary.lookup(torch.tensor(pos, device=self.device)))  # (Hkv, R, d)
+        _, k, v = self._kv(x, self.rotary.lookup(torch.tensor(pos, device=self.device)))  # (R, Hkv, d)
         i = 0
-        while i < len(owners):  # consecutive rows of one state go in one append
+        while i < len(owners):  # consecutive rows of one state go in one write
             j = i
             while j < len(owners) and owners[j] is owners[i]:
                 j += 1
-            owners[i].append(k[:, i:j], v[:, i:j])
+            self.kv.write(owners[i], k[i:j], v[i:j])
             i = j
 
     # ---------------------------------------------------------------- drafting
@@ -215,6 +213,8 @@ class EagleProposer:
             active.append((i, st, st.length + 1))
         if not active:
             return props
+        if self.native is not None:
+            return self._propose_native(seqs, ks, props, active, torch.cat(feats), toks, pos)
         drafts: dict[int, list[int]] = {i: [] for i, _, _ in active}
         probs: dict[int, list[torch.Tensor | None]] = {i: [] for i, _, _ in active}  # None: a greedy argmax
         started = list(active)
@@ -254,6 +254,39 @@ class EagleProposer:
                 props[i] = Proposal(d, torch.stack([self._one_hot(t) if r is None else r for t, r in zip(d, rows)]))
         return props
 
+    def _propose_native(self, seqs: list[Sequence], ks: list[int], props: list[Proposal], active: list,
+                        feats: torch.Tensor, toks: list[int], pos: list[int]) -> list[Proposal]:
+        """`propose`'s drafting through NativeHead: plain greedy rows in one call (the argmax chain in C),
+        others a call a draft, sampled here. Every row runs the longest k (a row's drafts past its own k
+        are dropped)."""
+        rounds = max(ks[i] for i, _, _ in active)
+        run = self.native.start(self.kv, [st for _, st, _ in active], feats, pos, rounds)  # type: ignore[union-attr]
+        embeds = self.target.embed(torch.tensor(toks, dtype=torch.long, device=self.device))  # (B, H)
+        try:
+            if all(seqs[i].params.temperature == 0 and not needs_processing(seqs[i]) for i, _, _ in active):
+                idx = run.step(embeds, rounds)  # (R, B) read-out indices
+                chains = (idx if self.vocab is None else self.vocab[idx]).T.tolist()  # (B, R) tokens
+                for (i, _, _), d in zip(active, chains):
+                    props[i] = Proposal(d[:ks[i]])  # point masses
+                return props
+            drafts: dict[int, list[int]] = {i: [] for i, _, _ in active}
+            probs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
+            for _ in range(rounds):
+                run.step(embeds)
+                p = self._probs(run.logits, seqs, active, drafts)  # (B, V)
+                new = draw(p, [None if seqs[i].params.temperature == 0 else st.rng for i, st, _ in active])
+                for row, (i, _, _) in enumerate(active):
+                    if len(drafts[i]) < ks[i]:
+                        drafts[i].append(int(new[row]))
+                        probs[i].append(p[row])
+                embeds = self.target.embed(new.to(self.device))
+            for i, d in drafts.items():
+                props[i] = Proposal(d, torch.stack(probs[i]))
+            return props
+        finally:  # the drafts' entries go: the first (the pending feature's) stays, if it was made
+            for row, (_, st, base) in enumerate(active):
+                st.length = min(int(run.lens[row]), base)
+
     def _probs(self, logits: torch.Tensor, seqs: list[Sequence], active: list, drafts: dict[int, list[int]]
                ) -> torch.Tensor:
         """The distributions the active rows draw from (B, V): the sampler's, over the whole vocabulary (zero
@@ -276,7 +309,9 @@ class EagleProposer:
         return torch.zeros(self.vocab_size, device=self.device).index_fill_(0, torch.tensor([token], device=self.device), 1.0)
 
     def release(self, seq: Sequence) -> None:
-        self.states.pop(id(seq), None)
+        st = self.states.pop(id(seq), None)
+        if st is not None:
+            self.kv.release(st)
 
 
 def _int8_head(head: EagleHead, lm_head: torch.Tensor) -> tuple[EagleHead, torch.nn.Module]:

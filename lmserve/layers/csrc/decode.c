@@ -120,3 +120,90 @@ void lm_gemma_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
     lm_add_rmsnorm(tmp, hd, NULL, 0, w_post_ff, eps, b, hd, out, NULL, nthreads); /* the MLP block's output, normed */
   }
 }
+
+/* ---------------------------------------------------------------------------------------------------------
+ * The EAGLE head (spec/eagle_native.py): fc([feature ; embedding]) + one Llama layer (lm_llama_layers with
+ * L = 1) + the read-out, its KV entries in a paged pool of its own (K, V [S, Hkv, d] float32, blocks of
+ * block_size slots, a block table per sequence), so that a draft costs its kernels and no Python.
+ * Shared arguments: hd hidden size; fc the fc linear's row of 7 (2 hd -> hd) and its bias (hd,) float32;
+ * cos_tab, sin_tab [P, d] the head's rotary tables. */
+
+/* y (n, hd) = fc([feats ; embeds]) + bias, through xin (n, 2 hd) */
+static void head_input(const int64_t *fc, const float *bias, const float *feats, const float *embeds, int64_t n,
+                       int64_t hd, float *xin, float *y, int nthreads, int vnni) {
+  for (int64_t t = 0; t < n; t++) {
+    memcpy(xin + t * 2 * hd, feats + t * hd, sizeof(float) * (size_t)hd);
+    memcpy(xin + t * 2 * hd + hd, embeds + t * hd, sizeof(float) * (size_t)hd);
+  }
+  linear(fc, xin, n, y, nthreads, vnni);
+  for (int64_t t = 0; t < n; t++)
+    for (int64_t j = 0; j < hd; j++) y[t * hd + j] += bias[j];
+}
+
+/* The committed rows' entries (the proposer's observe): n rows of (feature, next token's embedding) at
+ * positions pos, their K and V (the layer's input norm w_in, then kv: the k and v projections as one
+ * linear, (2 Hkv d) outputs, rotary on k) stored at slots of the pool. Buffers: xin (n, 2 hd), x and hbuf
+ * (n, hd), kv (n, 2 Hkv d), c and s (n, d). */
+void lm_eagle_kv(int64_t n, const float *feats, const float *embeds, const int64_t *pos, const int64_t *slots,
+                 const int64_t *fc, const float *fc_bias, const float *w_in, const int64_t *kv_lin, float eps, int hkv,
+                 int d, int64_t hd, const float *cos_tab, const float *sin_tab, float *k_cache, float *v_cache,
+                 int nthreads, int vnni, float *xin, float *x, float *hbuf, float *kv, float *c, float *s) {
+  const int64_t width = 2 * (int64_t)hkv * d;
+  head_input(fc, fc_bias, feats, embeds, n, hd, xin, x, nthreads, vnni);
+  lm_add_rmsnorm(x, hd, NULL, 0, w_in, eps, n, hd, hbuf, NULL, nthreads);
+  linear(kv_lin, hbuf, n, kv, nthreads, vnni);
+  for (int64_t t = 0; t < n; t++) {
+    memcpy(c + t * d, cos_tab + pos[t] * d, sizeof(float) * (size_t)d);
+    memcpy(s + t * d, sin_tab + pos[t] * d, sizeof(float) * (size_t)d);
+  }
+  lm_rotary(kv, n, hkv, d, width, d, c, s);
+  for (int64_t t = 0; t < n; t++) {
+    memcpy(k_cache + slots[t] * hkv * d, kv + t * width, sizeof(float) * (size_t)(hkv * d));
+    memcpy(v_cache + slots[t] * hkv * d, kv + t * width + (int64_t)hkv * d, sizeof(float) * (size_t)(hkv * d));
+  }
+}
+
+/* `rounds` chained drafts for b sequences. In: feats (b, hd) each sequence's newest feature, embeds
+ * (b, hd) the embedding of its last token, pos (b,) the feature's position, lens (b,) its entries in the
+ * pool, tables (b, T) its blocks (enough for lens + rounds entries). Each round: the layer over one new
+ * entry per sequence (stored at the next slot: lm_llama_layers' attention stores it), the predicted
+ * feature (the residual stream after the layer) back into feats, logits (b, vs) = readout(feats), the
+ * argmax's index into draft (rounds, b) and, for the next round, the embedding of that token: row
+ * table[index] of vocab_embeds (vs, hd), the read-out rows' tokens' embeddings; pos and lens advance.
+ * lin, norms, scales, windows, cache: lm_llama_layers' arrays for its one layer; rows (4,) int64 holds
+ * (tables, T, lens, slots) as addresses, slots (b,) is written here. Buffers: xin (b, 2 hd), x (b, hd),
+ * lm_llama_layers' res .. out, c and s (b, d). */
+void lm_eagle_draft(int64_t rounds, int64_t b, float *feats, const float *embeds, int64_t *pos, int64_t *lens,
+                    const int64_t *tables, int64_t T, int64_t *slots, const int64_t *rows, int64_t block_size,
+                    const int64_t *fc, const float *fc_bias, const int64_t *lin, const int64_t *norms,
+                    const float *scales, const int64_t *windows, const int64_t *cache, float eps, int h, int hkv, int d,
+                    int64_t hd, const float *cos_tab, const float *sin_tab, const int64_t *readout,
+                    const float *vocab_embeds, int simd, int nthreads, int vnni, int64_t *draft, float *logits,
+                    float *xin, float *x, float *res, float *hbuf, float *qkv, float *att, float *tmp, float *gate_up,
+                    float *act, float *out, float *c, float *s, float *next) {
+  const int64_t vs = readout[2];
+  const float *emb = embeds;
+  for (int64_t r = 0; r < rounds; r++) {
+    head_input(fc, fc_bias, feats, emb, b, hd, xin, x, nthreads, vnni);
+    for (int64_t t = 0; t < b; t++) {
+      const int64_t e = lens[t]; /* the new entry's index */
+      slots[t] = tables[t * T + e / block_size] * block_size + e % block_size;
+      lens[t] = e + 1;
+      memcpy(c + t * d, cos_tab + pos[t] * d, sizeof(float) * (size_t)d);
+      memcpy(s + t * d, sin_tab + pos[t] * d, sizeof(float) * (size_t)d);
+    }
+    lm_llama_layers(1, lin, norms, scales, windows, cache, rows, x, b, hd, eps, h, hkv, d, block_size, c, s, simd,
+                    nthreads, vnni, 0, res, hbuf, qkv, att, tmp, gate_up, act, out);
+    for (int64_t i = 0; i < b * hd; i++) feats[i] = res[i] + out[i];
+    linear(readout, feats, b, logits, nthreads, vnni);
+    for (int64_t t = 0; t < b; t++) {
+      const float *l = logits + t * vs;
+      int64_t best = 0;
+      for (int64_t j = 1; j < vs; j++) best = l[j] > l[best] ? j : best; /* the first of equal maxima, as torch */
+      draft[r * b + t] = best;
+      memcpy(next + t * hd, vocab_embeds + best * hd, sizeof(float) * (size_t)hd);
+      pos[t] += 1;
+    }
+    emb = next;
+  }
+}
