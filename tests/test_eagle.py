@@ -154,6 +154,38 @@ def test_the_features_are_what_the_lm_head_reads(tiny_data):
     torch.testing.assert_close(eagle.features(llm, ids) @ lm_head.T, logits, rtol=1e-5, atol=1e-5)
 
 
+def test_features_caught_while_the_target_writes_equal_a_prefill_over_the_text(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """collect(features=...) keeps the features of every position from the steps that wrote the text
+    (prefill chunks, then one decode row a step, many requests batched): the same as a teacher-forced
+    prefill over the finished text (eagle.features), to float rounding; positions served from a prefix
+    cache would have none, so collecting features with it on is refused."""
+    from lmserve.spec.target_text import collect
+    from tests.conftest import char_tokenizer_model
+    path = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars")
+    llm = LLM(str(path), enable_prefix_caching=False, max_num_batched_tokens=64, max_num_seqs=3)  # chunked
+    feats: list[torch.Tensor] = []
+    seqs = collect(llm, ["hello there", "x" * 90, "abc", "what is it"], 400, 0, max_tokens=30,
+                         progress=False, features=feats)
+    assert len(seqs) == len(feats) == 4
+    for ids, f in zip(seqs, feats):
+        assert f.shape == (len(ids) - 1, llm.engine.model_config.hidden_size) and not f.is_inference()
+        torch.testing.assert_close(f, eagle.features(llm, ids)[:-1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        collect(LLM(str(path)), ["hi"], 10, 0, progress=False, features=[])
+
+
+def test_self_written_prompts_are_seeded_distinct_and_held_out(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    from lmserve.spec.prompts import CHAT, names_a_held_out_subject
+    from lmserve.spec.target_text import self_prompts
+    from tests.conftest import char_tokenizer_model
+    llm = LLM(str(char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars")))
+    got = self_prompts(llm, 12, seed=3, batch=32)
+    assert len(got) == len(set(got)) == 12 and got == self_prompts(llm, 12, seed=3, batch=32)
+    assert got != self_prompts(llm, 12, seed=4, batch=32)
+    assert all(15 <= len(p) <= 300 and "\n" not in p and p not in CHAT and not names_a_held_out_subject(p)
+               for p in got)
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_data):  # type: ignore[no-untyped-def]
     """A head trained on the tiny Llama target's own text: (head, held-out agreement before, loss curve)."""
@@ -239,6 +271,9 @@ def test_train_draft_command_writes_a_head_that_loads(tiny_models, tmp_path):
     assert meta["trained_tokens"] > 0 and 0 <= meta["heldout_agreement"] <= 1
     assert eagle.load_head(out).cfg.hidden_size == 64
     assert (out / "data.json").is_file() and (out / "checkpoint.pt").is_file()
+    seqs = json.loads((out / "data.json").read_text())["seqs"]
+    feats = torch.load(out / "features.pt")  # caught while the target wrote them: no second pass
+    assert [f.shape[0] for f in feats] == [len(s) - 1 for s in seqs]
     # the head serves: bench spec runs it beside no speculation and reports the three costs
     report = tmp_path / "spec.json"
     assert main(["bench", "spec", "--model", str(folder), "--methods", "none,eagle", "--eagle-head", str(out),
@@ -485,13 +520,12 @@ def test_a_forked_child_starts_from_its_parents_prompt(tiny_models, head_dir):  
 def test_the_built_in_prompts_leave_the_benchmarks_chat_prompts_out():
     """The drafts' training requests are many and distinct, and none is one of the held-out chat
     prompts the speculation benchmark measures with (nor shares a topic word with one's subject)."""
-    from lmserve.bench.spec import CHAT
+    from lmserve.spec.prompts import CHAT, CHAT_SUBJECTS
     from lmserve.cli.train_draft import PROMPTS
-    from lmserve.spec.prompts import TOPICS, builtin_prompts
+    from lmserve.spec.prompts import TOPICS, builtin_prompts, names_a_held_out_subject
     prompts = PROMPTS + builtin_prompts()
     assert len(prompts) == len(set(prompts)) > 3000
     assert not set(prompts) & set(CHAT)
-    import re
-    held_out_subjects = ("lake", "river", "robot", "handwriting", "solar panel", "birthday", "leaves", "honey",
-                         "bee", "running", "dog", "library", "cat", "atom", "winter", "train", "breakfast", "bicycle")
-    assert not [t for t in TOPICS for w in held_out_subjects if re.search(rf"\b{w}s?\b", t)]
+    assert not [t for t in TOPICS if names_a_held_out_subject(t)]
+    assert all(names_a_held_out_subject(f"Tell me about {w}s.") for w in CHAT_SUBJECTS)  # the check sees each
+    assert not names_a_held_out_subject("Explain catalysts and trainers.")  # whole words only

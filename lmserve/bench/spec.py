@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.spec.prompts import CHAT
 
 TEXTS = [
     "The library opens at nine in the morning and closes at six in the evening. Visitors may borrow up to "
@@ -29,17 +30,6 @@ TEXTS = [
 ]
 
 
-# chat-style prompts held out from training (cli/train_draft.PROMPTS has none of them)
-CHAT = [
-    "What are the main differences between a lake and a river?", "Write a short story about a robot learning to paint.",
-    "How can I improve my handwriting?", "Explain how a solar panel turns light into electricity.",
-    "Give me five ideas for a birthday party for a ten-year-old.", "Why do leaves change colour in autumn?",
-    "Describe the life of a honey bee.", "What is a good way to start running if I have never exercised?",
-    "Write a letter to a neighbour about a noisy dog.", "How does a library organise its books?",
-    "What should I know before adopting a cat?", "Explain what an atom is to a child.",
-    "Write a short poem about winter mornings.", "How do trains stay on their tracks?",
-    "What are some healthy breakfast ideas?", "Tell me about the history of the bicycle.",
-]
 
 
 def task_prompts(tokenizer: Any, n: int, task: str = "copy") -> list[list[int]]:

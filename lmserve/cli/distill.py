@@ -48,7 +48,7 @@ def cmd_distill(a: argparse.Namespace) -> int:
     if (out / "eagle_config.json").is_file():
         raise ValueError(f"out: {out} holds an EAGLE head; give the distilled model its own folder")
     progress = not a.no_progress
-    llm, seqs, collected = target_text(a, out, "distill")
+    llm, seqs, collected, _ = target_text(a, out, "distill")
     random.Random(a.train_seed).shuffle(seqs)
     held = max(1, len(seqs) // 10)
     heldout, train_set = seqs[:held], seqs[held:]

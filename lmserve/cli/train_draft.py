@@ -58,13 +58,19 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_train_draft)
 
 
-def target_text(a: argparse.Namespace, out: Path, what: str) -> tuple[Any, list[list[int]], float]:
-    """(the target LLM, the target's own texts as token id lists, seconds spent collecting them): the
-    --prompts-file (or built-in) prompts continued by the target until --tokens tokens, cached in
-    out/data.json (a rerun with the same model, budget, seed and prompts reuses it; a new collection
-    drops out/checkpoint*.pt, the training checkpoints, which would not resume exactly on other data)."""
+def target_text(a: argparse.Namespace, out: Path, what: str, features: bool = False
+                ) -> tuple[Any, list[list[int]], float, list[Any] | None]:
+    """(the target LLM, the target's own texts as token id lists, seconds spent collecting them, and with
+    `features` the target's features of each text caught while it wrote it (spec/target_text.collect), else None):
+    the --prompts-file (or built-in) prompts, plus --self-prompts requests the target writes itself,
+    continued by the target until --tokens tokens, cached in out/data.json (and out/features.pt) (a
+    rerun with the same model, budget, seed and prompts reuses them; a new collection drops
+    out/checkpoint*.pt, the training checkpoints, which would not resume exactly on other data)."""
+    import torch
+
     from lmserve.llm import LLM
     from lmserve.spec import eagle
+    from lmserve.spec.target_text import collect, self_prompts
 
     if a.tensor_parallel_size > 1:
         raise ValueError(f"tensor_parallel_size: {what} reads the whole target's weights and outputs: use 1")
@@ -73,23 +79,34 @@ def target_text(a: argparse.Namespace, out: Path, what: str) -> tuple[Any, list[
     prompts = [p for p in (Path(a.prompts_file).read_text().splitlines() if a.prompts_file else builtin) if p.strip()]
     if not prompts:
         raise ValueError(f"prompts_file: {a.prompts_file} has no prompt")
+    if a.self_prompts < 0:
+        raise ValueError(f"self_prompts: must be >= 0, got {a.self_prompts}")
     out.mkdir(parents=True, exist_ok=True)
-    llm = LLM(a.model, **engine_kwargs(a))
+    # features are caught from the steps that write the text: every position must be computed
+    llm = LLM(a.model, **{**engine_kwargs(a), **({"enable_prefix_caching": False} if features else {})})
     if llm.tokenizer is None:
         raise ValueError(f"model: {a.model!r} has no tokenizer to write prompts with")
-    data = out / "data.json"
+    data, feats_file = out / "data.json", out / "features.pt"
     t0 = time.perf_counter()
     key = {"model": a.model, "tokens": a.tokens, "seed": a.train_seed, "max_new_tokens": a.max_new_tokens,
-           "prompts": len(prompts), "temperature": a.sample_temperature}
+           "prompts": len(prompts), "temperature": a.sample_temperature, "self_prompts": a.self_prompts}
+    feats = None
     if data.is_file() and json.loads(data.read_text()).get("key") == key:  # a rerun: the same data
         seqs = json.loads(data.read_text())["seqs"]
+        if features and feats_file.is_file():
+            feats = torch.load(feats_file)
     else:
-        seqs = eagle.collect(llm, prompts, a.tokens, a.train_seed, a.max_new_tokens, not a.no_progress,
-                             a.sample_temperature)
+        if a.self_prompts:
+            prompts = prompts + self_prompts(llm, a.self_prompts, a.train_seed)
+        feats = [] if features else None
+        seqs = collect(llm, prompts, a.tokens, a.train_seed, a.max_new_tokens, not a.no_progress,
+                             a.sample_temperature, features=feats)
         data.write_text(json.dumps({"key": key, "seqs": seqs}))
+        if feats is not None:
+            torch.save(feats, feats_file)
         for ck in out.glob("checkpoint*.pt"):
             ck.unlink()
-    return llm, seqs, time.perf_counter() - t0
+    return llm, seqs, time.perf_counter() - t0, feats
 
 
 def add_data_args(p: Any) -> None:
@@ -100,6 +117,8 @@ def add_data_args(p: Any) -> None:
                    help="temperature of the collected answers (0: greedy, each prompt once; > 0: sampled, seeded, "
                         "prompts reused until the budget)")
     p.add_argument("--prompts-file", default=None, help="prompts, one per line (default: a built-in set)")
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="add this many requests the target writes itself (sampled; spec/prompts.self_prompts)")
     p.add_argument("--train-seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
 
@@ -113,12 +132,19 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
         raise ValueError(f"chain: must be >= 1, got {a.chain}")
     out = Path(a.out)
     progress = not a.no_progress
-    llm, seqs, collected = target_text(a, out, "train-draft")
-    random.Random(a.train_seed).shuffle(seqs)
+    llm, seqs, collected, feats = target_text(a, out, "train-draft", features=True)
+    order = list(range(len(seqs)))
+    random.Random(a.train_seed).shuffle(order)
+    seqs = [seqs[i] for i in order]
     held = max(1, len(seqs) // 10)
     lm_head = eagle.float_head(llm.engine.model)  # (V, H)
-    heldout = [eagle.example(llm, s) for s in seqs[:held]]
-    train_set = [eagle.example(llm, s) for s in seqs[held:]]
+    heldout = [eagle.example(llm, s) for s in seqs[:held]]  # teacher-forced: with the target's greedy labels
+    if feats is not None:  # the features caught while the target wrote the text
+        feats = [feats[i] for i in order]
+        train_set = [eagle.Example(f, llm.engine.model.embed(torch.tensor(s[:-1])).float())
+                     for s, f in zip(seqs[held:], feats[held:])]
+    else:  # data collected before features were kept: a teacher-forced pass each
+        train_set = [eagle.example(llm, s) for s in seqs[held:]]
     torch.manual_seed(a.train_seed)
     head = eagle.EagleHead(eagle.EagleConfig.for_target(llm.engine.model_config, a.model))
     if a.draft_vocab > 0:  # drafts (and the training read-out) from the most frequent tokens only

@@ -21,7 +21,6 @@ Saved as safetensors (`model.safetensors`, HF Llama names under `layers.0.` plus
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -185,50 +184,6 @@ def example(llm: Any, token_ids: list[int]) -> "Example":
     feats, logits = _scored(llm, token_ids)  # (T, H), (T, V)
     ids = torch.tensor(token_ids)
     return Example(feats, llm.engine.model.embed(ids).float(), logits.argmax(-1), ids)
-
-
-def collect(llm: Any, prompts: list[str], budget: int, seed: int, max_tokens: int = 256,
-            progress: bool = True, temperature: float = 0.0, chunk: int = 128) -> list[list[int]]:
-    """Texts the target writes itself: each prompt (through the chat template when the tokenizer has one)
-    and the target's answer, until `budget` tokens; token id lists, in a seeded order of the prompts.
-    temperature 0: greedy answers, each prompt at most once (a repeat would be the same text);
-    > 0: sampled (top-p 0.95, seeded per request), the prompts reused round after round until the
-    budget. Generated `chunk` requests at a time, so no more is written than the budget needs."""
-    from lmserve.sequence import SamplingParams
-    if not temperature >= 0:
-        raise ValueError(f"sample_temperature: must be >= 0, got {temperature}")
-    rng = random.Random(seed)
-    tok = llm.tokenizer
-    out: list[list[int]] = []
-    total, round_ = 0, 0
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=budget, desc="collect", unit="tok")
-    while total < budget and (temperature > 0 or round_ == 0):
-        order = prompts[:]
-        rng.shuffle(order)
-        for lo in range(0, len(order), chunk):
-            ids = []
-            for p in order[lo:lo + chunk]:
-                text = tok.apply_chat_template([{"role": "user", "content": p}]) if tok.has_chat_template else p
-                ids.append(tok.encode(text, add_special_tokens=False))
-            params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
-                                     seed=seed * 100003 + round_ * 997 + lo + i) for i in range(len(ids))]
-            for prompt, o in zip(ids, llm.generate(ids, params, use_tqdm=False)):
-                seq = prompt + o.outputs[0].token_ids
-                out.append(seq)
-                total += len(seq)
-                if bar is not None:
-                    bar.update(len(seq))
-                if total >= budget:
-                    break
-            if total >= budget:
-                break
-        round_ += 1
-    if bar is not None:
-        bar.close()
-    return out
 
 
 # ---------------------------------------------------------------- training

@@ -2,12 +2,29 @@
 chat-style requests made from request templates and everyday topics, so the target writes its own
 answers to a few thousand different requests (what a draft must imitate is the target's text, on
 requests like the ones it will serve). Deterministic; none of them is one of the held-out chat prompts
-the speculation benchmark measures with (bench/spec.CHAT; tests/test_eagle.py checks it).
+the speculation benchmark measures with (CHAT, below; tests/test_eagle.py checks it).
 """
 
 from __future__ import annotations
 
 import random
+import re
+
+# chat-style prompts held out from training: the speculation benchmark's (bench/spec.py); no training
+# request is one of them (cli/train_draft.PROMPTS, builtin_prompts, self_prompts)
+CHAT = [
+    "What are the main differences between a lake and a river?", "Write a short story about a robot learning to paint.",
+    "How can I improve my handwriting?", "Explain how a solar panel turns light into electricity.",
+    "Give me five ideas for a birthday party for a ten-year-old.", "Why do leaves change colour in autumn?",
+    "Describe the life of a honey bee.", "What is a good way to start running if I have never exercised?",
+    "Write a letter to a neighbour about a noisy dog.", "How does a library organise its books?",
+    "What should I know before adopting a cat?", "Explain what an atom is to a child.",
+    "Write a short poem about winter mornings.", "How do trains stay on their tracks?",
+    "What are some healthy breakfast ideas?", "Tell me about the history of the bicycle.",
+]
+# their subjects: no training request names one
+CHAT_SUBJECTS = ("lake", "river", "robot", "handwriting", "solar panel", "birthday", "leaves", "honey", "bee",
+                 "running", "dog", "library", "cat", "atom", "winter", "train", "breakfast", "bicycle")
 
 TEMPLATES = [
     "Explain {t} in simple terms.", "What are the most important things to know about {t}?",
@@ -54,3 +71,24 @@ def builtin_prompts() -> list[str]:
     prompts = [t.format(t=topic) for topic in TOPICS for t in TEMPLATES]
     random.Random(0).shuffle(prompts)
     return prompts
+
+
+# Requests for requests: the target writes user requests itself (sampled), for variety the templates
+# lack (their answers alone taught the head a narrow style: BENCHMARKS.md, the thirteenth session).
+ASKS = [
+    "Write one question a curious person might ask an AI assistant. Reply with the question only.",
+    "Give me an example of a request someone could send to a helpful assistant. Reply with the request only.",
+    "Ask me an interesting question about everyday life.",
+    "Write a single instruction for a writing task. Reply with the instruction only.",
+    "What is something a student might ask a teacher? Reply with the question only.",
+    "Write a request for advice that someone might send to a friend. Reply with the request only.",
+    "Ask a question about science that a child might ask.",
+    "Write a task you would give to an assistant about {t}. Reply with the task only.",
+    "Ask a question about {t}. Reply with the question only.",
+]
+
+
+def names_a_held_out_subject(text: str) -> bool:
+    """text names a subject of the benchmark's held-out chat prompts (CHAT_SUBJECTS; whole
+    words, a plural s allowed)."""
+    return any(re.search(rf"\b{w}s?\b", text, re.IGNORECASE) for w in CHAT_SUBJECTS)
