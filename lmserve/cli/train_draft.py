@@ -1,10 +1,12 @@
 """`lmserve train-draft --method eagle`: train an EAGLE-style draft head for the target model (spec/eagle.py).
 
 Data: the target's own answers to a prompt set (built in: PROMPTS and spec/prompts.builtin_prompts(),
-3,722 requests; or --prompts-file, one per line), greedy by default (what a greedy draft must imitate;
---sample-temperature samples them, seeded) until --tokens tokens; 10% of the sequences are held out.
-Everything lands in --out: the collected token ids (data.json, reused on a rerun with the same model,
-budget, seed and prompts), the training checkpoint (resumed from on a rerun with that data), the head
+3,722 requests; or --prompts-file, one per line; plus --self-prompts requests the target writes itself),
+greedy by default (what a greedy draft must imitate; --sample-temperature samples them, seeded) until
+--tokens tokens, the target's features caught from the steps that write them (spec/target_text.py);
+10% of the sequences are held out (they get a teacher-forced pass, for the target's greedy labels).
+Everything lands in --out: the collected token ids and features (data.json, features.pt, reused on a
+rerun with the same model, budget, seed and prompts), the training checkpoint (resumed from on a rerun with that data), the head
 (model.safetensors + eagle_config.json) and the loss curve (loss.png, with matplotlib). The head drafts
 from the --draft-vocab most frequent tokens of the training text (its read-out then costs that fraction
 of the LM head; exactness does not depend on it), and is trained as it drafts: --chain tokens ahead from
