@@ -113,8 +113,9 @@ class FeatureRecorder:
 def self_prompts(llm: Any, n: int, seed: int, batch: int = 256) -> list[str]:
     """n distinct user requests written by the target itself: ASKS (a topic filled in where asked)
     through its chat template, answers sampled (temperature 0.9, no top-p: its sort over the
-    vocabulary cost ~40% more time here; seeded) up to their first line break, each kept when 15-300 characters long, not one of the benchmark's chat prompts (CHAT)
-    and naming none of their subjects. Deterministic for a model, n and seed."""
+    vocabulary cost ~40% more time here; seeded) up to their first line break, each kept when 15-300
+    characters long, not one of the benchmark's chat prompts (CHAT) and naming none of their subjects.
+    Deterministic for a model, n and seed."""
     from lmserve.sequence import SamplingParams
     tok = llm.tokenizer
     rng = random.Random(seed)
