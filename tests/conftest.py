@@ -19,6 +19,30 @@ if _WORKERS > 1:
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "llama_mqa"]
 
 
+def hf_from_gguf(path: Path, **model_kw):  # type: ignore[no-untyped-def]
+    """HF transformers' own GGUF loader on the file at path: (tokenizer, model). transformers parses the
+    file's metadata once for the tokenizer, once for the config and once for the weights, element by
+    element (~40 s each for gemma-3's 262,144-token vocabulary on two cores); the parse is read-only,
+    so here the three share one `gguf.GGUFReader`. What HF computes from it is unchanged."""
+    import gguf
+    import transformers
+    real = gguf.GGUFReader
+    readers: dict = {}
+
+    def shared(file, *a, **k):  # type: ignore[no-untyped-def]
+        key = (str(file), a, tuple(sorted(k.items())))
+        if key not in readers:
+            readers[key] = real(file, *a, **k)
+        return readers[key]
+    gguf.GGUFReader = shared
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **model_kw)
+    finally:
+        gguf.GGUFReader = real
+    return tok, model.eval()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _collect_garbage():  # type: ignore[no-untyped-def]
     """After each test module, collect what reference cycles the tests themselves made (closures,

@@ -156,14 +156,11 @@ def test_static_decode_path_with_kv_groups(gemma):  # type: ignore[no-untyped-de
 @pytest.fixture(scope="module")
 def gemma_270m():  # type: ignore[no-untyped-def]
     """The real gemma-3-270m GGUF (joined from its part packages on first use), HF transformers
-    loading the same file (model and tokenizer: ~80 s, shared by the tests below), and our engine on it
-    with float weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    loading the same file (model and tokenizer, one parse of the file: conftest.hf_from_gguf; shared by
+    the tests below), and our engine on it with float weights."""
     from lmserve.models.loader import resolve_model
-    path = resolve_model("gemma-3-270m").path
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    from tests.conftest import hf_from_gguf
+    hf_tok, hf = hf_from_gguf(resolve_model("gemma-3-270m").path, dtype=torch.float32)
     llm = LLM("gemma-3-270m", quantization="none", kv_cache_memory="256MiB")
     return hf, hf_tok, llm
 

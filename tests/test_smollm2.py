@@ -21,14 +21,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_ref():  # type: ignore[no-untyped-def]
-    """HF's own GGUF loader and tokenizer (dequantizes the same file): loaded once, ~30 s."""
-    transformers = pytest.importorskip("transformers")
-    path = resolve_model("smollm2-135m").path
-    kw = dict(gguf_file=path.name)
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), torch_dtype=torch.float32,
-                                                              attn_implementation="eager", **kw).eval()
-    return tok, model
+    """HF's own GGUF loader and tokenizer (dequantizes the same file; conftest.hf_from_gguf): loaded once."""
+    pytest.importorskip("transformers")
+    from tests.conftest import hf_from_gguf
+    return hf_from_gguf(resolve_model("smollm2-135m").path, torch_dtype=torch.float32, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")
