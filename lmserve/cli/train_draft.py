@@ -6,7 +6,8 @@ greedy by default (what a greedy draft must imitate; --sample-temperature sample
 --tokens tokens, the target's features caught from the steps that write them (spec/target_text.py);
 10% of the sequences are held out (they get a teacher-forced pass, for the target's greedy labels).
 Everything lands in --out: the collected token ids and features (data.json, features.pt, reused on a
-rerun with the same model, budget, seed and prompts), the training checkpoint (resumed from on a rerun with that data), the head
+rerun with the same model, budget, seed and prompts), the training checkpoint (resumed from on a rerun
+with that data), the head
 (model.safetensors + eagle_config.json) and the loss curve (loss.png, with matplotlib). The head drafts
 from the --draft-vocab most frequent tokens of the training text (its read-out then costs that fraction
 of the LM head; exactness does not depend on it), and is trained as it drafts: --chain tokens ahead from
@@ -63,15 +64,14 @@ def add_parser(sub: Any) -> None:
 def target_text(a: argparse.Namespace, out: Path, what: str, features: bool = False
                 ) -> tuple[Any, list[list[int]], float, list[Any] | None]:
     """(the target LLM, the target's own texts as token id lists, seconds spent collecting them, and with
-    `features` the target's features of each text caught while it wrote it (spec/target_text.collect), else None):
-    the --prompts-file (or built-in) prompts, plus --self-prompts requests the target writes itself,
+    `features` the target's features of each text caught while it wrote it (spec/target_text.collect),
+    else None): the --prompts-file (or built-in) prompts, plus --self-prompts requests the target writes itself,
     continued by the target until --tokens tokens, cached in out/data.json (and out/features.pt) (a
     rerun with the same model, budget, seed and prompts reuses them; a new collection drops
     out/checkpoint*.pt, the training checkpoints, which would not resume exactly on other data)."""
     import torch
 
     from lmserve.llm import LLM
-    from lmserve.spec import eagle
     from lmserve.spec.target_text import collect, self_prompts
 
     if a.tensor_parallel_size > 1:
@@ -102,7 +102,7 @@ def target_text(a: argparse.Namespace, out: Path, what: str, features: bool = Fa
             prompts = prompts + self_prompts(llm, a.self_prompts, a.train_seed)
         feats = [] if features else None
         seqs = collect(llm, prompts, a.tokens, a.train_seed, a.max_new_tokens, not a.no_progress,
-                             a.sample_temperature, features=feats)
+                       a.sample_temperature, features=feats)
         data.write_text(json.dumps({"key": key, "seqs": seqs}))
         if feats is not None:
             torch.save(feats, feats_file)
@@ -120,7 +120,7 @@ def add_data_args(p: Any) -> None:
                         "prompts reused until the budget)")
     p.add_argument("--prompts-file", default=None, help="prompts, one per line (default: a built-in set)")
     p.add_argument("--self-prompts", type=int, default=0,
-                   help="add this many requests the target writes itself (sampled; spec/prompts.self_prompts)")
+                   help="add this many requests the target writes itself (sampled; spec/target_text.self_prompts)")
     p.add_argument("--train-seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
 
