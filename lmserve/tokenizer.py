@@ -64,6 +64,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
+    def request_ids(self, message: str) -> list[int]:
+        """One user message as the model's prompt token ids: through the chat template when the
+        tokenizer has one, else the text itself."""
+        text = self.apply_chat_template([{"role": "user", "content": message}]) if self.has_chat_template else message
+        return self.encode(text, add_special_tokens=False)
+
     @classmethod
     def from_hf_dir(cls, path: Path, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
         """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) of an HF folder."""

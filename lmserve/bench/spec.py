@@ -30,8 +30,6 @@ TEXTS = [
 ]
 
 
-
-
 def task_prompts(tokenizer: Any, n: int, task: str = "copy") -> list[list[int]]:
     out = []
     for i in range(n):
@@ -40,9 +38,7 @@ def task_prompts(tokenizer: Any, n: int, task: str = "copy") -> list[list[int]]:
         else:
             text = TEXTS[i % len(TEXTS)]
             msg = f"Rewrite the following text exactly as it is, but replace every digit word with digits:\n\n{text}"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": msg}]) if tokenizer.has_chat_template \
-            else msg
-        out.append(tokenizer.encode(text, add_special_tokens=False))
+        out.append(tokenizer.request_ids(msg))
     return out
 
 

@@ -61,6 +61,13 @@ class HeadKV:
         table = torch.tensor(st.blocks, dtype=torch.int64)
         return (table[idx // self.BLOCK] * self.BLOCK + idx % self.BLOCK).to(self.kv.device)
 
+    def append_slot(self, st: "HasBlocks") -> int:
+        """One more entry for st (its blocks grown if need be): the slot it goes to."""
+        self.reserve(st, st.length + 1)
+        slot = st.blocks[st.length // self.BLOCK] * self.BLOCK + st.length % self.BLOCK
+        st.length += 1
+        return slot
+
     def write(self, st: "HasBlocks", k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (n, Hkv, d) appended to st's entries."""
         n = k.shape[0]
@@ -144,11 +151,7 @@ class NativeHead:
         """Entries for rows of (feature, next token's embedding) (n, H) each at positions pos, row i
         appended to owners[i]'s entries (a state's rows consecutive, in order)."""
         n = feats.shape[0]
-        slots = []
-        for st in owners:  # each row's slot: its owner's next entry
-            kv.reserve(st, st.length + 1)
-            slots.append(st.blocks[st.length // kv.BLOCK] * kv.BLOCK + st.length % kv.BLOCK)
-            st.length += 1
+        slots = [kv.append_slot(st) for st in owners]  # each row's slot: its owner's next entry
         feats, embeds = feats.float().contiguous(), embeds.float().contiguous()
         pos_t, slots_t = torch.tensor(pos, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
         hd, width = self.hd, 2 * self.hkv * self.d

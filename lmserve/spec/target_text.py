@@ -43,10 +43,7 @@ def collect(llm: Any, prompts: list[str], budget: int, seed: int, max_tokens: in
             order = prompts[:]
             rng.shuffle(order)
             for lo in range(0, len(order), chunk):
-                ids = []
-                for p in order[lo:lo + chunk]:
-                    text = tok.apply_chat_template([{"role": "user", "content": p}]) if tok.has_chat_template else p
-                    ids.append(tok.encode(text, add_special_tokens=False))
+                ids = [tok.request_ids(p) for p in order[lo:lo + chunk]]
                 params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                          top_p=0.95 if temperature else 1.0,
                                          seed=seed * 100003 + round_ * 997 + lo + i) for i in range(len(ids))]
@@ -91,9 +88,9 @@ class FeatureRecorder:
             start = 0
             for seq, n in out.scheduled:
                 got = self.rows.setdefault(seq.request_id, {})
-                rows = res.hidden[start:start + n].float()  # (n, H)
+                rows = res.hidden[start:start + n].float().clone()  # (n, H): one copy a sequence a step
                 for j in range(n):
-                    got[seq.num_computed_tokens + j] = rows[j].clone()
+                    got[seq.num_computed_tokens + j] = rows[j]
                 start += n
             return res
         self.runner.execute = execute
@@ -125,8 +122,7 @@ def self_prompts(llm: Any, n: int, seed: int, batch: int = 256) -> list[str]:
     round_ = 0
     while len(out) < n and round_ < 50:
         asks = [rng.choice(ASKS).format(t=rng.choice(TOPICS)) for _ in range(batch)]
-        ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}]) if tok.has_chat_template else a,
-                          add_special_tokens=False) for a in asks]
+        ids = [tok.request_ids(a) for a in asks]
         params = [SamplingParams(max_tokens=64, temperature=0.9, stop=["\n"],  # the first line only
                                  seed=seed * 7919 + round_ * batch + i) for i in range(batch)]
         for o in llm.generate(ids, params, use_tqdm=False):
