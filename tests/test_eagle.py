@@ -277,9 +277,10 @@ def test_train_draft_command_writes_a_head_that_loads(tiny_models, tmp_path):
     # the head serves: bench spec runs it beside no speculation and reports the three costs
     report = tmp_path / "spec.json"
     assert main(["bench", "spec", "--model", str(folder), "--methods", "none,eagle", "--eagle-head", str(out),
-                 "--task", "chat", "--batch-sizes", "1", "--max-tokens", "24", "--kv-cache-memory", "16MiB",
-                 "--spec-min-acceptance", "0", "--output-json", str(report)]) == 0
+                 "--task", "chat", "--batch-sizes", "1", "--num-prompts", "3", "--max-tokens", "24",
+                 "--kv-cache-memory", "16MiB", "--spec-min-acceptance", "0", "--output-json", str(report)]) == 0
     rows = {r["method"]: r for r in json.loads(report.read_text())["rows"]}
+    assert rows["eagle"]["prompts"] == rows["none"]["prompts"] == 3  # one at a time, three prompts
     assert rows["eagle"]["proposed"] > 0 and rows["none"]["proposed"] == 0
     assert rows["eagle"]["draft_cost_vs_step"] > 0 and rows["eagle"]["verify_cost_vs_step"] > 0
     assert rows["none"]["decode_step_s"] > 0
@@ -352,6 +353,60 @@ def test_eagle_proposals_track_the_head(tiny_models, head_dir):  # type: ignore[
         assert [int((p[T - 2] @ lm_head.T).argmax()) for p in preds] == drafts
 
 
+def _head_chain(llm, head, lm_head, ids, drafts, n):  # type: ignore[no-untyped-def]
+    """The head's own n chained drafts after ids (training-side chain_forward, the drafts so far as its
+    inputs): [(argmax token, its softmax probability)] (as in test_eagle_proposals_track_the_head)."""
+    f = eagle.features(llm, ids)  # (T, H); the drafts' positions get no feature (rows before never read them)
+    f = torch.cat([f, f.new_zeros(n - 1, f.shape[1])])
+    e = llm.engine.model.embed(torch.tensor(ids + drafts[:n - 1])).float()  # (T + n - 1, H)
+    with torch.no_grad():
+        probs = [torch.softmax(p[len(ids) - 2] @ lm_head.T, -1) for p in eagle.chain_forward(head, f, e, n)]
+    return [(int(p.argmax()), float(p.max())) for p in probs]
+
+
+def test_a_minimum_draft_probability_cuts_each_chain_where_the_head_is_unsure(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    """spec_min_draft_prob: a step's drafts are the head's own chain cut before its first draft whose
+    read-out softmax has a top probability below the threshold (no draft when the first is unsure); the
+    output stays the target's. The threshold sits between two of the head's draft probabilities near
+    their median on this text, so some chains are cut and some are not."""
+    path, _ = tiny_models["llama"]
+    k = 3
+    head = eagle.load_head(head_dir)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(min_prob: float):  # type: ignore[no-untyped-def]
+        llm = LLM(str(path), draft_model=str(head_dir), **{**EAGLE, "num_speculative_tokens": k},
+                  spec_min_draft_prob=min_prob)
+        prop, seen = llm.engine.spec.proposer, []
+        real = prop.propose
+
+        def spy(seqs, ks):  # type: ignore[no-untyped-def]
+            out = real(seqs, ks)
+            seen.extend((list(s.token_ids), kk, list(p.tokens)) for s, kk, p in zip(seqs, ks, out) if kk)
+            return out
+        prop.propose = spy
+        return llm, llm.generate(PROMPTS[:2], params, use_tqdm=False), seen
+
+    llm, ref, seen = run(0.0)
+    lm_head = eagle.float_head(llm.engine.model)
+    probs = sorted(p for ids, kk, d in seen for _, p in _head_chain(llm, head, lm_head, ids, d, len(d)))
+    assert all(len(d) == kk for _, kk, d in seen) and len(probs) > 10
+    mid = len(probs) // 2
+    threshold = (probs[mid - 1] + probs[mid]) / 2
+    llm, outs, seen = run(threshold)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    cut = full = 0
+    for ids, kk, d in seen:
+        chain = _head_chain(llm, head, lm_head, ids, d, min(len(d) + 1, kk))
+        assert [t for t, _ in chain[:len(d)]] == d and all(p >= threshold for _, p in chain[:len(d)])
+        if len(d) < kk:
+            assert chain[len(d)][1] < threshold  # cut before the first unsure draft
+            cut += 1
+        else:
+            full += 1
+    assert cut > 0 and full > 0, (cut, full)
+
+
 def test_on_an_int8_target_the_head_runs_int8_and_stays_exact(tiny_models, head_dir):  # type: ignore[no-untyped-def]
     """An int8 target on the CPU: the head's linears and read-out become int8 layers on our kernels; the
     drafts mostly stay the float head's (int8 rounding moves a near-tie now and then) and the output is
@@ -374,8 +429,10 @@ def test_on_an_int8_target_the_head_runs_int8_and_stays_exact(tiny_models, head_
     assert llm.stats().spec["accepted"] > 0
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])  # int8: drafting in C (NativeHead), sampled in Python
-def test_eagle_sampling_distribution_unchanged(tiny_models, head_dir, quantization):  # type: ignore[no-untyped-def]
+# int8: drafting in C (NativeHead), sampled in Python, with chains cut where the draft distribution is
+# unsure (spec_min_draft_prob: the median top probability of the drafts' distributions in a first run)
+@pytest.mark.parametrize("quantization,cut", [("none", False), ("int8", True)])
+def test_eagle_sampling_distribution_unchanged(tiny_models, head_dir, quantization, cut):  # type: ignore[no-untyped-def]
     from tests.test_sampling import two_sample_pvalue
     path, _ = tiny_models["llama"]
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
@@ -384,12 +441,25 @@ def test_eagle_sampling_distribution_unchanged(tiny_models, head_dir, quantizati
     kw = dict(max_num_seqs=256, max_num_batched_tokens=4096, quantization=quantization)
     plain = LLM(str(path), **kw)
     spec = LLM(str(path), draft_model=str(head_dir), **kw, **EAGLE)
+    prop = spec.engine.spec.proposer
     if quantization == "int8" and cpu_native_available():
-        assert spec.engine.spec.proposer.native is not None
+        assert prop.native is not None
+    if cut:
+        tops: list[float] = []
+        real = prop._probs
+        prop._probs = lambda *a: (lambda p: tops.extend(p.amax(-1).tolist()) or p)(real(*a))
+        spec.generate([prompt] * 50, params[:50], use_tqdm=False)
+        prop._probs = real
+        prop.min_prob = sorted(tops)[len(tops) // 2]
+    chains = []  # (drafts, k asked)
+    real_propose = prop.propose
+    prop.propose = lambda seqs, ks: [chains.append((len(p.tokens), k)) or p for p, k in zip(real_propose(seqs, ks), ks)]
     a = plain.generate([prompt] * N, params, use_tqdm=False)
     b = spec.generate([prompt] * N, params, use_tqdm=False)
     st = spec.stats().spec
     assert st["accepted"] > 100 and st["proposed"] - st["accepted"] > 100, st
+    short = sum(n < k for n, k in chains if k)
+    assert (short > len(chains) // 10) if cut else short == 0, (short, len(chains))
     for pos in range(1, 4):  # tokens 2..4 are the ones speculation produces
         ca = torch.bincount(torch.tensor([o.outputs[0].token_ids[pos] for o in a]), minlength=128).double()
         cb = torch.bincount(torch.tensor([o.outputs[0].token_ids[pos] for o in b]), minlength=128).double()
@@ -425,6 +495,8 @@ def test_eagle_config_errors_name_the_field(tiny_models, tmp_path):  # type: ign
     other.save(tmp_path / "other")
     with pytest.raises(ValueError, match="draft_model.*hidden size"):
         LLM(str(path), speculative_method="eagle", draft_model=str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="spec_min_draft_prob"):
+        LLM(str(path), speculative_method="eagle", draft_model=str(tmp_path / "other"), spec_min_draft_prob=1.5)
 
 
 def cpu_native_available() -> bool:
@@ -432,49 +504,80 @@ def cpu_native_available() -> bool:
     return cpu_native.available()
 
 
-def test_native_drafting_matches_the_int8_module_path(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("temperature", [1.0, 0.0])  # sampled in Python / the greedy chain in C
+def test_native_drafting_matches_the_int8_module_path(tiny_models, head_dir, temperature):  # type: ignore[no-untyped-def]
     """NativeHead (the head in decode.c) against the proposer's module path with the same int8 layers:
     the same head KV entries (to float rounding) and the same drafts, batched over sequences of different
-    lengths, across observe / propose rounds with rejected drafts."""
-    from lmserve.scheduler import SchedulerOutput
+    lengths, across observe / propose rounds with rejected drafts; and with a minimum draft probability
+    (between two of the module path's draft probabilities near their median) both cut the same chains
+    at the same draft."""
     from lmserve.spec.eagle_proposer import EagleProposer
     if not cpu_native_available():
         pytest.skip("no C compiler: the int8 CPU kernels are not built")
     path, _ = tiny_models["llama"]
     llm = LLM(str(path), quantization="int8", draft_model=str(head_dir), **EAGLE)
     e = llm.engine
-    native = e.spec.proposer
-    assert native.native is not None
-    module = EagleProposer(eagle.load_head(head_dir), e.model, e.model_config, e.config, 512)
-    module.native = None
-    H = e.model_config.hidden_size
+
+    def proposers(min_prob: float):  # type: ignore[no-untyped-def]
+        native = EagleProposer(eagle.load_head(head_dir), e.model, e.model_config, e.config, 512)
+        module = EagleProposer(eagle.load_head(head_dir), e.model, e.model_config, e.config, 512)
+        assert native.native is not None
+        module.native = None
+        native.min_prob = module.min_prob = min_prob
+        return native, module
+
+    native, module = proposers(0.0)
+    probs: list[float] = []
+    real = module._read_out
+    module._read_out = lambda f: (lambda x: probs.extend(torch.softmax(x, -1).amax(-1).tolist()) or x)(real(f))
+    drafts = _native_and_module_rounds(native, module, e.model_config.hidden_size, temperature)
+    assert all(len(d) == 3 for r in drafts for d in r)
+    probs.sort()
+    mid = len(probs) // 2
+    drafts = _native_and_module_rounds(*proposers((probs[mid - 1] + probs[mid]) / 2), e.model_config.hidden_size,
+                                       temperature)
+    lens = [len(d) for r in drafts for d in r]
+    assert min(lens) < 3 and max(lens) == 3, lens  # some chains cut, some not
+
+
+def _native_and_module_rounds(native, module, H, temperature):  # type: ignore[no-untyped-def]
+    """Four observe / propose rounds on both proposers (random features, some drafts rejected): asserts
+    equal drafts and equal head KV after each; returns each round's drafts."""
+    from lmserve.scheduler import SchedulerOutput
     gen = torch.Generator().manual_seed(0)
-    seqs = {p: [_seq("a", list(range(5, 25))), _seq("b", list(range(40, 47)))] for p in ("native", "module")}
+    seqs = {p: [_seq("a", list(range(5, 25)), temperature), _seq("b", list(range(40, 47)), temperature)]
+            for p in ("native", "module")}
+    out: list[list[list[int]]] = []
     for rnd in range(4):
-        hidden = torch.randn(27 if rnd == 0 else 2 * 4, H, generator=gen)
+        n = [len(d) for d in out[-1]] if out else [0, 0]  # each sequence's drafts of the last round
+        hidden = torch.randn(27 if rnd == 0 else 2 + sum(n), H, generator=gen)
         drafts = {}
         for name, prop in (("native", native), ("module", module)):
             a, b = seqs[name]
             if rnd == 0:  # the prompts' prefill
                 prop.observe(SchedulerOutput([(a, 20), (b, 7)]), hidden, {})
-            else:  # a verification of 4 rows each (the last token, 3 drafts): 1 accepted for a, none for b
-                for s in (a, b):
-                    s.num_computed_tokens = len(s.token_ids) - 4
-                prop.observe(SchedulerOutput([(a, 4), (b, 4)]), hidden, {a: 2, b: 3})
-                for s, rejected in ((a, 2), (b, 3)):
-                    del s.token_ids[len(s.token_ids) - rejected:]
+            else:  # a verification of the last token and its drafts: one accepted for a, none for b
+                rejected = {a: max(0, n[0] - 1), b: n[1]}
+                for s, m in zip((a, b), n):
+                    s.num_computed_tokens = len(s.token_ids) - 1 - m
+                prop.observe(SchedulerOutput([(a, 1 + n[0]), (b, 1 + n[1])]), hidden,
+                             {s: r for s, r in rejected.items() if r})
+                for s, r in rejected.items():
+                    del s.token_ids[len(s.token_ids) - r:]
             for s in (a, b):
                 s.num_computed_tokens = len(s.token_ids)
                 s.token_ids.append(100 + rnd)  # the token sampled after the last accepted one
             drafts[name] = [p.tokens for p in prop.propose([a, b], [3, 3])]
             for s, d in zip((a, b), drafts[name]):
                 s.token_ids.extend(d)
-        assert drafts["native"] == drafts["module"] and all(len(d) == 3 for d in drafts["native"]), rnd
+        assert drafts["native"] == drafts["module"], rnd
+        out.append(drafts["native"])
         for sn, sm in zip(seqs["native"], seqs["module"]):
             stn, stm = native.states[id(sn)], module.states[id(sm)]
             assert stn.length == stm.length > 0
             for x, y in zip(native.kv.read(stn), module.kv.read(stm)):
                 torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    return out
 
 
 def _proposer(tiny_models, head_dir):  # type: ignore[no-untyped-def]
@@ -483,9 +586,9 @@ def _proposer(tiny_models, head_dir):  # type: ignore[no-untyped-def]
     return llm.engine.spec.proposer, llm.engine.model_config.hidden_size
 
 
-def _seq(rid: str, prompt: list[int]):  # type: ignore[no-untyped-def]
+def _seq(rid: str, prompt: list[int], temperature: float = 1.0):  # type: ignore[no-untyped-def]
     from lmserve.sequence import Sequence
-    seq = Sequence(rid, prompt, SamplingParams(max_tokens=8))
+    seq = Sequence(rid, prompt, SamplingParams(max_tokens=8, temperature=temperature))
     seq.generator = random.Random(0)
     return seq
 
@@ -529,3 +632,42 @@ def test_the_built_in_prompts_leave_the_benchmarks_chat_prompts_out():
     assert not [t for t in TOPICS if names_a_held_out_subject(t)]
     assert all(names_a_held_out_subject(f"Tell me about {w}s.") for w in CHAT_SUBJECTS)  # the check sees each
     assert not names_a_held_out_subject("Explain catalysts and trainers.")  # whole words only
+
+
+def test_vocabulary_topics_are_whole_words_with_plurals_and_none_held_out():
+    """Topics read from a vocabulary: word-start tokens (byte-level or sentencepiece marker), lowercase
+    letters 5-12, with a plural token, no participle / adverb / adjective ending, no held-out subject,
+    each once, in id order."""
+    from lmserve.spec.prompts import vocabulary_topics
+    toks = ["Ġcastle", "Ġcastles", "castle", "▁garden", "▁gardens", "▁castle",  # kept (once), marker either
+            "Ġrobot", "Ġrobots",  # a held-out subject
+            "Ġjumped", "Ġjumpeds", "Ġquickly", "Ġquicklys",  # endings that are rarely things
+            "Ġnucle",  # no plural token
+            "ĠCastle", "ĠCastles", "Ġcat", "Ġcats", "Ġmountainrange", "Ġmountainranges",  # case, length
+            "Ġpeople's", None, "Ġtowel", "Ġtowels"]
+    assert vocabulary_topics(toks) == ["castle", "garden", "towel"]
+
+
+def test_topic_prompts_are_seeded_distinct_and_use_different_templates():
+    from lmserve.spec.prompts import TEMPLATES, topic_prompts
+    a = topic_prompts(["castle", "garden", "towel"], 2, seed=3)
+    assert a == topic_prompts(["castle", "garden", "towel"], 2, seed=3) != topic_prompts(["castle", "garden", "towel"], 2, seed=4)
+    assert len(a) == len(set(a)) == 6
+    for topic in ("castle", "garden", "towel"):
+        mine = [p for p in a if topic in p]
+        assert len(mine) == 2 and all(any(p == t.format(t=topic) for t in TEMPLATES) for p in mine)
+    with pytest.raises(ValueError, match="per_topic"):
+        topic_prompts(["castle"], 0)
+
+
+def test_the_default_tokenizers_vocabulary_gives_thousands_of_topics():
+    """On the default model's tokenizer: far more subjects than TOPICS, none a held-out one."""
+    from lmserve.models.gguf_file import GGUFFile
+    from lmserve.models.loader import resolve_model
+    from lmserve.spec.prompts import TOPICS, names_a_held_out_subject, vocabulary_topics
+    from lmserve.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(GGUFFile(resolve_model("smollm2-135m").path))
+    topics = vocabulary_topics(tok.convert_ids_to_tokens(list(range(tok.vocab_size))))
+    assert len(topics) > 10 * len(TOPICS) and len(set(topics)) == len(topics)
+    assert not [t for t in topics if names_a_held_out_subject(t)]
+    assert {"castle", "harvest", "membrane"} <= set(topics)

@@ -76,13 +76,15 @@ def target_text(a: argparse.Namespace, out: Path, what: str, features: bool = Fa
 
     if a.tensor_parallel_size > 1:
         raise ValueError(f"tensor_parallel_size: {what} reads the whole target's weights and outputs: use 1")
-    from lmserve.spec.prompts import builtin_prompts
+    from lmserve.spec.prompts import builtin_prompts, topic_prompts, vocabulary_topics
     builtin = PROMPTS + builtin_prompts()
     prompts = [p for p in (Path(a.prompts_file).read_text().splitlines() if a.prompts_file else builtin) if p.strip()]
     if not prompts:
         raise ValueError(f"prompts_file: {a.prompts_file} has no prompt")
     if a.self_prompts < 0:
         raise ValueError(f"self_prompts: must be >= 0, got {a.self_prompts}")
+    if a.vocab_topics < 0:
+        raise ValueError(f"vocab_topics: must be >= 0, got {a.vocab_topics}")
     out.mkdir(parents=True, exist_ok=True)
     # features are caught from the steps that write the text: every position must be computed
     llm = LLM(a.model, **{**engine_kwargs(a), **({"enable_prefix_caching": False} if features else {})})
@@ -91,13 +93,17 @@ def target_text(a: argparse.Namespace, out: Path, what: str, features: bool = Fa
     data, feats_file = out / "data.json", out / "features.pt"
     t0 = time.perf_counter()
     key = {"model": a.model, "tokens": a.tokens, "seed": a.train_seed, "max_new_tokens": a.max_new_tokens,
-           "prompts": len(prompts), "temperature": a.sample_temperature, "self_prompts": a.self_prompts}
+           "prompts": len(prompts), "temperature": a.sample_temperature, "self_prompts": a.self_prompts,
+           "vocab_topics": a.vocab_topics}
     feats = None
     if data.is_file() and json.loads(data.read_text()).get("key") == key:  # a rerun: the same data
         seqs = json.loads(data.read_text())["seqs"]
         if features and feats_file.is_file():
             feats = torch.load(feats_file)
     else:
+        if a.vocab_topics:  # two requests about each of N subjects read from the tokenizer's vocabulary
+            topics = vocabulary_topics(llm.tokenizer.convert_ids_to_tokens(list(range(llm.tokenizer.vocab_size))))
+            prompts = prompts + topic_prompts(topics[:a.vocab_topics], 2, a.train_seed)
         if a.self_prompts:
             prompts = prompts + self_prompts(llm, a.self_prompts, a.train_seed)
         feats = [] if features else None
@@ -121,6 +127,9 @@ def add_data_args(p: Any) -> None:
     p.add_argument("--prompts-file", default=None, help="prompts, one per line (default: a built-in set)")
     p.add_argument("--self-prompts", type=int, default=0,
                    help="add this many requests the target writes itself (sampled; spec/target_text.self_prompts)")
+    p.add_argument("--vocab-topics", type=int, default=0,
+                   help="add two requests about each of N subjects read from the tokenizer's vocabulary "
+                        "(spec/prompts.vocabulary_topics: far more subjects than the built-in 128)")
     p.add_argument("--train-seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
 

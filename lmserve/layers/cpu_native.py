@@ -109,10 +109,11 @@ def _lib() -> ctypes.CDLL | None:
                                     p, p, p, p, p, p, p, p, p]
     lib.lm_eagle_kv.argtypes = [i64, p, p, p, p, p, p, p, p, f32, i32, i32, i64, p, p, p, p, i32, i32, p, p, p, p, p, p]
     lib.lm_eagle_draft.argtypes = [i64, i64, p, p, p, p, p, i64, p, p, i64, p, p, p, p, p, p, p, f32, i32, i32, i32, i64,
-                                   p, p, p, p, i32, i32, i32, p, p, *[p] * 13]
+                                   p, p, p, p, i32, i32, i32, f32, p, p, p, *[p] * 13]
     for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary, lib.lm_apply_bitmask,
-               lib.lm_llama_layers, lib.lm_gemma_layers, lib.lm_eagle_kv, lib.lm_eagle_draft):
+               lib.lm_llama_layers, lib.lm_gemma_layers, lib.lm_eagle_kv):
         fn.restype = None
+    lib.lm_eagle_draft.restype = i64  # the rounds run
     return lib
 
 

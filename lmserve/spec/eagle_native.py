@@ -198,19 +198,22 @@ class Drafting:
                      torch.empty(b, native.d), torch.empty(b, native.d), torch.empty(b, hd)]  # c, s, next
         self.logits = torch.empty(b, native.vs)  # (B, Vs): the last round's
 
-    def step(self, embeds: torch.Tensor, rounds: int = 1) -> torch.Tensor:
+    def step(self, embeds: torch.Tensor, rounds: int = 1, min_prob: float = 0.0) -> torch.Tensor:
         """`rounds` drafts, the first from the embeddings (B, H) of each row's last token, each further one
-        from the previous draft's argmax -> the argmaxes' read-out indices (rounds, B); self.logits holds
-        the last round's logits."""
+        from the previous draft's argmax -> the argmaxes' read-out indices (r, B); self.logits holds the
+        last round's logits. min_prob > 0: self.probs (r, B) the argmaxes' probabilities, and r < rounds
+        when after round r no row's drafts are all at least min_prob (lm_eagle_draft)."""
         n, b = self.n, self.feats.shape[0]
         embeds = embeds.float().contiguous()
         draft = torch.empty(rounds, b, dtype=torch.int64)
-        n.lib.lm_eagle_draft(rounds, b, self.feats.data_ptr(), embeds.data_ptr(), self.pos.data_ptr(),
+        self.probs = torch.ones(rounds, b)
+        done = n.lib.lm_eagle_draft(rounds, b, self.feats.data_ptr(), embeds.data_ptr(), self.pos.data_ptr(),
                              self.lens.data_ptr(), self.tables.data_ptr(), self.tables.shape[1], self.slots.data_ptr(),
                              self.rows.data_ptr(), self.kv.BLOCK, n.fc.data_ptr(), n.fc_bias.data_ptr(),
                              n.lin.data_ptr(), n.norms.data_ptr(), n.scales.data_ptr(), n.windows.data_ptr(),
                              self.cache.data_ptr(), n.cfg.rms_norm_eps, n.h, n.hkv, n.d, n.hd, n.cos.data_ptr(),
                              n.sin.data_ptr(), n.readout.data_ptr(), n.vocab_embeds.data_ptr(), n.simd,
-                             torch.get_num_threads(), n.vnni, draft.data_ptr(), self.logits.data_ptr(),
-                             *(t.data_ptr() for t in self.bufs))
-        return draft
+                             torch.get_num_threads(), n.vnni, min_prob, draft.data_ptr(), self.probs.data_ptr(),
+                             self.logits.data_ptr(), *(t.data_ptr() for t in self.bufs))
+        self.probs = self.probs[:done]
+        return draft[:done]

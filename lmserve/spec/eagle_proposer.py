@@ -85,6 +85,7 @@ class EagleProposer:
             self.head, self.readout = _int8_head(self.head, self.lm_head)
         self.rotary = RotaryEmbedding(c.head_dim, max_model_len + 1, c.rope_theta).to(self.device)
         self.sampler = Sampler()
+        self.min_prob = config.spec_min_draft_prob  # a chain stops before a draft less sure than this
         self.states: dict[int, _State] = {}
         self.kv = HeadKV(c.num_kv_heads, c.head_dim, self.dtype, self.device)
         self.native: NativeHead | None = None  # drafting in our C kernels (int8 targets on the CPU)
@@ -228,12 +229,17 @@ class EagleProposer:
                 if all(seqs[i].params.temperature == 0 and not needs_processing(seqs[i]) for i, _, _ in active):
                     best = logits.argmax(-1)  # (B,) plain greedy: the argmax, a point mass
                     new = (best if self.vocab is None else self.vocab[best]).tolist()
+                    sure = torch.softmax(logits, -1).amax(-1) if self.min_prob else None  # (B,)
                 else:
                     p = self._probs(logits, seqs, active, drafts)  # (B, V)
-                    gens = [None if seqs[i].params.temperature == 0 else st.rng for i, st, _ in active]
+                    sure = p.amax(-1) if self.min_prob else None  # decided before the draw: exactness
+                    gens = [None if seqs[i].params.temperature == 0 or (sure is not None and sure[row] < self.min_prob)
+                            else st.rng for row, (i, st, _) in enumerate(active)]  # (no draw for a chain's end)
                     new = draw(p, gens).tolist()
                 keep = []
                 for row, ((i, st, base), tok) in enumerate(zip(active, new)):
+                    if sure is not None and float(sure[row]) < self.min_prob:
+                        continue  # the chain ends before this draft
                     drafts[i].append(tok)
                     probs[i].append(None if p is None else p[row])
                     if len(drafts[i]) < ks[i]:
@@ -248,6 +254,8 @@ class EagleProposer:
                 st.length = min(st.length, base)
         for i, d in drafts.items():
             rows = probs[i]
+            if not d:
+                continue  # its chain ended before its first draft
             if all(r is None for r in rows):
                 props[i] = Proposal(d)  # point masses
             else:
@@ -264,24 +272,32 @@ class EagleProposer:
         embeds = self.target.embed(torch.tensor(toks, dtype=torch.long, device=self.device))  # (B, H)
         try:
             if all(seqs[i].params.temperature == 0 and not needs_processing(seqs[i]) for i, _, _ in active):
-                idx = run.step(embeds, rounds)  # (R, B) read-out indices
-                chains = (idx if self.vocab is None else self.vocab[idx]).T.tolist()  # (B, R) tokens
-                for (i, _, _), d in zip(active, chains):
-                    props[i] = Proposal(d[:ks[i]])  # point masses
+                idx = run.step(embeds, rounds, self.min_prob)  # (r, B) read-out indices, r <= rounds
+                chains = (idx if self.vocab is None else self.vocab[idx]).T.tolist()  # (B, r) tokens
+                sure = (run.probs >= self.min_prob).int().cumprod(0).sum(0).tolist()  # (B,) confident drafts
+                for row, ((i, _, _), d) in enumerate(zip(active, chains)):
+                    props[i] = Proposal(d[:min(ks[i], sure[row])])  # point masses
                 return props
             drafts: dict[int, list[int]] = {i: [] for i, _, _ in active}
             probs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
+            ended: set[int] = set()  # rows whose chain stopped before a draft less sure than min_prob
             for _ in range(rounds):
                 run.step(embeds)
                 p = self._probs(run.logits, seqs, active, drafts)  # (B, V)
-                new = draw(p, [None if seqs[i].params.temperature == 0 else st.rng for i, st, _ in active])
+                if self.min_prob:  # decided before the draw: exactness
+                    ended.update(row for row, q in enumerate(p.amax(-1).tolist()) if q < self.min_prob)
+                new = draw(p, [None if seqs[i].params.temperature == 0 or row in ended or len(drafts[i]) >= ks[i]
+                               else st.rng for row, (i, st, _) in enumerate(active)])  # a draw only where it counts
                 for row, (i, _, _) in enumerate(active):
-                    if len(drafts[i]) < ks[i]:
+                    if len(drafts[i]) < ks[i] and row not in ended:
                         drafts[i].append(int(new[row]))
                         probs[i].append(p[row])
+                if all(len(drafts[i]) >= ks[i] or row in ended for row, (i, _, _) in enumerate(active)):
+                    break
                 embeds = self.target.embed(new.to(self.device))
             for i, d in drafts.items():
-                props[i] = Proposal(d, torch.stack(probs[i]))
+                if d:
+                    props[i] = Proposal(d, torch.stack(probs[i]))
             return props
         finally:  # the drafts' entries go: the first (the pending feature's) stays, if it was made
             for row, (_, st, base) in enumerate(active):

@@ -92,3 +92,38 @@ def names_a_held_out_subject(text: str) -> bool:
     """text names a subject of the benchmark's held-out chat prompts (CHAT_SUBJECTS; whole
     words, a plural s allowed)."""
     return any(re.search(rf"\b{w}s?\b", text, re.IGNORECASE) for w in CHAT_SUBJECTS)
+
+
+# endings of words that are rarely things (participles, adverbs, adjectives): not topics
+_NOT_A_THING = re.compile(r"(ed|ly|ing|ous|ive|al|ful|able|less)$")
+
+
+def vocabulary_topics(tokens: list[str]) -> list[str]:
+    """Topics for many more subjects than TOPICS' 128, read from a tokenizer's own vocabulary (`tokens`:
+    its token strings by id): whole lowercase words of 5-12 letters (a token that starts a word: the
+    byte-level "Ġ" or sentencepiece's "▁") whose plural is a token too (mostly nouns; verbs pass as well),
+    none with a participle / adverb / adjective ending, none a held-out subject. In id order, distinct.
+    A head trained on TOPICS' answers learned those subjects' words, not chat in general (BENCHMARKS.md,
+    the fourteenth session)."""
+    whole = {t[1:] for t in tokens if isinstance(t, str) and t[:1] in ("Ġ", "▁")}
+    out, seen = [], set()
+    for t in tokens:
+        if not isinstance(t, str) or t[:1] not in ("Ġ", "▁"):
+            continue
+        w = t[1:]
+        if (re.fullmatch(r"[a-z]{5,12}", w) and w + "s" in whole and not _NOT_A_THING.search(w)
+                and not names_a_held_out_subject(w) and w not in seen):
+            seen.add(w)
+            out.append(w)
+    return out
+
+
+def topic_prompts(topics: list[str], per_topic: int, seed: int = 0) -> list[str]:
+    """per_topic requests for each topic, each from a different template (TEMPLATES, a seeded choice per
+    topic), in a seeded shuffled order."""
+    if not 1 <= per_topic <= len(TEMPLATES):
+        raise ValueError(f"per_topic: must be in 1..{len(TEMPLATES)}, got {per_topic}")
+    rng = random.Random(seed)
+    prompts = [t.format(t=topic) for topic in topics for t in rng.sample(TEMPLATES, per_topic)]
+    rng.shuffle(prompts)
+    return prompts

@@ -15,6 +15,7 @@
  * Buffers (float32, row-major): res, hbuf, tmp [B, hidden]; qkv [B, (H + 2 Hkv) d]; att [B, H d];
  * gate_up [B, 2 I]; act [B, I]; out [B, hidden] (the last layer's down projection). x [B, hidden] is the
  * embedded input. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -172,15 +173,19 @@ void lm_eagle_kv(int64_t n, const float *feats, const float *embeds, const int64
  * table[index] of vocab_embeds (vs, hd), the read-out rows' tokens' embeddings; pos and lens advance.
  * lin, norms, scales, windows, cache: lm_llama_layers' arrays for its one layer; rows (4,) int64 holds
  * (tables, T, lens, slots) as addresses, slots (b,) is written here. Buffers: xin (b, 2 hd), x (b, hd),
- * lm_llama_layers' res .. out, c and s (b, d). */
-void lm_eagle_draft(int64_t rounds, int64_t b, float *feats, const float *embeds, int64_t *pos, int64_t *lens,
+ * lm_llama_layers' res .. out, c and s (b, d).
+ * min_prob > 0: probs (rounds, b) receives each argmax's probability under the round's softmax, and
+ * drafting stops after the first round in which no sequence is still confident (every one of its
+ * drafts so far at least min_prob); the caller cuts each chain at its first draft below min_prob.
+ * Returns the rounds run. */
+int64_t lm_eagle_draft(int64_t rounds, int64_t b, float *feats, const float *embeds, int64_t *pos, int64_t *lens,
                     const int64_t *tables, int64_t T, int64_t *slots, const int64_t *rows, int64_t block_size,
                     const int64_t *fc, const float *fc_bias, const int64_t *lin, const int64_t *norms,
                     const float *scales, const int64_t *windows, const int64_t *cache, float eps, int h, int hkv, int d,
                     int64_t hd, const float *cos_tab, const float *sin_tab, const int64_t *readout,
-                    const float *vocab_embeds, int simd, int nthreads, int vnni, int64_t *draft, float *logits,
-                    float *xin, float *x, float *res, float *hbuf, float *qkv, float *att, float *tmp, float *gate_up,
-                    float *act, float *out, float *c, float *s, float *next) {
+                    const float *vocab_embeds, int simd, int nthreads, int vnni, float min_prob, int64_t *draft,
+                    float *probs, float *logits, float *xin, float *x, float *res, float *hbuf, float *qkv, float *att,
+                    float *tmp, float *gate_up, float *act, float *out, float *c, float *s, float *next) {
   const int64_t vs = readout[2];
   const float *emb = embeds;
   for (int64_t r = 0; r < rounds; r++) {
@@ -201,9 +206,23 @@ void lm_eagle_draft(int64_t rounds, int64_t b, float *feats, const float *embeds
       int64_t best = 0;
       for (int64_t j = 1; j < vs; j++) best = l[j] > l[best] ? j : best; /* the first of equal maxima, as torch */
       draft[r * b + t] = best;
+      if (min_prob > 0.0f) { /* the argmax's probability: 1 / sum_j exp(l_j - l_best) */
+        double z = 0.0;
+        for (int64_t j = 0; j < vs; j++) z += expf(l[j] - l[best]);
+        probs[r * b + t] = (float)(1.0 / z);
+      }
       memcpy(next + t * hd, vocab_embeds + best * hd, sizeof(float) * (size_t)hd);
       pos[t] += 1;
     }
     emb = next;
+    if (min_prob > 0.0f) { /* any sequence whose chain is still confident? */
+      int64_t alive = 0;
+      for (int64_t t = 0; t < b && !alive; t++) {
+        alive = 1;
+        for (int64_t q = 0; q <= r; q++) alive &= probs[q * b + t] >= min_prob;
+      }
+      if (!alive) return r + 1;
+    }
   }
+  return rounds;
 }
