@@ -91,7 +91,10 @@ def add_parser(bs: Any) -> None:
     s.add_argument("--task", default="copy", choices=["copy", "chat"],
                    help="copy: rewrite a given text; chat: held-out chat prompts")
     s.add_argument("--eagle-head", default=None, help="the EAGLE head's folder (lmserve train-draft) for eagle")
-    s.add_argument("--batch-sizes", default="1,8")
+    s.add_argument("--batch-sizes", default="1,8",
+                   help="requests at a time: --num-prompts prompts run in waves of this many")
+    s.add_argument("--num-prompts", type=int, default=16,
+                   help="prompts per row (at least the batch size), run B at a time: a row is not one prompt's luck")
     s.add_argument("--max-tokens", type=int, default=96)
     s.add_argument("--repeats", type=int, default=1, help="timed runs per row; the median's tokens/s is reported")
     s.add_argument("--output-json", default=None)
@@ -114,11 +117,14 @@ def cmd_spec(a: argparse.Namespace) -> int:
             if not a.eagle_head:
                 raise ValueError("eagle_head: --methods eagle needs --eagle-head DIR")
             kw["draft_model"] = a.eagle_head
+        if a.num_prompts < 1:
+            raise ValueError(f"num_prompts: must be >= 1, got {a.num_prompts}")
         kw["spec_max_batch"] = max(int(b) for b in a.batch_sizes.split(","))
         llm = LLM(a.model, **kw)
         timers = _Timers(llm)
         for b in (int(x) for x in a.batch_sizes.split(",")):
-            prompts = task_prompts(llm.tokenizer, b, a.task)
+            n = -(-max(a.num_prompts, b) // b) * b  # whole waves of b
+            prompts = task_prompts(llm.tokenizer, n, a.task)
             params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
             llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
             before = llm.stats().spec or {}
@@ -126,7 +132,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
             walls = []
             for _ in range(max(1, a.repeats)):  # greedy: every run the same tokens, proposals and acceptance
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                outs = [o for lo in range(0, n, b) for o in llm.generate(prompts[lo:lo + b], params, use_tqdm=False)]
                 walls.append(time.perf_counter() - t0)
             wall = sorted(walls)[len(walls) // 2]
             after = llm.stats().spec or {}
@@ -135,7 +141,8 @@ def cmd_spec(a: argparse.Namespace) -> int:
             prop = (after.get("proposed", 0) - before.get("proposed", 0)) / runs
             acc = (after.get("accepted", 0) - before.get("accepted", 0)) / runs
             ver = (after.get("verifications", 0) - before.get("verifications", 0)) / runs
-            rows.append({"method": method, "batch": b, "output_tokens": toks, "wall_s": wall, "walls_s": walls,
+            rows.append({"method": method, "batch": b, "prompts": len(outs), "output_tokens": toks, "wall_s": wall,
+                         "walls_s": walls,
                          "tokens_per_s": toks / wall, "proposed": prop, "accepted": acc,
                          "acceptance_rate": acc / prop if prop else None,
                          "mean_accepted_length": 1 + acc / ver if ver else None,
