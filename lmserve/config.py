@@ -304,12 +304,9 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     spec_max_batch: int = 8  # no speculation when more sequences than this are running
-    # pause a request's speculation below this running acceptance rate: verification of k + 1 tokens costs
-    # about 1.2-1.4x a decode step on the CPU fast path (was 2x at 0.25, BENCHMARKS.md), so drafting pays lower
+    # pause a request's speculation below this running acceptance (verifying k + 1 tokens: ~1.2-1.4x a step)
     spec_min_acceptance: float = 0.1
-    # an EAGLE head's chain stops before the first draft whose distribution's top probability is below
-    # this (0: always k drafts): the drafts it would most likely lose cost verification rows
-    spec_min_draft_prob: float = 0.0
+    spec_min_draft_prob: float = 0.0  # eagle: a chain ends before a draft whose top probability is below (0: off)
     # structured output: seconds a grammar (JSON schema, regex, EBNF) may take to compile; slower: a 400
     grammar_compile_timeout: float = 10.0
     # batch-invariant outputs: a request's tokens and logprobs bit-identical whatever else runs beside it,
@@ -375,7 +372,7 @@ class EngineConfig:
                              "use it with tensor_parallel_size=1")
         if self.speculative_method and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not 0.0 <= self.spec_min_draft_prob < 1.0:
+        if not 0.0 <= self.spec_min_draft_prob < 1.0:  # (1 would never draft)
             raise ValueError(f"spec_min_draft_prob must be in [0, 1), got {self.spec_min_draft_prob}")
         resolve_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATIONS:
