@@ -321,6 +321,18 @@ def test_eagle_greedy_identical_to_plain(tiny_models, head_dir, mode):  # type: 
     assert not llm.engine.spec.proposer.states  # every sequence's head state freed with it
 
 
+def _head_chain(llm, head, lm_head, ids, drafts, n):  # type: ignore[no-untyped-def]
+    """The head's own n chained drafts after ids (training-side chain_forward from the row of the
+    position before the last token, the drafts so far as its inputs): [(argmax token, its softmax
+    probability)]."""
+    f = eagle.features(llm, ids)  # (T, H); the drafts' positions get no feature (rows before never read them)
+    f = torch.cat([f, f.new_zeros(n - 1, f.shape[1])])
+    e = llm.engine.model.embed(torch.tensor(ids + drafts[:n - 1])).float()  # (T + n - 1, H)
+    with torch.no_grad():
+        probs = [torch.softmax(p[len(ids) - 2] @ lm_head.T, -1) for p in eagle.chain_forward(head, f, e, n)]
+    return [(int(p.argmax()), float(p.max())) for p in probs]
+
+
 def test_eagle_proposals_track_the_head(tiny_models, head_dir):  # type: ignore[no-untyped-def]
     """The serving path drafts what the head itself predicts from the target's features: the k drafts of
     a step equal the argmax of the read-outs of the training-side chained forward (chain_forward) from
@@ -344,24 +356,7 @@ def test_eagle_proposals_track_the_head(tiny_models, head_dir):  # type: ignore[
     llm.generate([PROMPTS[1]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
     assert sum(len(d) == k for _, d in seen) >= 3  # (fewer near the end: no drafts past max_tokens)
     for ids, drafts in seen:
-        T, n = len(ids), len(drafts)
-        f = eagle.features(llm, ids)  # (T, H); the drafts' positions get no feature (rows before never read them)
-        f = torch.cat([f, f.new_zeros(n - 1, f.shape[1])])
-        e = llm.engine.model.embed(torch.tensor(ids + drafts[:-1])).float()  # (T + n - 1, H)
-        with torch.no_grad():
-            preds = eagle.chain_forward(head, f, e, n)
-        assert [int((p[T - 2] @ lm_head.T).argmax()) for p in preds] == drafts
-
-
-def _head_chain(llm, head, lm_head, ids, drafts, n):  # type: ignore[no-untyped-def]
-    """The head's own n chained drafts after ids (training-side chain_forward, the drafts so far as its
-    inputs): [(argmax token, its softmax probability)] (as in test_eagle_proposals_track_the_head)."""
-    f = eagle.features(llm, ids)  # (T, H); the drafts' positions get no feature (rows before never read them)
-    f = torch.cat([f, f.new_zeros(n - 1, f.shape[1])])
-    e = llm.engine.model.embed(torch.tensor(ids + drafts[:n - 1])).float()  # (T + n - 1, H)
-    with torch.no_grad():
-        probs = [torch.softmax(p[len(ids) - 2] @ lm_head.T, -1) for p in eagle.chain_forward(head, f, e, n)]
-    return [(int(p.argmax()), float(p.max())) for p in probs]
+        assert [t for t, _ in _head_chain(llm, head, lm_head, ids, drafts, len(drafts))] == drafts
 
 
 def test_a_minimum_draft_probability_cuts_each_chain_where_the_head_is_unsure(tiny_models, head_dir):  # type: ignore[no-untyped-def]

@@ -229,16 +229,16 @@ class EagleProposer:
                 if all(seqs[i].params.temperature == 0 and not needs_processing(seqs[i]) for i, _, _ in active):
                     best = logits.argmax(-1)  # (B,) plain greedy: the argmax, a point mass
                     new = (best if self.vocab is None else self.vocab[best]).tolist()
-                    sure = torch.softmax(logits, -1).amax(-1) if self.min_prob else None  # (B,)
+                    cut = self._unsure(torch.softmax(logits, -1))
                 else:
                     p = self._probs(logits, seqs, active, drafts)  # (B, V)
-                    sure = p.amax(-1) if self.min_prob else None  # decided before the draw: exactness
-                    gens = [None if seqs[i].params.temperature == 0 or (sure is not None and sure[row] < self.min_prob)
-                            else st.rng for row, (i, st, _) in enumerate(active)]  # (no draw for a chain's end)
+                    cut = self._unsure(p)  # decided before the draw: exactness
+                    gens = [None if seqs[i].params.temperature == 0 or cut[row] else st.rng
+                            for row, (i, st, _) in enumerate(active)]  # (no draw for a chain's end)
                     new = draw(p, gens).tolist()
                 keep = []
                 for row, ((i, st, base), tok) in enumerate(zip(active, new)):
-                    if sure is not None and float(sure[row]) < self.min_prob:
+                    if cut[row]:
                         continue  # the chain ends before this draft
                     drafts[i].append(tok)
                     probs[i].append(None if p is None else p[row])
@@ -280,20 +280,20 @@ class EagleProposer:
                 return props
             drafts: dict[int, list[int]] = {i: [] for i, _, _ in active}
             probs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
-            ended: set[int] = set()  # rows whose chain stopped before a draft less sure than min_prob
+            ended = [False] * len(active)  # rows whose chain stopped before a draft less sure than min_prob
             for _ in range(rounds):
                 run.step(embeds)
                 p = self._probs(run.logits, seqs, active, drafts)  # (B, V)
-                if self.min_prob:  # decided before the draw: exactness
-                    ended.update(row for row, q in enumerate(p.amax(-1).tolist()) if q < self.min_prob)
-                new = draw(p, [None if seqs[i].params.temperature == 0 or row in ended or len(drafts[i]) >= ks[i]
-                               else st.rng for row, (i, st, _) in enumerate(active)])  # a draw only where it counts
+                ended = [e or c for e, c in zip(ended, self._unsure(p))]  # decided before the draw: exactness
+                live = [not ended[row] and len(drafts[i]) < ks[i] for row, (i, _, _) in enumerate(active)]
+                if not any(live):
+                    break
+                new = draw(p, [st.rng if live[row] and seqs[i].params.temperature != 0 else None
+                               for row, (i, st, _) in enumerate(active)])  # a draw only where it counts
                 for row, (i, _, _) in enumerate(active):
-                    if len(drafts[i]) < ks[i] and row not in ended:
+                    if live[row]:
                         drafts[i].append(int(new[row]))
                         probs[i].append(p[row])
-                if all(len(drafts[i]) >= ks[i] or row in ended for row, (i, _, _) in enumerate(active)):
-                    break
                 embeds = self.target.embed(new.to(self.device))
             for i, d in drafts.items():
                 if d:
@@ -320,6 +320,11 @@ class EagleProposer:
             for i, _, _ in active:
                 if drafts[i]:
                     del seqs[i].token_ids[-len(drafts[i]):]
+
+    def _unsure(self, p: torch.Tensor) -> list[bool]:
+        """Per row of draft distributions p (B, V'): its top probability is below min_prob (the chain
+        ends before this draft; never with min_prob 0)."""
+        return (p.amax(-1) < self.min_prob).tolist() if self.min_prob else [False] * p.shape[0]
 
     def _one_hot(self, token: int) -> torch.Tensor:  # (V,)
         return torch.zeros(self.vocab_size, device=self.device).index_fill_(0, torch.tensor([token], device=self.device), 1.0)
