@@ -242,8 +242,7 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         scoring_func=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
         topk_method=cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
         n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
-        moe_layer_freq=int(cfg.get("moe_layer_freq") or 1))
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0), moe_layer_freq=int(cfg.get("moe_layer_freq") or 1))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
@@ -293,10 +292,9 @@ class EngineConfig:
     # it divides a layer's width; else one per row). None: int8 one scale per output row, int4 128. On
     # SmolLM2-135M int8 per row costs +2.0% perplexity, per group of 64 -0.7% (+5% weight bytes)
     quantization_group_size: int | None = None
-    # auto (the model dtype) | int8 | fp8: quantized KV, a scale per token, head and 32 channels
-    kv_cache_dtype: str = "auto"
-    # speculative decoding
-    speculative_method: str | None = None  # None | "ngram" | "draft" | "eagle" (draft_model: the head's folder)
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: a scale per token, head, 32 channels
+    # speculative decoding: None | "ngram" | "draft" | "eagle" (draft_model: the head's folder)
+    speculative_method: str | None = None
     num_speculative_tokens: int = 5  # measured best of 3 / 5 / 7 for n-gram on the CPU fast path (BENCHMARKS.md)
     # draft: a path or known name, by default the target itself (with draft_num_layers); eagle: a head's folder
     draft_model: str | None = None
@@ -304,8 +302,8 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     spec_max_batch: int = 8  # no speculation when more sequences than this are running
-    # pause a request's speculation below this running acceptance (verifying k + 1 tokens: ~1.2-1.4x a step)
-    spec_min_acceptance: float = 0.1
+    spec_min_acceptance: float = 0.1  # pause a request's speculation below this running acceptance
+    spec_policy: str = "fixed"  # fixed: num_speculative_tokens | goodput: measured best k (spec/goodput.py)
     spec_min_draft_prob: float = 0.0  # eagle: a chain ends before a draft whose top probability is below (0: off)
     # structured output: seconds a grammar (JSON schema, regex, EBNF) may take to compile; slower: a 400
     grammar_compile_timeout: float = 10.0
@@ -374,6 +372,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 0.0 <= self.spec_min_draft_prob < 1.0:  # (1 would never draft)
             raise ValueError(f"spec_min_draft_prob must be in [0, 1), got {self.spec_min_draft_prob}")
+        if self.spec_policy not in ("fixed", "goodput"):
+            raise ValueError(f"spec_policy must be 'fixed' or 'goodput', got {self.spec_policy!r}")
         resolve_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")

@@ -242,6 +242,8 @@ class SpecState:
     draft_probs: Any = None  # (num_draft, V) draft distributions, or None (point mass)
     acceptance: float = 1.0  # running acceptance rate (EMA)
     pause: int = 0  # steps left without speculation
+    hits: float = 0.0  # goodput policy: drafts accepted and drafts tested (accepted + first rejected),
+    tries: float = 0.0  # exponential averages (spec/goodput.py)
 
 
 @dataclass

@@ -38,6 +38,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "draft_num_layers": {"help": "keep only the draft's first N layers"},
     "spec_max_batch": {"help": "no speculation above this many running seqs"},
     "spec_min_acceptance": {"help": "pause a request's speculation below this running acceptance rate"},
+    "spec_policy": {"choices": ["fixed", "goodput"],
+                    "help": "fixed: draft num_speculative_tokens each step; goodput: the k (and the requests) "
+                            "measured to give the most tokens a second here"},
     "spec_min_draft_prob": {"help": "eagle: stop a request's chain of drafts before the first whose distribution's "
                                     "top probability is below this (0: always k)"},
     "max_waiting_time": {"help": "seconds a request may wait for its first step before it is refused (503)"},

@@ -9,12 +9,16 @@ cumulative counters. Per step, around the scheduler and the runner:
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 from lmserve.config import EngineConfig
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Sequence, Status
 from lmserve.spec import Proposer, SpecStats
+from lmserve.spec.goodput import DECAY, PRIOR, PROBE, StepCosts, best_k
 
 PAUSE_STEPS = 16  # steps without drafts after a request's acceptance falls below the floor
 
@@ -22,14 +26,23 @@ PAUSE_STEPS = 16  # steps without drafts after a request's acceptance falls belo
 class SpecPolicy:
     """The dynamic rule around a proposer: k drafts, or 0 when the batch is large (decode is no
     longer memory-bound, so verification costs real compute) or this request's drafts have mostly
-    been rejected (then it pauses for a while and probes again)."""
+    been rejected (then it pauses for a while and probes again). With spec_policy="goodput" the k
+    (and which of those requests draft) is chosen each step from measured costs (spec/goodput.py)."""
 
-    def __init__(self, proposer: Proposer, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, proposer: Proposer, config: EngineConfig, max_model_len: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.proposer = proposer
         self.config = config
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self._drafted: list[Sequence] = []
+        self.goodput = config.spec_policy == "goodput"
+        self.clock = clock
+        self.costs = StepCosts()
+        self.alpha = (1.0, 1.0)  # the batch's (accepted, tested) drafts, exponential averages
+        self._decoding: set[Sequence] = set()  # this step's decoding sequences (a decode-only step: timed)
+        self._since = 0.0  # clock when drafting ended
+        self._plain = 0  # goodput: steps in a row that drafted nothing
 
     def _num_drafts(self, seq: Sequence, batch: int) -> int:
         c, st = self.config, seq.spec
@@ -45,18 +58,42 @@ class SpecPolicy:
         room = min(p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         return max(0, min(c.num_speculative_tokens, room))
 
+    def _acceptance(self, seq: Sequence) -> float:
+        """The request's acceptance per drafted token, its counts averaged with PRIOR of the batch's."""
+        st, (hits, tries) = seq.spec, self.alpha
+        return (st.hits + PRIOR * hits / tries) / (st.tries + PRIOR)
+
+    def _choose(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
+        """goodput: the measured best k for this batch, drafted by the requests it picks (a cap on ks)."""
+        able = [i for i, k in enumerate(ks) if k]
+        if not able:
+            return ks
+        alphas = {i: self._acceptance(seqs[i]) for i in able}
+        k, n = best_k(len(seqs), list(alphas.values()), max(ks), self.costs)
+        if k == 0 and self._plain >= PROBE:  # look again at what drafting costs and yields
+            k, n = max(ks), len(able)
+        chosen = set(sorted(able, key=lambda i: -alphas[i])[:n])  # the n most accepting (best_k's ranking)
+        return [min(kk, k) if i in chosen else 0 for i, kk in enumerate(ks)]
+
     def propose(self, running: list[Sequence]) -> None:
         """Append drafts to the decoding sequences that speculate this step."""
+        start = self.clock()
         seqs = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         ks = [self._num_drafts(s, len(running)) for s in seqs]
+        if self.goodput:
+            ks = self._choose(seqs, ks)
+            self._plain = 0 if any(ks) else self._plain + 1
         self._drafted = []
-        if not any(ks):
-            return
-        for seq, prop in zip(seqs, self.proposer.propose(seqs, ks)):
-            if prop.tokens:
-                seq.token_ids.extend(prop.tokens)
-                seq.spec.num_draft, seq.spec.draft_probs = len(prop.tokens), prop.probs
-                self._drafted.append(seq)
+        self._decoding = set(seqs) if len(seqs) == len(running) else set()
+        if any(ks):
+            for seq, prop in zip(seqs, self.proposer.propose(seqs, ks)):
+                if prop.tokens:
+                    seq.token_ids.extend(prop.tokens)
+                    seq.spec.num_draft, seq.spec.draft_probs = len(prop.tokens), prop.probs
+                    self._drafted.append(seq)
+        self._since = self.clock()
+        if self._drafted:
+            self.costs.record_draft(sum(1 for k in ks if k), max(ks), self._since - start)
 
     def trim(self, out: SchedulerOutput) -> None:
         """Drop the drafts the scheduler could not fit (or of preempted sequences) before the forward."""
@@ -76,6 +113,9 @@ class SpecPolicy:
         observe = getattr(self.proposer, "observe", None)
         if observe is not None and hidden is not None:
             observe(out, hidden, rejected)
+        timed = bool(out.scheduled) and all(seq in self._decoding and n == 1 + seq.spec.num_draft
+                                            for seq, n in out.scheduled)  # decode-only: a step of known rows
+        rows = sum(n for _, n in out.scheduled)
         for seq, _ in out.scheduled:
             st = seq.spec
             if not st.num_draft:
@@ -86,7 +126,12 @@ class SpecPolicy:
             st.num_draft, st.draft_probs = 0, None
             self.stats.record(k, accepted)
             st.acceptance = 0.7 * st.acceptance + 0.3 * (accepted / k)
-        self._drafted = []
+            tested = accepted + (accepted < k)  # the accepted drafts and the first rejected one
+            st.hits, st.tries = DECAY * st.hits + accepted, DECAY * st.tries + tested
+            self.alpha = (DECAY * self.alpha[0] + accepted, DECAY * self.alpha[1] + tested)
+        if timed:
+            self.costs.record_step(rows, self.clock() - self._since)
+        self._drafted, self._decoding = [], set()
 
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
