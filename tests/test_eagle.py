@@ -359,6 +359,34 @@ def test_eagle_proposals_track_the_head(tiny_models, head_dir):  # type: ignore[
         assert [t for t, _ in _head_chain(llm, head, lm_head, ids, drafts, len(drafts))] == drafts
 
 
+def test_drafts_after_many_plain_steps_see_every_position(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    """A sequence that drafts rarely (spec_policy="goodput" on a fake clock where each row costs its share,
+    so only its probes draft) keeps its committed rows in a backlog, fed to the head's KV when it drafts:
+    each of those rare drafts still equals the head's own chain over the whole sequence."""
+    path, _ = tiny_models["llama"]
+    k = 3
+    llm = LLM(str(path), draft_model=str(head_dir), spec_policy="goodput", **{**EAGLE, "num_speculative_tokens": k})
+    head, lm_head = eagle.load_head(head_dir), eagle.float_head(llm.engine.model)
+    prop, runner, now = llm.engine.spec.proposer, llm.engine.runner, [0.0]
+    llm.engine.spec.clock = lambda: now[0]
+    real_exec, real_prop, seen = runner.execute, prop.propose, []
+
+    def execute(out):  # type: ignore[no-untyped-def]
+        now[0] += sum(n for _, n in out.scheduled)  # a step of r rows takes r seconds
+        return real_exec(out)
+
+    def spy(seqs, ks):  # type: ignore[no-untyped-def]
+        out = real_prop(seqs, ks)
+        seen.extend((list(s.token_ids), list(p.tokens)) for s, p in zip(seqs, out) if p.tokens)
+        return out
+    runner.execute, prop.propose = execute, spy
+    llm.generate([PROMPTS[1]], SamplingParams(max_tokens=90, temperature=0, ignore_eos=True), use_tqdm=False)
+    gaps = [len(b[0]) - len(a[0]) for a, b in zip(seen, seen[1:])]
+    assert len(seen) >= 2 and max(gaps) > 20, gaps  # drafts far apart: dozens of plain steps between
+    for ids, drafts in seen:
+        assert [t for t, _ in _head_chain(llm, head, lm_head, ids, drafts, len(drafts))] == drafts
+
+
 def test_a_minimum_draft_probability_cuts_each_chain_where_the_head_is_unsure(tiny_models, head_dir):  # type: ignore[no-untyped-def]
     """spec_min_draft_prob: a step's drafts are the head's own chain cut before its first draft whose
     read-out softmax has a top probability below the threshold (no draft when the first is unsure); the
@@ -596,10 +624,13 @@ def test_a_recompute_after_preemption_feeds_the_pending_position(tiny_models, he
     seq = _seq("r", list(range(5, 15)))  # 10 prompt tokens
     prop.observe(SchedulerOutput([(seq, 10)]), torch.randn(10, H), {})
     st = prop.states[id(seq)]
+    assert (st.length, len(st.backlog), st.next_pos, st.pending[0]) == (0, 9, 10, 9)  # 0..8 wait to be fed
+    prop._flush()
     assert (st.length, st.next_pos, st.pending[0]) == (9, 10, 9)  # positions 0..8 fed, 9 waits
     seq.token_ids.append(42)  # sampled from position 9
     seq.num_computed_tokens = 0  # preempted: recompute all 11 tokens
     prop.observe(SchedulerOutput([(seq, 11)]), torch.randn(11, H), {})
+    prop._flush()  # (the rows wait in the backlog until the sequence drafts)
     assert (st.length, st.next_pos, st.pending[0]) == (10, 11, 10)  # position 9 fed now, 10 waits
 
 

@@ -48,15 +48,20 @@ from lmserve.spec.eagle import EagleHead, float_head, rms_norm
 from lmserve.spec.eagle_native import HasBlocks, HeadKV, NativeHead
 
 
+BACKLOG = 256  # rows: a sequence's backlog is fed once it holds this many, drafting or not
+
+
 @dataclass
 class _State(HasBlocks):
     """One sequence's head KV (its blocks in the proposer's pool): entries for positions < next_pos that
-    had a feature (RoPE applied)."""
+    had a feature (RoPE applied), but the newest ones still in its backlog."""
 
     request_id: str = ""
     next_pos: int = 0  # positions below were fed (or had no feature: prefix-cache hits)
     pending: tuple[int, torch.Tensor] | None = None  # (position, feature (H,)) waiting for its next token
     rng: random.Random = field(default_factory=random.Random)
+    # committed rows not yet fed to the KV: (feature (H,), next token, position), in order
+    backlog: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
 
 
 class EagleProposer:
@@ -103,6 +108,7 @@ class EagleProposer:
                                                rng=random.Random(seq.generator.getrandbits(62)))
             # an n > 1 child (forked after its parent's prefill): start from the parent's head KV over
             # the shared prompt, when it holds nothing past where the child starts
+            self._flush()
             for other in self.states.values():
                 fed = other.next_pos - (other.pending is not None)
                 if other is not st and other.request_id == seq.request_id and 0 < fed <= seq.num_computed_tokens:
@@ -150,8 +156,11 @@ class EagleProposer:
     # ---------------------------------------------------------------- the target's side
     @torch.inference_mode()
     def observe(self, out: SchedulerOutput, hidden: torch.Tensor, rejected: dict[Sequence, int]) -> None:
-        """After a target step (drafts still in the token lists): feed the head's KV with every row whose
-        feature and next token are committed, keep the newest as pending. hidden: (N, H) of the step."""
+        """After a target step (drafts still in the token lists): every row whose feature and next token
+        are committed goes to its sequence's backlog, the newest waits as pending. hidden: (N, H) of the
+        step. The backlog is fed to the head's KV when the sequence drafts next (or grows past
+        BACKLOG rows): a step whose policy drafts nothing (spec_policy="goodput" where speculation
+        does not pay) costs a row's copy, not the head's fc and K / V projections."""
         rows: list[torch.Tensor] = []
         toks: list[int] = []
         pos: list[int] = []
@@ -183,11 +192,26 @@ class EagleProposer:
             st.next_pos = max(st.next_pos, c + valid)
         if not rows:
             return
+        feats = torch.cat(rows).to(self.dtype)  # (R, H): a copy, not the step's buffer
+        for i, st in enumerate(owners):
+            st.backlog.append((feats[i], toks[i], pos[i]))
+        if any(len(st.backlog) >= BACKLOG for st in owners):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Feed every backlog to the head's KV, in one batch (a state's rows consecutive, in order)."""
+        owners = [st for st in self.states.values() for _ in st.backlog]
+        if not owners:
+            return
+        rows = [r for st in self.states.values() for r in st.backlog]
+        for st in self.states.values():
+            st.backlog = []
+        feats, toks, pos = torch.stack([f for f, _, _ in rows]), [t for _, t, _ in rows], [p for _, _, p in rows]
         if self.native is not None:
             ids = torch.tensor(toks, dtype=torch.long, device=self.device)
-            self.native.feed(self.kv, owners, torch.cat(rows), self.target.embed(ids), pos)
+            self.native.feed(self.kv, owners, feats, self.target.embed(ids), pos)
             return
-        x = self._qkv_in(torch.cat(rows), toks)  # (R, H)
+        x = self._qkv_in(feats, toks)  # (R, H)
         _, k, v = self._kv(x, self.rotary.lookup(torch.tensor(pos, device=self.device)))  # (R, Hkv, d)
         i = 0
         while i < len(owners):  # consecutive rows of one state go in one write
@@ -201,6 +225,7 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in seqs]
+        self._flush()  # the KV complete up to each sequence's pending row
         active = []  # (index, state, committed entries)
         feats, toks, pos = [], [], []
         for i, (seq, k) in enumerate(zip(seqs, ks)):

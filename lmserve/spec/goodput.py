@@ -12,9 +12,10 @@ sizes and texts, so they are measured while serving, not assumed:
     k*, S*    = argmax tokens(k) / time(k)     k in 0..num_speculative_tokens, the same for the batch;
                                                the S drafting are the requests most often accepted
 
-step(rows): the engine's time from scheduling to the settled verification of decode-only steps (a step
-with a prefill chunk is not recorded), an exponential average per row count, linear between measured
-row counts. A row count never measured is taken to cost what the nearest smaller one did (optimistic:
+step(rows): the engine's time for a decode-only step, from its drafting's end to the next step's start
+(scheduling, the forward and verification, the outputs: all a step costs; a step with a prefill chunk,
+or after which a request finished, is not recorded), an exponential average per row count, linear
+between measured row counts. A row count never measured is taken to cost what the nearest smaller one did (optimistic:
 a k not yet tried looks as cheap as the largest tried, so it is tried once and then known). alpha_i:
 each request's acceptance per drafted token (the drafts a verification tested: accepted ones and the
 first rejected), averaged with a prior of the batch's own. Every PROBE-th step that chose k = 0 drafts

@@ -42,6 +42,7 @@ class SpecPolicy:
         self.alpha = (1.0, 1.0)  # the batch's (accepted, tested) drafts, exponential averages
         self._decoding: set[Sequence] = set()  # this step's decoding sequences (a decode-only step: timed)
         self._since = 0.0  # clock when drafting ended
+        self._timed: tuple[int, list[Sequence]] | None = None  # the last step's rows and sequences, if decode-only
         self._plain = 0  # goodput: steps in a row that drafted nothing
 
     def _num_drafts(self, seq: Sequence, batch: int) -> int:
@@ -78,6 +79,11 @@ class SpecPolicy:
     def propose(self, running: list[Sequence]) -> None:
         """Append drafts to the decoding sequences that speculate this step."""
         start = self.clock()
+        if self._timed is not None:  # the last step, from its drafting's end to now (its outputs included)
+            rows, last = self._timed
+            if set(last) <= set(running):  # none finished: no wait for new work can lie in between
+                self.costs.record_step(rows, start - self._since)
+            self._timed = None
         seqs = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         ks = [self._num_drafts(s, len(running)) for s in seqs]
         if self.goodput:
@@ -129,8 +135,7 @@ class SpecPolicy:
             tested = accepted + (accepted < k)  # the accepted drafts and the first rejected one
             st.hits, st.tries = DECAY * st.hits + accepted, DECAY * st.tries + tested
             self.alpha = (DECAY * self.alpha[0] + accepted, DECAY * self.alpha[1] + tested)
-        if timed:
-            self.costs.record_step(rows, self.clock() - self._since)
+        self._timed = (rows, [seq for seq, _ in out.scheduled]) if timed else None  # timed at the next step
         self._drafted, self._decoding = [], set()
 
     def release(self, seq: Sequence) -> None:
