@@ -1,6 +1,6 @@
 """In-process A/B of the speculation policies (`--spec-policy fixed|goodput`) against plain decoding on
 the speculation benchmark's 16 prompts (chat or copy), 96 greedy tokens each, at batch 1 (one request at
-a time) and batch 8 (waves of 8), the three engines alternated round after round in one process, each
+a time) and batch 8 (waves of 8), the three engines in one process taking turns wave by wave, each
 ratio against the same round's plain run (this machine's speed swings ~15% between minutes).
 BENCHMARKS.md, issue #21.
 
@@ -34,28 +34,32 @@ def main() -> None:
     prompts = task_prompts(engines["none"].tokenizer, 16, a.task)
     params = SamplingParams(max_tokens=96, temperature=0)
 
-    def run(llm: LLM, b: int) -> float:  # tokens/s, prompts in waves of b
-        t0, n = time.perf_counter(), 0
-        for lo in range(0, len(prompts), b):
-            n += sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts[lo:lo + b], params, use_tqdm=False))
-        return n / (time.perf_counter() - t0)
+    def wave(llm: LLM, batch: list) -> tuple[int, float]:  # (tokens, seconds) of one wave
+        t0 = time.perf_counter()
+        n = sum(len(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False))
+        return n, time.perf_counter() - t0
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     for llm in engines.values():  # warm-up (the goodput engine measures its costs here too)
         for b in sizes:
-            run(llm, b)
+            for lo in range(0, len(prompts), b):
+                wave(llm, prompts[lo:lo + b])
     ratios: dict[tuple[str, int], list[float]] = {}
     for r in range(a.rounds):
         for b in sizes:
-            base = run(engines["none"], b)
-            line = f"round {r} batch {b}: none {base:.1f} tok/s"
+            got = {name: [0, 0.0] for name in engines}
+            s0 = {name: dict(llm.stats().spec or {}) for name, llm in engines.items()}
+            for lo in range(0, len(prompts), b):  # the engines in turn, wave by wave: drift cancels
+                for name, llm in engines.items():
+                    n, t = wave(llm, prompts[lo:lo + b])
+                    got[name][0] += n
+                    got[name][1] += t
+            tps = {name: n / t for name, (n, t) in got.items()}
+            line = f"round {r} batch {b}: none {tps['none']:.1f} tok/s"
             for name in ("fixed", "goodput"):
-                llm = engines[name]
-                s0 = dict(llm.stats().spec)
-                tps = run(llm, b)
-                s1 = llm.stats().spec
-                prop, acc, ver = (s1[x] - s0[x] for x in ("proposed", "accepted", "verifications"))
-                ratios.setdefault((name, b), []).append(tps / base)
-                line += (f"; {name} {tps:.1f} ({tps / base:.2f}x, {ver} verifications, "
+                s1 = engines[name].stats().spec
+                prop, acc, ver = (s1[x] - s0[name][x] for x in ("proposed", "accepted", "verifications"))
+                ratios.setdefault((name, b), []).append(tps[name] / tps["none"])
+                line += (f"; {name} {tps[name]:.1f} ({tps[name] / tps['none']:.2f}x, {ver} verifications, "
                          f"{prop / max(ver, 1):.2f} drafts and {1 + acc / max(ver, 1):.2f} tokens each)")
             print(line, flush=True)
     for (name, b), v in ratios.items():

@@ -87,6 +87,16 @@ def test_best_k_measures_the_plain_step_first():
     assert best_k(2, [0.9, 0.9], 4, c) == (4, 2)  # more rows never measured: taken as cheap, so tried
 
 
+def test_a_probe_drafts_what_loses_least():
+    """Where no drafting pays (each row costs its share), a probe drafts the best config with k >= 1:
+    the most accepting request, one token (the other configs lose more)."""
+    c = StepCosts()
+    for r in range(4, 21):
+        c.record_step(r, float(r))
+    assert best_k(4, [0.3, 0.9, 0.5, 0.1], 4, c) == (0, 0)
+    assert best_k(4, [0.3, 0.9, 0.5, 0.1], 4, c, drafting=True) == (1, 1)
+
+
 def _timed(path, cost):  # type: ignore[no-untyped-def]
     """An n-gram engine with the goodput policy on a fake clock: a step of r rows takes cost(r) seconds."""
     llm = spec_llm(path, "ngram", spec_policy="goodput")

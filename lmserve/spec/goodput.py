@@ -19,7 +19,9 @@ between measured row counts. A row count never measured is taken to cost what th
 a k not yet tried looks as cheap as the largest tried, so it is tried once and then known). alpha_i:
 each request's acceptance per drafted token (the drafts a verification tested: accepted ones and the
 first rejected), averaged with a prior of the batch's own. Every PROBE-th step that chose k = 0 drafts
-num_speculative_tokens anyway, so acceptance and costs that change are seen again.
+its best drafting choice anyway (the k >= 1 and S with the most tokens a second: at a large batch
+typically one request drafting one token, a step barely dearer than a plain one), so acceptance and
+costs that change are seen again.
 """
 
 from __future__ import annotations
@@ -75,15 +77,17 @@ class StepCosts:
         return self.draft[min(self.draft, key=lambda s: (abs(s - seqs), s))]
 
 
-def best_k(batch: int, alphas: list[float], max_k: int, costs: StepCosts) -> tuple[int, int]:
+def best_k(batch: int, alphas: list[float], max_k: int, costs: StepCosts, drafting: bool = False
+           ) -> tuple[int, int]:
     """(k, S): the S most accepting of the sequences that may draft (acceptance per draft `alphas`)
     draft k tokens each, the S and k (0..max_k) with the most tokens a second for a step of `batch`
-    decoding sequences. (0, 0) while the plain step is not yet measured (measure it first)."""
+    decoding sequences; drafting: the best with k >= 1 (a probe's). (0, 0) while the plain step is not
+    yet measured (measure it first)."""
     base = costs.step_time(batch)
     if base is None or not alphas:
         return 0, 0
     ranked = sorted(alphas, reverse=True)
-    best, best_rate = (0, 0), batch / base
+    best, best_rate = (0, 0), 0.0 if drafting else batch / base
     for k in range(1, max_k + 1):
         tokens = float(batch)
         for s, a in enumerate(ranked, 1):  # the s most accepting draft

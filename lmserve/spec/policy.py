@@ -71,8 +71,8 @@ class SpecPolicy:
             return ks
         alphas = {i: self._acceptance(seqs[i]) for i in able}
         k, n = best_k(len(seqs), list(alphas.values()), max(ks), self.costs)
-        if k == 0 and self._plain >= PROBE:  # look again at what drafting costs and yields
-            k, n = max(ks), len(able)
+        if k == 0 and self._plain >= PROBE:  # look again at what drafting costs and yields, at the least loss
+            k, n = best_k(len(seqs), list(alphas.values()), max(ks), self.costs, drafting=True)
         chosen = set(sorted(able, key=lambda i: -alphas[i])[:n])  # the n most accepting (best_k's ranking)
         return [min(kk, k) if i in chosen else 0 for i, kk in enumerate(ks)]
 
