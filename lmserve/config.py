@@ -363,8 +363,7 @@ class EngineConfig:
             raise ValueError(f"speculative_method must be None, 'ngram', 'draft' or 'eagle', "
                              f"got {self.speculative_method!r}")
         if self.speculative_method == "eagle" and not self.draft_model:
-            raise ValueError("draft_model: speculative_method='eagle' needs the head's folder "
-                             "(lmserve train-draft --method eagle --out DIR)")
+            raise ValueError("draft_model: speculative_method='eagle' needs the head's folder (lmserve train-draft --out DIR)")
         if self.speculative_method == "eagle" and self.tensor_parallel_size > 1:
             raise ValueError("speculative_method: 'eagle' reads the whole target's features; "
                              "use it with tensor_parallel_size=1")
@@ -372,8 +371,9 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 0.0 <= self.spec_min_draft_prob < 1.0:  # (1 would never draft)
             raise ValueError(f"spec_min_draft_prob must be in [0, 1), got {self.spec_min_draft_prob}")
-        if self.spec_policy not in ("fixed", "goodput"):
-            raise ValueError(f"spec_policy must be 'fixed' or 'goodput', got {self.spec_policy!r}")
+        if self.spec_policy not in ("fixed", "goodput") or (self.spec_policy == "goodput" and self.deterministic):
+            raise ValueError(f"spec_policy must be 'fixed' or 'goodput' (not with deterministic: its k follows "
+                             f"measured times, and sampled tokens the drafts), got {self.spec_policy!r}")
         resolve_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")

@@ -138,3 +138,6 @@ def test_goodput_stops_drafting_where_rows_cost_their_share_and_drafts_where_the
 def test_spec_policy_is_checked():
     with pytest.raises(ValueError, match="spec_policy"):
         EngineConfig(speculative_method="ngram", spec_policy="fastest")
+    with pytest.raises(ValueError, match="spec_policy.*deterministic"):  # timing would decide sampled tokens
+        EngineConfig(speculative_method="ngram", spec_policy="goodput", deterministic=True)
+    EngineConfig(speculative_method="ngram", spec_policy="goodput")
