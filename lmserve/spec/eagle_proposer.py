@@ -108,7 +108,8 @@ class EagleProposer:
                                                rng=random.Random(seq.generator.getrandbits(62)))
             # an n > 1 child (forked after its parent's prefill): start from the parent's head KV over
             # the shared prompt, when it holds nothing past where the child starts
-            self._flush()
+            if any(o.request_id == seq.request_id for o in self.states.values() if o is not st):
+                self._flush()  # (a parent's KV complete before it is copied)
             for other in self.states.values():
                 fed = other.next_pos - (other.pending is not None)
                 if other is not st and other.request_id == seq.request_id and 0 < fed <= seq.num_computed_tokens:

@@ -79,7 +79,7 @@ class SpecPolicy:
     def propose(self, running: list[Sequence]) -> None:
         """Append drafts to the decoding sequences that speculate this step."""
         start = self.clock()
-        if self._timed is not None:  # the last step, from its drafting's end to now (its outputs included)
+        if self._timed is not None:  # goodput: the last step, from its drafting's end to now (outputs included)
             rows, last = self._timed
             if set(last) <= set(running):  # none finished: no wait for new work can lie in between
                 self.costs.record_step(rows, start - self._since)
@@ -90,7 +90,7 @@ class SpecPolicy:
             ks = self._choose(seqs, ks)
             self._plain = 0 if any(ks) else self._plain + 1
         self._drafted = []
-        self._decoding = set(seqs) if len(seqs) == len(running) else set()
+        self._decoding = set(seqs) if self.goodput and len(seqs) == len(running) else set()
         if any(ks):
             for seq, prop in zip(seqs, self.proposer.propose(seqs, ks)):
                 if prop.tokens:
@@ -119,7 +119,7 @@ class SpecPolicy:
         observe = getattr(self.proposer, "observe", None)
         if observe is not None and hidden is not None:
             observe(out, hidden, rejected)
-        timed = bool(out.scheduled) and all(seq in self._decoding and n == 1 + seq.spec.num_draft
+        timed = bool(self._decoding) and all(seq in self._decoding and n == 1 + seq.spec.num_draft
                                             for seq, n in out.scheduled)  # decode-only: a step of known rows
         rows = sum(n for _, n in out.scheduled)
         for seq, _ in out.scheduled:
