@@ -625,12 +625,12 @@ def test_a_recompute_after_preemption_feeds_the_pending_position(tiny_models, he
     prop.observe(SchedulerOutput([(seq, 10)]), torch.randn(10, H), {})
     st = prop.states[id(seq)]
     assert (st.length, len(st.backlog), st.next_pos, st.pending[0]) == (0, 9, 10, 9)  # 0..8 wait to be fed
-    prop._flush()
+    prop.flush()
     assert (st.length, st.next_pos, st.pending[0]) == (9, 10, 9)  # positions 0..8 fed, 9 waits
     seq.token_ids.append(42)  # sampled from position 9
     seq.num_computed_tokens = 0  # preempted: recompute all 11 tokens
     prop.observe(SchedulerOutput([(seq, 11)]), torch.randn(11, H), {})
-    prop._flush()  # (the rows wait in the backlog until the sequence drafts)
+    prop.flush()  # (the rows wait in the backlog until the sequence drafts)
     assert (st.length, st.next_pos, st.pending[0]) == (10, 11, 10)  # position 9 fed now, 10 waits
 
 

@@ -108,7 +108,8 @@ def _timed(path, cost):  # type: ignore[no-untyped-def]
     def execute(out):  # type: ignore[no-untyped-def]
         rows = sum(n for _, n in out.scheduled)
         now[0] += cost(rows)
-        steps.append((len(out.scheduled), rows))
+        decode = all(seq.num_computed_tokens > 0 for seq, _ in out.scheduled)  # no prompt in the step
+        steps.append((len(out.scheduled), rows, decode))
         return real(out)
     runner.execute = execute
     return llm, steps
@@ -124,7 +125,7 @@ def test_goodput_stops_drafting_where_rows_cost_their_share_and_drafts_where_the
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         for a, b in zip(outs, ref):  # exact whatever k is chosen
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
-        decode = [(b, r) for b, r in steps if b == len(PROMPTS)]  # the steps of all four decoding
+        decode = [(b, r) for b, r, d in steps if d and b == len(PROMPTS)]  # the steps of all four decoding
         runs[name] = (sum(r > b for b, r in decode), len(decode), llm.stats().spec)
     drafted, total, st = runs["compute-bound"]
     # each row costs its share: a verification of k + 1 rows costs k + 1 steps and yields fewer tokens,

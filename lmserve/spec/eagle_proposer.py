@@ -109,7 +109,7 @@ class EagleProposer:
             # an n > 1 child (forked after its parent's prefill): start from the parent's head KV over
             # the shared prompt, when it holds nothing past where the child starts
             if any(o.request_id == seq.request_id for o in self.states.values() if o is not st):
-                self._flush()  # (a parent's KV complete before it is copied)
+                self.flush()  # (a parent's KV complete before it is copied)
             for other in self.states.values():
                 fed = other.next_pos - (other.pending is not None)
                 if other is not st and other.request_id == seq.request_id and 0 < fed <= seq.num_computed_tokens:
@@ -159,8 +159,8 @@ class EagleProposer:
     def observe(self, out: SchedulerOutput, hidden: torch.Tensor, rejected: dict[Sequence, int]) -> None:
         """After a target step (drafts still in the token lists): every row whose feature and next token
         are committed goes to its sequence's backlog, the newest waits as pending. hidden: (N, H) of the
-        step. The backlog is fed to the head's KV when the sequence drafts next (or grows past
-        BACKLOG rows): a step whose policy drafts nothing (spec_policy="goodput" where speculation
+        step. The backlogs are fed to the head's KV when any sequence drafts next (`flush`, before
+        the drafting), or once one holds BACKLOG rows: a step whose policy drafts nothing (spec_policy="goodput" where speculation
         does not pay) costs a row's copy, not the head's fc and K / V projections."""
         rows: list[torch.Tensor] = []
         toks: list[int] = []
@@ -197,9 +197,9 @@ class EagleProposer:
         for i, st in enumerate(owners):
             st.backlog.append((feats[i], toks[i], pos[i]))
         if any(len(st.backlog) >= BACKLOG for st in owners):
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Feed every backlog to the head's KV, in one batch (a state's rows consecutive, in order)."""
         owners = [st for st in self.states.values() for _ in st.backlog]
         if not owners:
@@ -226,7 +226,7 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in seqs]
-        self._flush()  # the KV complete up to each sequence's pending row
+        self.flush()  # the KV complete up to each sequence's pending row (SpecPolicy flushed it already)
         active = []  # (index, state, committed entries)
         feats, toks, pos = [], [], []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
