@@ -14,6 +14,7 @@ import torch
 from lmserve import LLM
 from lmserve.sequence import SamplingParams
 from lmserve.spec import eagle
+from tests.test_goodput import on_fake_clock
 from tests.test_spec import PROMPTS, mode_kwargs
 
 
@@ -367,19 +368,15 @@ def test_drafts_after_many_plain_steps_see_every_position(tiny_models, head_dir)
     k = 3
     llm = LLM(str(path), draft_model=str(head_dir), spec_policy="goodput", **{**EAGLE, "num_speculative_tokens": k})
     head, lm_head = eagle.load_head(head_dir), eagle.float_head(llm.engine.model)
-    prop, runner, now = llm.engine.spec.proposer, llm.engine.runner, [0.0]
-    llm.engine.spec.clock = lambda: now[0]
-    real_exec, real_prop, seen = runner.execute, prop.propose, []
-
-    def execute(out):  # type: ignore[no-untyped-def]
-        now[0] += sum(n for _, n in out.scheduled)  # a step of r rows takes r seconds
-        return real_exec(out)
+    on_fake_clock(llm, float)  # a step of r rows takes r seconds
+    prop = llm.engine.spec.proposer
+    real_prop, seen = prop.propose, []
 
     def spy(seqs, ks):  # type: ignore[no-untyped-def]
         out = real_prop(seqs, ks)
         seen.extend((list(s.token_ids), list(p.tokens)) for s, p in zip(seqs, out) if p.tokens)
         return out
-    runner.execute, prop.propose = execute, spy
+    prop.propose = spy
     llm.generate([PROMPTS[1]], SamplingParams(max_tokens=90, temperature=0, ignore_eos=True), use_tqdm=False)
     gaps = [len(b[0]) - len(a[0]) for a, b in zip(seen, seen[1:])]
     assert len(seen) >= 2 and max(gaps) > 20, gaps  # drafts far apart: dozens of plain steps between

@@ -97,9 +97,9 @@ def test_a_probe_drafts_what_loses_least():
     assert best_k(4, [0.3, 0.9, 0.5, 0.1], 4, c, drafting=True) == (1, 1)
 
 
-def _timed(path, cost):  # type: ignore[no-untyped-def]
-    """An n-gram engine with the goodput policy on a fake clock: a step of r rows takes cost(r) seconds."""
-    llm = spec_llm(path, "ngram", spec_policy="goodput")
+def on_fake_clock(llm, cost):  # type: ignore[no-untyped-def]
+    """llm's speculation policy on a fake clock: a step of r rows takes cost(r) seconds. Returns the
+    steps run, each (sequences, rows, no prompt in it)."""
     now = [0.0]
     policy, runner = llm.engine.spec, llm.engine.runner
     policy.clock = lambda: now[0]
@@ -112,7 +112,7 @@ def _timed(path, cost):  # type: ignore[no-untyped-def]
         steps.append((len(out.scheduled), rows, decode))
         return real(out)
     runner.execute = execute
-    return llm, steps
+    return steps
 
 
 def test_goodput_stops_drafting_where_rows_cost_their_share_and_drafts_where_they_are_free(tiny_models):
@@ -121,7 +121,8 @@ def test_goodput_stops_drafting_where_rows_cost_their_share_and_drafts_where_the
     ref = LLM(str(path)).generate(PROMPTS, params, use_tqdm=False)
     runs = {}
     for name, cost in [("compute-bound", float), ("flat", lambda r: 1.0)]:
-        llm, steps = _timed(path, cost)
+        llm = spec_llm(path, "ngram", spec_policy="goodput")
+        steps = on_fake_clock(llm, cost)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         for a, b in zip(outs, ref):  # exact whatever k is chosen
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, name

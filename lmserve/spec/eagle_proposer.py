@@ -160,8 +160,9 @@ class EagleProposer:
         """After a target step (drafts still in the token lists): every row whose feature and next token
         are committed goes to its sequence's backlog, the newest waits as pending. hidden: (N, H) of the
         step. The backlogs are fed to the head's KV when any sequence drafts next (`flush`, before
-        the drafting), or once one holds BACKLOG rows: a step whose policy drafts nothing (spec_policy="goodput" where speculation
-        does not pay) costs a row's copy, not the head's fc and K / V projections."""
+        the drafting), or once one holds BACKLOG rows: a step whose policy drafts nothing
+        (spec_policy="goodput" where speculation does not pay) costs a row's copy, not the head's fc
+        and K / V projections."""
         rows: list[torch.Tensor] = []
         toks: list[int] = []
         pos: list[int] = []

@@ -15,8 +15,9 @@ sizes and texts, so they are measured while serving, not assumed:
 step(rows): the engine's time for a decode-only step, from its drafting's end to the next step's start
 (scheduling, the forward and verification, the outputs: all a step costs; a step with a prefill chunk,
 or after which a request finished, is not recorded), an exponential average per row count, linear
-between measured row counts. A row count never measured is taken to cost what the nearest smaller one did (optimistic:
-a k not yet tried looks as cheap as the largest tried, so it is tried once and then known). alpha_i:
+between measured row counts. A row count never measured is taken to cost what the nearest smaller one
+did (optimistic: a k not yet tried looks as cheap as the largest tried, so it is tried once and then
+known). alpha_i:
 each request's acceptance per drafted token (the drafts a verification tested: accepted ones and the
 first rejected), averaged with a prior of the batch's own. Every PROBE-th step that chose k = 0 drafts
 its best drafting choice anyway (the k >= 1 and S with the most tokens a second: at a large batch

@@ -40,7 +40,6 @@ class SpecPolicy:
         self.clock = clock
         self.costs = StepCosts()
         self.alpha = (1.0, 1.0)  # the batch's (accepted, tested) drafts, exponential averages
-        self._decoding: set[Sequence] = set()  # this step's decoding sequences (a decode-only step: timed)
         self._since = 0.0  # clock when drafting ended
         self._timed: tuple[int, list[Sequence]] | None = None  # the last step's rows and sequences, if decode-only
         self._plain = 0  # goodput: steps in a row that drafted nothing
@@ -89,7 +88,6 @@ class SpecPolicy:
             ks = self._choose(seqs, ks)
             self._plain = 0 if any(ks) else self._plain + 1
         self._drafted = []
-        self._decoding = set(seqs) if self.goodput and len(seqs) == len(running) else set()
         # work deferred from earlier steps (EAGLE's backlog): the plain steps' share, timed in neither table
         flush = getattr(self.proposer, "flush", None)
         if any(ks) and flush is not None:
@@ -123,8 +121,8 @@ class SpecPolicy:
         observe = getattr(self.proposer, "observe", None)
         if observe is not None and hidden is not None:
             observe(out, hidden, rejected)
-        timed = bool(self._decoding) and all(seq in self._decoding and n == 1 + seq.spec.num_draft
-                                            for seq, n in out.scheduled)  # decode-only: a step of known rows
+        timed = self.goodput and all(n == 1 + seq.spec.num_draft == seq.num_tokens - seq.num_computed_tokens
+                                     for seq, n in out.scheduled)  # decode-only: a step of known rows
         rows = sum(n for _, n in out.scheduled)
         for seq, _ in out.scheduled:
             st = seq.spec
@@ -140,7 +138,7 @@ class SpecPolicy:
             st.hits, st.tries = DECAY * st.hits + accepted, DECAY * st.tries + tested
             self.alpha = (DECAY * self.alpha[0] + accepted, DECAY * self.alpha[1] + tested)
         self._timed = (rows, [seq for seq, _ in out.scheduled]) if timed else None  # timed at the next step
-        self._drafted, self._decoding = [], set()
+        self._drafted = []
 
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
