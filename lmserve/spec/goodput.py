@@ -13,8 +13,8 @@ sizes and texts, so they are measured while serving, not assumed:
                                                the S drafting are the requests most often accepted
 
 step(rows): the engine's time for a decode-only step, from its drafting's end to the next step's start
-(scheduling, the forward and verification, the outputs: all a step costs; a step with a prefill chunk,
-or after which a request finished, is not recorded), an exponential average per row count, linear
+(scheduling, the forward and verification, the outputs: all a step costs; a step with a prefill chunk
+of more than one token, or after which a request finished, is not recorded), an exponential average per row count, linear
 between measured row counts. A row count never measured is taken to cost what the nearest smaller one
 did (optimistic: a k not yet tried looks as cheap as the largest tried, so it is tried once and then
 known). alpha_i:
