@@ -20,7 +20,7 @@ from lmserve.graphs import DecodeGraphs
 from lmserve.kv.block_manager import BlockManager
 from lmserve.kv.cache import KVCache, slots
 from lmserve.kv.swap import HostSwap
-from lmserve.sampling.rejection import verify
+from lmserve.sampling.rejection import verify, verify_greedy
 from lmserve.sampling.sampler import Sampler, TokenView, make_logprob
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Logprob, SamplingParams, Sequence
@@ -170,9 +170,12 @@ class ModelRunner:
         base = seq.num_tokens - k  # committed tokens
         logits = self.model.compute_logits(hidden)  # (k+1, V): row i predicts token base + i
         views = [TokenView(seq, base + i) for i in range(k + 1)]
-        probs = self.sampler.target_probs(logits, views, bitmask)  # (k+1, V); bitmask (k+1, W) or None
         drafts = seq.token_ids[base:]
-        tokens, accepted = verify(probs, drafts, seq.spec.draft_probs, seq.generator, seq.params.temperature == 0)
+        if seq.params.temperature == 0:  # the processed argmax decides: no (k+1, V) one-hot rows
+            tokens, accepted = verify_greedy(self.sampler.target_argmax(logits, views, bitmask), drafts)
+        else:
+            probs = self.sampler.target_probs(logits, views, bitmask)  # (k+1, V); bitmask (k+1, W) or None
+            tokens, accepted = verify(probs, drafts, seq.spec.draft_probs, seq.generator, False)
         result.sampled[seq] = tokens
         result.rejected[seq] = k - accepted
         if seq.params.needs_logprob:

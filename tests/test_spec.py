@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
-from lmserve.sampling.rejection import verify
+from lmserve.sampling.rejection import verify, verify_greedy
 from tests.test_sampling import chi2_pvalue, two_sample_pvalue
 
 # repetitive prompts so that n-gram lookup finds continuations
@@ -121,6 +121,35 @@ def test_rejection_multi_position_and_point_mass():
     assert verify(q, best[:k], None, None, greedy=True) == (best, k)
     wrong = (best[1] + 1) % V
     assert verify(q, [best[0], wrong, best[2]], None, None, greedy=True) == ([best[0], best[1]], 1)
+
+
+@pytest.mark.parametrize("extra", [{}, {"repetition_penalty": 1.5, "logit_bias": {7: 3.0}}, {"min_tokens": 4}])
+def test_greedy_verification_argmax_is_target_probs_argmax(extra: dict) -> None:
+    """The runner's greedy verification reads the processed argmax directly (Sampler.target_argmax):
+    the same tokens as verifying against target_probs' one-hot rows, penalties, biases, min_tokens (EOS
+    masked) and a grammar bitmask included, position by position."""
+    from lmserve.sampling.sampler import Sampler, TokenView
+    from lmserve.sequence import Sequence
+
+    V, k = 64, 4
+    g = torch.Generator().manual_seed(3)
+    sampler = Sampler()
+    for trial in range(20):
+        seq = Sequence("r", [1, 2, 3, 7, 7, 9], SamplingParams(temperature=0, max_tokens=20, **extra), eos_token_ids=(5,))
+        seq.token_ids += torch.randint(0, V, (k,), generator=g).tolist()  # drafts after the prompt
+        views = [TokenView(seq, 6 + i) for i in range(k + 1)]
+        logits = torch.randn(k + 1, V, generator=g) * 2
+        bitmask = None
+        if trial % 2:  # allow about half the tokens (int32 words of 32 bits), never none
+            bitmask = torch.randint(-2**31, 2**31 - 1, (k + 1, V // 32), generator=g, dtype=torch.int64).to(torch.int32)
+            bitmask[:, 0] |= 1
+        drafts = seq.token_ids[6:]
+        best = sampler.target_argmax(logits, views, bitmask)
+        assert verify_greedy(best, drafts) == verify(sampler.target_probs(logits, views, bitmask), drafts, None, None,
+                                                     greedy=True)
+        assert best == sampler.target_probs(logits, views, bitmask).argmax(-1).tolist()
+        drafts = best[:k]  # all accepted: the bonus token is the last row's
+        assert verify_greedy(best, drafts) == (best, k)
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])

@@ -27,6 +27,15 @@ def _sample(dist: torch.Tensor, gen: random.Random | None) -> int:
                .clamp_(max=dist.shape[0] - 1))
 
 
+def verify_greedy(best: list[int], drafts: list[int]) -> tuple[list[int], int]:
+    """Greedy verification from the target's (processed) argmax at each of the k + 1 positions: the
+    drafts equal to it, then the target's own token at the first mismatch (or the bonus token)."""
+    j, k = 0, len(drafts)
+    while j < k and drafts[j] == best[j]:
+        j += 1
+    return drafts[:j] + [best[j]], j
+
+
 def verify(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
            generator: random.Random | None, greedy: bool) -> tuple[list[int], int]:
     """target: (k+1, V) processed target probabilities; draft_probs: (k, V) or None (point mass).
@@ -35,11 +44,7 @@ def verify(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
     """
     k = len(drafts)
     if greedy:
-        best = target.argmax(dim=-1).tolist()  # (k+1,)
-        j = 0
-        while j < k and drafts[j] == best[j]:
-            j += 1
-        return drafts[:j] + [best[j]], j
+        return verify_greedy(target.argmax(dim=-1).tolist(), drafts)
     q = target.double()
     for i, x in enumerate(drafts):
         qx = float(q[i, x])

@@ -196,6 +196,12 @@ class Sampler:
         Greedy rows are one-hot at their (processed) argmax. bitmask: (B, W) int32 allowed tokens."""
         return self._probs(self._penalized(logits, seqs, bitmask), [s.params for s in seqs])
 
+    def target_argmax(self, logits: torch.Tensor, seqs: list,  # type: ignore[type-arg]
+                      bitmask: torch.Tensor | None = None) -> list[int]:
+        """Greedy rows' tokens after all processing (B,): the argmax of target_probs, without building
+        its one-hot rows (a greedy verification's only need)."""
+        return self._penalized(logits, seqs, bitmask).argmax(dim=-1).tolist()
+
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """target_probs of logits (B, V) that already carry their penalties -> (B, V)."""
