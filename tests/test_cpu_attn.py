@@ -128,3 +128,36 @@ def test_steps_of_few_tokens_a_sequence_are_kernel_rows(qlens, ctx, kernel, monk
         assert torch.equal(cache, ref_cache)
         assert (got.double() - float64_attention(q, cache, meta, tables, 0.125, window)).abs().max() < 2e-5
     assert rows == ([sum(qlens)] * 2 if kernel else [1, 1])  # (the reference's decode rows go through it too)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("h, hkv, d", [(9, 3, 64), (4, 4, 72), (8, 2, 128)])
+def test_a_verifications_rows_get_the_same_bits_together_and_alone(dtype, h, hkv, d, monkeypatch):  # type: ignore[no-untyped-def]
+    """The AVX2 loop attends the rows of one sequence that a verification step brings (each one key
+    longer, the same blocks) together, reading each key once for all of them: every row's output is
+    bit for bit what the row gets alone, the (row, head) triples of the value pass spanning rows
+    included; runs longer than ROWS_PER_SEQ split, rows of other sequences and windows untouched."""
+    monkeypatch.setenv("LMSERVE_ISA", "avx2")
+    g = torch.Generator().manual_seed(5)
+    bs = 16
+    cache = torch.randn(2, 80 * bs, hkv, d, generator=g)  # (2, slots, Hkv, d)
+    cache = QuantizedKV.from_float(cache, dtype) if dtype == torch.int8 else cache.to(dtype)
+    blocks = torch.randperm(80, generator=g)
+    # sequences (first row's keys, rows): a 5-row verification mid-block, a decode row, 3 rows over a block
+    # edge, 18 rows (one run of 16 and one of 2), 2 rows whose blocks differ from their neighbours'
+    seqs, tables, lens, used = [(37, 5), (100, 1), (14, 3), (20, 18), (3, 2)], [], [], 0
+    for first, rows in seqs:
+        need = -(-(first + rows - 1) // bs)
+        table = blocks[used:used + need]
+        used += need
+        for r in range(rows):
+            tables.append(torch.nn.functional.pad(table, (0, 8 - need)))
+            lens.append(first + r)
+    tables_t, lens_t = torch.stack(tables), torch.tensor(lens)  # (B, 8), (B,)
+    q = torch.randn(len(lens), h, d, generator=g)  # (B, H, d)
+    for window in (None, 40):
+        together = cpu_native.paged_decode_attention(q, cache, tables_t, lens_t, bs, 0.125, window)  # (B, H, d)
+        for b in range(len(lens)):
+            alone = cpu_native.paged_decode_attention(q[b:b + 1], cache, tables_t[b:b + 1], lens_t[b:b + 1], bs, 0.125,
+                                                      window)
+            assert torch.equal(alone[0], together[b]), (window, b)

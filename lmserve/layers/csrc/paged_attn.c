@@ -12,7 +12,9 @@
  * Query head h reads kv head h / (H / Hkv) (GQA / MQA). window > 0: only the last `window` keys
  * (sliding-window layers). Two passes over the keys per (sequence, kv head): scores for every query
  * head of the group, a max-subtracted softmax, then the weighted sum of values; fp32 throughout.
- * Parallel over (sequence, kv head) pairs with OpenMP.
+ * Parallel over (sequence, kv head) pairs with OpenMP. A verification step's rows of one sequence
+ * (consecutive rows, each one key longer, the same blocks) are attended together by the AVX2 loop: one
+ * read of each key and value row for all of them, each row's result bit for bit its own.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -44,17 +46,24 @@ static inline void row_kv(const void *base, int64_t idx, int kind, const float *
   else memcpy(dst, (const float *)base + idx * D, sizeof(float) * (size_t)D);
 }
 
-/* Each of the G rows of scores [G, n] to its softmax (max subtracted), and out [G, D] zeroed. */
-static inline void softmax_rows(float *scores, int G, int64_t n, float *out, int D) {
+/* Each of the G rows of scores [G, stride] to the softmax of its first n entries (max subtracted), and
+ * out [G, D] zeroed. */
+static inline void softmax_strided(float *scores, int G, int64_t n, int64_t stride, float *out, int D) {
   for (int g = 0; g < G; g++) {
+    float *sg = scores + g * stride;
     float mx = -INFINITY, sum = 0.f;
-    for (int64_t j = 0; j < n; j++) mx = scores[g * n + j] > mx ? scores[g * n + j] : mx;
+    for (int64_t j = 0; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; j++) { scores[g * n + j] = lm_expf(scores[g * n + j] - mx); sum += scores[g * n + j]; }
+    for (int64_t j = 0; j < n; j++) { sg[j] = lm_expf(sg[j] - mx); sum += sg[j]; }
     const float inv = 1.f / sum;
-    for (int64_t j = 0; j < n; j++) scores[g * n + j] *= inv;
+    for (int64_t j = 0; j < n; j++) sg[j] *= inv;
     for (int i = 0; i < D; i++) out[g * D + i] = 0.f;
   }
+}
+
+/* Each of the G rows of scores [G, n] to its softmax (max subtracted), and out [G, D] zeroed. */
+static inline void softmax_rows(float *scores, int G, int64_t n, float *out, int D) {
+  softmax_strided(scores, G, n, n, out, D);
 }
 
 /* scores [G, len - first]; q, out: the group's G heads [G, D]. Plain C, inlined into a plain and an
@@ -167,6 +176,7 @@ static inline void key_rows(const int64_t *table, int64_t len, int64_t first, in
  * few keys on are prefetched: blocks lie anywhere in the pool, so the hardware prefetcher cannot
  * follow. keys: scratch for n row indices. */
 #define MAXC8 32 /* 8-lane chunks of a head: D up to 256 */
+#define MAX_RUN 16 /* rows of one sequence attended together (cpu_attn.ROWS_PER_SEQ) */
 /* 8 channels from element off of a cache half as float32: bf16 widened; int8 converted and times the
  * scale at sc (its group's: QuantizedKV's dequantize, the same float32 product) */
 __attribute__((target("avx2,fma")))
@@ -186,16 +196,21 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+/* R rows of one sequence at once (a verification's new tokens: row r has len + r keys, first == 0
+ * when R > 1; its queries at q + r * q_rstride, its output at out + r * o_rstride): each key's and
+ * value's row is read from memory once for all R rows. Every (row, head) pair's scores, softmax and
+ * weighted sum are those of the same row attended alone, in the same order (a shorter row's
+ * probabilities past its own keys are zeros, and a fused multiply-add of zero leaves a sum as it was). */
 __attribute__((target("avx2,fma")))
 static inline __attribute__((always_inline)) void attend_avx2_body(
     const float *q, const void *k, const void *v, int kind, const float *ks, const float *vs, const int64_t *table,
     int64_t len, int64_t first, int64_t bs, int Hkv, int kvh, int nkv, int G, const int C, float scale, float *scores,
-    int64_t *keys, float *out) {
-  const int64_t n = len - first;
-  const int D = 8 * C;
+    int64_t *keys, float *out, int R, int64_t q_rstride, int64_t o_rstride) {
+  const int64_t n0 = len - first, n = n0 + R - 1; /* row r: its first n0 + r keys; scores [R, nkv * G, n] */
+  const int D = 8 * C, nq = nkv * G;
   const int esize = kind == 1 ? 2 : kind == 2 ? 1 : 4;
   const int g = kv_group(D), ng = D / g; /* int8: channels per scale, scales per row */
-  key_rows(table, len, first, bs, Hkv, kvh, D, keys);
+  key_rows(table, len + R - 1, first, bs, Hkv, kvh, D, keys);
   for (int64_t j = 0; j < n; j++) {
     if (j + PF_KEYS < n) { /* the kv heads' rows are adjacent in a slot: one run of lines */
       const int64_t ahead = keys[j + PF_KEYS] * esize;
@@ -209,22 +224,38 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
       const float *sr = kind == 2 ? ks + row / D * ng : NULL;
       __m256 kc[MAXC8];
       for (int c = 0; c < C; c++) kc[c] = load8(k, row + 8 * c, kind, sr + (kind == 2 ? 8 * c / g : 0));
-      for (int g = h * G; g < (h + 1) * G; g++) {
-        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), kc[0]);
-        for (int c = 1; c < C; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), kc[c], acc);
-        scores[g * n + j] = hsum8(acc) * scale;
-      }
+      for (int r = j < n0 ? 0 : (int)(j - n0 + 1); r < R; r++) /* the rows that see key j */
+        for (int g = h * G; g < (h + 1) * G; g++) {
+          const float *qr = q + r * q_rstride + g * D;
+          __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), kc[0]);
+          for (int c = 1; c < C; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), kc[c], acc);
+          scores[((int64_t)r * nq + g) * n + j] = hsum8(acc) * scale;
+        }
     }
   }
-  softmax_rows(scores, nkv * G, n, out, D);
+  for (int r = 0; r < R; r++) {
+    float *sr = scores + (int64_t)r * nq * n;
+    softmax_strided(sr, nq, n0 + r, n, out + r * o_rstride, D);
+    for (int q2 = 0; q2 < nq; q2++)
+      for (int64_t j = n0 + r; j < n; j++) sr[q2 * n + j] = 0.f; /* past row r's keys */
+  }
   for (int h = 0; h < nkv; h++)
     for (int c0 = 0; c0 < C; c0 += 2) {
       const int two = c0 + 1 < C;
-      for (int g0 = h * G; g0 < (h + 1) * G; g0 += 3) {
-        const int gn = (h + 1) * G - g0 < 3 ? (h + 1) * G - g0 : 3;
-        const float *s0 = scores + g0 * n, *s1 = s0 + (gn > 1 ? n : 0), *s2 = s0 + (gn > 2 ? 2 * n : 0);
+      for (int i0 = 0; i0 < R * G; i0 += 3) { /* (row, head) pairs i = r * G + head of kv head h, 3 at a time */
+        const int gn = R * G - i0 < 3 ? R * G - i0 : 3;
+        const float *sp[3];
+        float *op[3];
+        int64_t m = 0; /* keys of the triple's longest row */
+        for (int t = 0; t < 3; t++) {
+          const int i = i0 + (t < gn ? t : 0), r = i / G, gh = h * G + i % G;
+          sp[t] = scores + ((int64_t)r * nq + gh) * n;
+          op[t] = out + r * o_rstride + (int64_t)gh * D;
+          m = n0 + r > m ? n0 + r : m;
+        }
+        const float *s0 = sp[0], *s1 = sp[1], *s2 = sp[2];
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = 0; j < m; j++) {
           const int64_t row = keys[j] + (int64_t)h * D + 8 * c0;
           const float *sr = kind == 2 ? vs + (keys[j] / D + h) * ng : NULL;
           const __m256 v0 = load8(v, row, kind, sr + (kind == 2 ? 8 * c0 / g : 0));
@@ -235,29 +266,28 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
           a20 = _mm256_fmadd_ps(p2, v0, a20); a21 = _mm256_fmadd_ps(p2, v1, a21);
         }
         const __m256 a[3][2] = {{a00, a01}, {a10, a11}, {a20, a21}};
-        for (int g = 0; g < gn; g++) {
-          _mm256_storeu_ps(out + (g0 + g) * D + 8 * c0, a[g][0]);
-          if (two) _mm256_storeu_ps(out + (g0 + g) * D + 8 * c0 + 8, a[g][1]);
+        for (int t = 0; t < gn; t++) {
+          _mm256_storeu_ps(op[t] + 8 * c0, a[t][0]);
+          if (two) _mm256_storeu_ps(op[t] + 8 * c0 + 8, a[t][1]);
         }
       }
     }
 }
 
-/* nkv kv heads from kvh on (their query heads' rows of q and out adjacent), scores [nkv * G, n] */
+/* nkv kv heads from kvh on (their query heads' rows of q and out adjacent) for R rows of one sequence
+ * (attend_avx2_body), scores [R, nkv * G, len - first + R - 1] */
 #define AVX2_ARGS const float *q, const void *k, const void *v, int kind, const float *ks, const float *vs, \
     const int64_t *table, int64_t len, int64_t first, int64_t bs, int Hkv, int kvh, int nkv, int G, int D, float scale, \
-    float *scores, int64_t *keys, float *out
+    float *scores, int64_t *keys, float *out, int R, int64_t q_rstride, int64_t o_rstride
 #define AVX2_PASS(C) attend_avx2_body(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, C, scale, scores, \
-                                      keys, out)
+                                      keys, out, R, q_rstride, o_rstride)
 /* the common head dims with the chunk count fixed (the K row and the loops in registers), any other by count */
 __attribute__((target("avx2,fma"))) static void attend_avx2_64(AVX2_ARGS) { (void)D; AVX2_PASS(8); }
 __attribute__((target("avx2,fma"))) static void attend_avx2_128(AVX2_ARGS) { (void)D; AVX2_PASS(16); }
 __attribute__((target("avx2,fma"))) static void attend_avx2_any(AVX2_ARGS) { AVX2_PASS(D / 8); }
 static void attend_avx2v(AVX2_ARGS) {
-  if (D == 64) attend_avx2_64(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
-  else if (D == 128)
-    attend_avx2_128(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
-  else attend_avx2_any(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out);
+  void (*f)(AVX2_ARGS) = D == 64 ? attend_avx2_64 : D == 128 ? attend_avx2_128 : attend_avx2_any;
+  f(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out, R, q_rstride, o_rstride);
 }
 
 int lm_attn_avx512(void) {
@@ -317,19 +347,33 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
   for (int64_t b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
   const int avx512 = use_simd == 2 && kind != 2 && D % 16 == 0 && D <= 16 * MAXC; /* int8: the AVX2 loop */
   const int avx2v = !avx512 && use_simd && D % 8 == 0 && D <= 8 * MAXC8;
+  /* runs of rows (the AVX2 path): consecutive rows of one sequence, each one key longer than the one
+   * before and reading the same blocks (a verification's new tokens), attended together so that each
+   * key and value row is read once for the run (up to MAX_RUN rows; not where a window drops keys) */
+  int64_t *runs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+  int64_t nruns = 0;
+  for (int64_t b = 0; b < B; b++) {
+    const int join = avx2v && b > 0 && b - runs[nruns - 1] < MAX_RUN && lens[b] == lens[b - 1] + 1 && lens[b - 1] > 0
+                     && (window <= 0 || lens[b] <= window)
+                     && !memcmp(tables + b * T, tables + (b - 1) * T, sizeof(int64_t) * (size_t)((lens[b] + block_size - 1) / block_size));
+    if (!join) runs[nruns++] = b;
+  }
+  runs[nruns] = B;
   /* kv heads per task: all of a sequence's when there are sequences enough to share out (the AVX2
    * path): a slot's heads are adjacent, so a task then reads whole slot rows (a stream the memory
    * system serves about twice as fast as a head's 1 / Hkv of each row), else one */
-  const int per = avx2v && B >= 2 * (int64_t)nthreads ? Hkv : 1;
-  const int64_t tasks = B * (Hkv / per);
+  const int per = avx2v && nruns >= 2 * (int64_t)nthreads ? Hkv : 1;
+  const int64_t tasks = nruns * (Hkv / per);
+  const int64_t most = avx2v ? MAX_RUN : 1; /* rows of a task's scores */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tasks > 1)
   {
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(per * G * (maxlen > 0 ? maxlen : 1)));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(most * per * G * (maxlen > 0 ? maxlen : 1)));
     float *row = (float *)malloc(sizeof(float) * (size_t)D);
     int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxlen > 0 ? maxlen : 1));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; t++) {
-      const int64_t b = t / (Hkv / per);
+      const int64_t b = runs[t / (Hkv / per)];
+      const int R = (int)(runs[t / (Hkv / per) + 1] - b);
       const int kvh = (int)(t % (Hkv / per)) * per;
       const int64_t len = lens[b];
       const int64_t first = window > 0 && len > window ? len - window : 0;
@@ -340,7 +384,7 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
         attend_avx512(qg, k, v, kind, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, og);
       else if (avx2v)
         attend_avx2v(qg, k, v, kind, k_scale, v_scale, tables + b * T, len, first, block_size, Hkv, kvh, per, G, D, scale,
-                     scores, keys, og);
+                     scores, keys, og, R, q_stride, (int64_t)H * D);
       else if (use_simd)
         attend_avx2(qg, k, v, kind, k_scale, v_scale, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores,
                     row, og);
@@ -352,4 +396,5 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
     free(row);
     free(keys);
   }
+  free(runs);
 }
