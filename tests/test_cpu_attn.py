@@ -132,7 +132,8 @@ def test_steps_of_few_tokens_a_sequence_are_kernel_rows(qlens, ctx, kernel, monk
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("h, hkv, d", [(9, 3, 64), (4, 4, 72), (8, 2, 128)])
-def test_a_verifications_rows_get_the_same_bits_together_and_alone(dtype, h, hkv, d, monkeypatch):  # type: ignore[no-untyped-def]
+def test_a_verifications_rows_get_the_same_bits_together_and_alone(  # type: ignore[no-untyped-def]
+        dtype, h, hkv, d, monkeypatch):
     """The AVX2 loop attends the rows of one sequence that a verification step brings (each one key
     longer, the same blocks) together, reading each key once for all of them: every row's output is
     bit for bit what the row gets alone, the (row, head) triples of the value pass spanning rows

@@ -135,7 +135,8 @@ def test_greedy_verification_argmax_is_target_probs_argmax(extra: dict) -> None:
     g = torch.Generator().manual_seed(3)
     sampler = Sampler()
     for trial in range(20):
-        seq = Sequence("r", [1, 2, 3, 7, 7, 9], SamplingParams(temperature=0, max_tokens=20, **extra), eos_token_ids=(5,))
+        params = SamplingParams(temperature=0, max_tokens=20, **extra)
+        seq = Sequence("r", [1, 2, 3, 7, 7, 9], params, eos_token_ids=(5,))
         seq.token_ids += torch.randint(0, V, (k,), generator=g).tolist()  # drafts after the prompt
         views = [TokenView(seq, 6 + i) for i in range(k + 1)]
         logits = torch.randn(k + 1, V, generator=g) * 2

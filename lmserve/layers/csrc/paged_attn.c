@@ -287,7 +287,8 @@ __attribute__((target("avx2,fma"))) static void attend_avx2_128(AVX2_ARGS) { (vo
 __attribute__((target("avx2,fma"))) static void attend_avx2_any(AVX2_ARGS) { AVX2_PASS(D / 8); }
 static void attend_avx2v(AVX2_ARGS) {
   void (*f)(AVX2_ARGS) = D == 64 ? attend_avx2_64 : D == 128 ? attend_avx2_128 : attend_avx2_any;
-  f(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out, R, q_rstride, o_rstride);
+  f(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out, R, q_rstride,
+    o_rstride);
 }
 
 int lm_attn_avx512(void) {
@@ -353,9 +354,10 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
   int64_t *runs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
   int64_t nruns = 0;
   for (int64_t b = 0; b < B; b++) {
+    const size_t blocks = (size_t)((lens[b] + block_size - 1) / block_size); /* the blocks row b reads */
     const int join = avx2v && b > 0 && b - runs[nruns - 1] < MAX_RUN && lens[b] == lens[b - 1] + 1 && lens[b - 1] > 0
                      && (window <= 0 || lens[b] <= window)
-                     && !memcmp(tables + b * T, tables + (b - 1) * T, sizeof(int64_t) * (size_t)((lens[b] + block_size - 1) / block_size));
+                     && !memcmp(tables + b * T, tables + (b - 1) * T, sizeof(int64_t) * blocks);
     if (!join) runs[nruns++] = b;
   }
   runs[nruns] = B;
