@@ -58,9 +58,9 @@ def trees(all_ranks: torch.Tensor) -> list[str]:
     best = sorted(freq, key=lambda p: (-freq[p], len(p), p))
     lines = []
     for n in range(1, 9):
-        chain = 1 + sum(freq.get((0,) * d, 0.0) for d in range(1, n + 1)) if n <= DEPTH else float("nan")
+        chain = 1 + sum(freq.get((0,) * d, 0.0) for d in range(1, n + 1)) if n <= DEPTH else None
         lines.append(f"{n} drafts: tree {1 + sum(freq[p] for p in best[:n]):.3f} tokens a verification "
-                     f"{sorted(best[:n])}, chain {chain:.3f}")
+                     f"{sorted(best[:n])}, chain " + ("-" if chain is None else f"{chain:.3f}"))
     return lines
 
 
