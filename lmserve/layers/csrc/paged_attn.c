@@ -14,7 +14,7 @@
  * head of the group, a max-subtracted softmax, then the weighted sum of values; fp32 throughout.
  * Parallel over (sequence, kv head) pairs with OpenMP. A verification step's rows of one sequence
  * (consecutive rows, each one key longer, the same blocks) are attended together by the AVX2 loop: one
- * read of each key and value row for all of them, each row's result bit for bit its own.
+ * read of each key and value row for all of them, each row's result bit for bit its own (finite caches).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -200,7 +200,8 @@ static inline float hsum8(__m256 v) {
  * when R > 1; its queries at q + r * q_rstride, its output at out + r * o_rstride): each key's and
  * value's row is read from memory once for all R rows. Every (row, head) pair's scores, softmax and
  * weighted sum are those of the same row attended alone, in the same order (a shorter row's
- * probabilities past its own keys are zeros, and a fused multiply-add of zero leaves a sum as it was). */
+ * probabilities past its own keys are zeros, and a fused multiply-add of zero leaves a sum as it was,
+ * for finite values: an inf or NaN value past a row's keys would reach it here). */
 __attribute__((target("avx2,fma")))
 static inline __attribute__((always_inline)) void attend_avx2_body(
     const float *q, const void *k, const void *v, int kind, const float *ks, const float *vs, const int64_t *table,
@@ -349,16 +350,21 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
   const int avx512 = use_simd == 2 && kind != 2 && D % 16 == 0 && D <= 16 * MAXC; /* int8: the AVX2 loop */
   const int avx2v = !avx512 && use_simd && D % 8 == 0 && D <= 8 * MAXC8;
   /* runs of rows (the AVX2 path): consecutive rows of one sequence, each one key longer than the one
-   * before and reading the same blocks (a verification's new tokens), attended together so that each
-   * key and value row is read once for the run (up to MAX_RUN rows; not where a window drops keys) */
+   * before and reading the run's first row's blocks (a verification's new tokens), attended together so
+   * that each key and value row is read once for the run (not where a window drops keys). At most `cap`
+   * rows a run: MAX_RUN, and few enough that one sequence's rows still give every thread a task. */
+  int64_t cap = avx2v ? (B * Hkv) / (nthreads > 0 ? nthreads : 1) : 1;
+  cap = cap < 1 ? 1 : cap > MAX_RUN ? MAX_RUN : cap;
   int64_t *runs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
-  int64_t nruns = 0;
+  int64_t nruns = 0, longest = 1;
   for (int64_t b = 0; b < B; b++) {
+    const int64_t r0 = nruns > 0 ? runs[nruns - 1] : 0; /* the current run's first row */
     const size_t blocks = (size_t)((lens[b] + block_size - 1) / block_size); /* the blocks row b reads */
-    const int join = avx2v && b > 0 && b - runs[nruns - 1] < MAX_RUN && lens[b] == lens[b - 1] + 1 && lens[b - 1] > 0
+    const int join = avx2v && b > 0 && b - r0 < cap && lens[b] == lens[b - 1] + 1 && lens[b - 1] > 0
                      && (window <= 0 || lens[b] <= window)
-                     && !memcmp(tables + b * T, tables + (b - 1) * T, sizeof(int64_t) * blocks);
+                     && !memcmp(tables + b * T, tables + r0 * T, sizeof(int64_t) * blocks);
     if (!join) runs[nruns++] = b;
+    longest = b + 1 - runs[nruns - 1] > longest ? b + 1 - runs[nruns - 1] : longest;
   }
   runs[nruns] = B;
   /* kv heads per task: all of a sequence's when there are sequences enough to share out (the AVX2
@@ -366,10 +372,9 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
    * system serves about twice as fast as a head's 1 / Hkv of each row), else one */
   const int per = avx2v && nruns >= 2 * (int64_t)nthreads ? Hkv : 1;
   const int64_t tasks = nruns * (Hkv / per);
-  const int64_t most = avx2v ? MAX_RUN : 1; /* rows of a task's scores */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tasks > 1)
   {
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(most * per * G * (maxlen > 0 ? maxlen : 1)));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(longest * per * G * (maxlen > 0 ? maxlen : 1)));
     float *row = (float *)malloc(sizeof(float) * (size_t)D);
     int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxlen > 0 ? maxlen : 1));
 #pragma omp for schedule(dynamic, 1)
