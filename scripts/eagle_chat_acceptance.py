@@ -29,7 +29,7 @@ DEPTH, MAX_RANK = 4, 8  # tree depth and the ranks a tree node may take
 @torch.no_grad()
 def ranks(head: eagle.EagleHead, ex: eagle.Example, lm: torch.Tensor) -> torch.Tensor:
     """(rows, DEPTH) rank of the target's greedy token in the head's read-out at each chained depth, over
-    greedy_rows; a token outside the draft vocabulary ranks MAX_RANK."""
+    eagle.greedy_rows; a token outside the draft vocabulary ranks MAX_RANK."""
     vocab = head.draft_vocab
     out = lm if vocab is None else lm[vocab]
     where = torch.arange(lm.shape[0]) if vocab is None else torch.full((lm.shape[0],), -1).index_put_(
@@ -42,7 +42,7 @@ def ranks(head: eagle.EagleHead, ex: eagle.Example, lm: torch.Tensor) -> torch.T
         row = where[ex.labels[s:s + m]]  # (m,)
         rank = (logits > logits.gather(1, row.clamp(min=0)[:, None])).sum(1)
         cols.append(torch.where(row >= 0, rank, torch.full_like(rank, MAX_RANK)).clamp(max=MAX_RANK))
-    return torch.stack(cols, 1)[greedy_rows(ex)]
+    return torch.stack(cols, 1)[eagle.greedy_rows(ex, DEPTH)]
 
 
 def trees(all_ranks: torch.Tensor) -> list[str]:
@@ -105,21 +105,12 @@ def main(heads: list[str]) -> None:
         print("  draft 1 by the head's top probability:", confidence(head, examples, lm))
         per = [ranks(head, ex, lm) for ex in examples]
         hit = torch.cat([r[:, 0] == 0 for r in per])
-        target = torch.cat([t[greedy_rows(ex)] for t, ex in zip(sure, examples)])
+        target = torch.cat([t[eagle.greedy_rows(ex, DEPTH)] for t, ex in zip(sure, examples)])
         print("  draft 1 by the target's top probability:", "; ".join(
             f"[{lo:.1f}, {min(hi, 1.0):.1f}): {sel.float().mean():.0%} of rows, {hit[sel].float().mean():.0%} accepted"
             for lo, hi in zip(TARGET_BUCKETS, TARGET_BUCKETS[1:]) if (sel := (target >= lo) & (target < hi)).any()))
         for line in trees(torch.cat(per)):
             print("  " + line)
-
-
-def greedy_rows(ex: eagle.Example) -> torch.Tensor:
-    """(m,) the rows whose next DEPTH tokens are the target's greedy ones (as chain_acceptance takes them)."""
-    m = ex.feats.shape[0] - DEPTH
-    greedy = torch.ones(m, dtype=torch.bool)
-    for s in range(1, DEPTH):
-        greedy &= ex.tokens[s + 1:s + 1 + m] == ex.labels[s:s + m]
-    return greedy
 
 
 if __name__ == "__main__":

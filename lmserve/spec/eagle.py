@@ -283,6 +283,16 @@ def agreement(head: EagleHead, examples: list[Example], lm_head: torch.Tensor) -
 
 
 @torch.no_grad()
+def greedy_rows(ex: Example, k: int) -> torch.Tensor:
+    """(T - k,) the rows t whose tokens t + 2..t + k are the target's greedy ones (ex.labels, ex.tokens):
+    where a chain of k greedy drafts meets the context it would meet in serving."""
+    m = ex.feats.shape[0] - k
+    greedy = torch.ones(m, dtype=torch.bool)
+    for s in range(1, k):
+        greedy &= ex.tokens[s + 1:s + 1 + m] == ex.labels[s:s + m]
+    return greedy
+
+
 def chain_acceptance(head: EagleHead, examples: list[Example], lm_head: torch.Tensor, k: int) -> list[float]:
     """Greedy chain drafting of k tokens from every position of held-out sequences, drafts accepted while
     they equal the target's greedy tokens (ex.labels) as a verification would: [P(drafts 1..s all
@@ -301,9 +311,7 @@ def chain_acceptance(head: EagleHead, examples: list[Example], lm_head: torch.Te
         m = ex.feats.shape[0] - k  # rows with all k targets
         if len(preds) < k or m <= 0:
             continue
-        greedy = torch.ones(m, dtype=torch.bool)  # row t: tokens t + 2..t + k are the greedy ones
-        for s in range(1, k):
-            greedy &= ex.tokens[s + 1:s + 1 + m] == ex.labels[s:s + m]
+        greedy = greedy_rows(ex, k)
         alive = greedy.clone()
         for s, pred in enumerate(preds, 1):
             tok = (pred[:m] @ out.T).argmax(-1)  # (m,)
