@@ -26,7 +26,8 @@ from lmserve.models.loader import load_model
 from lmserve.parallel.driver import load_tensor_parallel
 from lmserve.outputs import OutputProcessor, RequestOutput
 from lmserve.runner import ModelRunner, profile_kv_budget
-from lmserve.scheduler import EngineStats, Scheduler, SchedulerOutput  # EngineStats: part of the engine API
+from lmserve.scheduler import Scheduler, SchedulerOutput
+from lmserve.stats import EngineStats, snapshot  # EngineStats: part of the engine API
 from lmserve.sequence import Request, SamplingParams, Sequence
 from lmserve.spec.build import build_proposer
 from lmserve.spec.policy import SpecPolicy
@@ -187,7 +188,9 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a failed forward or sampler fails this step's requests alone
             log.exception("a step failed; its %d sequences end with an error", len(out.scheduled))
             self.scheduler.release_pins()
-            for seq, _ in out.scheduled:
+            if self.spec is not None:
+                self.spec.discard()  # unverified drafts are no output
+            for seq in self.fanout.failing([seq for seq, _ in out.scheduled], self.requests):
                 self.output.fail(seq, f"{type(e).__name__}: {e}")
             return self._outputs(out, expired)
         if self.spec is not None:
@@ -228,18 +231,7 @@ class Engine:
 
     # ---------------------------------------------------------------- state
     def stats(self) -> EngineStats:
-        b = self.block_manager.stats()
-        st = self.scheduler.stats
-        return EngineStats(
-            block_size=self.block_manager.block_size, num_blocks=b.total, free_blocks=b.free,
-            cached_blocks=b.cached, used_blocks=b.used,
-            kv_capacity_tokens=b.total * self.block_manager.block_size // self.block_manager.num_groups,
-            prefix_hit_tokens=st.prefix_hit_tokens, prompt_tokens_queried=st.prompt_tokens_queried,
-            num_preemptions=st.num_preemptions, computed_tokens=st.computed_tokens,
-            num_swapped=st.num_swapped, swap_free_blocks=self.scheduler.swap_free,
-            peak_used_blocks=st.peak_used_blocks,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            spec=self.spec.stats.as_dict() if self.spec is not None else None)
+        return snapshot(self.block_manager, self.scheduler, self.spec)
 
     def close(self) -> None:  # stops the other tensor-parallel ranks (nothing to do for one process)
         getattr(self.model, "close", lambda: None)()

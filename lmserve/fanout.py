@@ -64,6 +64,14 @@ class FanOut:
             if rid in requests:
                 self._beam_step(rid, requests[rid])
 
+    @staticmethod
+    def failing(seqs: list[Sequence], requests: dict[str, list[Sequence]]) -> list[Sequence]:
+        """What a failed step of `seqs` ends: those, and every unfinished beam of a beam search among
+        them (a beam advances only with all its beams; one left would wait forever). n / best_of
+        children stand alone."""
+        beams = {s.request_id for s in seqs if s.params.use_beam_search}
+        return list(dict.fromkeys(seqs + [s for r in beams for s in requests.get(r, []) if not s.is_finished]))
+
     def forget(self, request_id: str) -> None:
         self.beams.pop(request_id, None)
 

@@ -186,7 +186,12 @@ class OutputProcessor:
         s0 = seqs[0]
         finished = all(s.is_finished for s in seqs)
         outs = []
-        if finished:
+        failed = next((s for s in seqs if s.finish_reason == "error"), None)
+        if finished and failed is not None:  # the search could not go on: its error, not a partial result
+            o = failed.output
+            outs.append(CompletionOutput(index=0, text="", token_ids=[], finish_reason="error", error=o.error,
+                                         error_status=o.error_status))
+        elif finished:
             for i, h in enumerate(beam.best(s0.params.n)):
                 text = self.tokenizer.decode(h.tokens, s0.params.skip_special_tokens) if self.tokenizer else ""
                 outs.append(CompletionOutput(index=i, text=text, token_ids=h.tokens, cumulative_logprob=h.score,

@@ -52,32 +52,6 @@ class SchedulerStats:
     peak_used_blocks: int = 0
 
 
-@dataclass
-class EngineStats:
-    """A snapshot of the cache and scheduler counters (Engine.stats)."""
-
-    block_size: int
-    num_blocks: int
-    free_blocks: int
-    cached_blocks: int
-    used_blocks: int
-    kv_capacity_tokens: int
-    prefix_hit_tokens: int
-    prompt_tokens_queried: int
-    num_preemptions: int
-    computed_tokens: int
-    peak_used_blocks: int
-    num_running: int
-    num_waiting: int
-    num_swapped: int = 0  # preemptions that swapped the KV out instead of recomputing
-    swap_free_blocks: int = 0  # host swap space left, in blocks
-    spec: dict | None = None  # speculative decoding counters, when it is on
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prompt_tokens_queried if self.prompt_tokens_queried else 0.0
-
-
 class Scheduler:
     """Token-budget scheduler with chunked prefill, prefix-cache admission and preemption."""
 
@@ -96,9 +70,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the tail (of the worst priority) is preempted first
         self.last_batch = (0, 0)
         self.stats = SchedulerStats()
-        # copy-on-write sources of the step being run, held until its copies are done: a victim
-        # preempted later in the same schedule() must not free (and the pool hand out) a source
-        self._pinned: list[int] = []
+        # copy-on-write sources by their copier, held until the step's copies run: a holder preempted later
+        # in schedule() must not free one to be another copy's target (a preempted copier's copies go)
+        self._pinned: dict[Sequence, list[int]] = {}
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence: after every waiting one of its priority or better (lower)."""
@@ -135,8 +109,8 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         todo = {s: self._tokens_to_compute(s) for s in self.running}
-        decoding = [s for s, n in todo.items() if n == 1]
-        prefilling = [s for s, n in todo.items() if n > 1]
+        decoding = [s for s, n in todo.items() if n == 1 + s.spec.num_draft]  # drafts too: a decode goes first
+        prefilling = [s for s, n in todo.items() if n != 1 + s.spec.num_draft]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
@@ -148,6 +122,7 @@ class Scheduler:
                 for victim in reversed(self._family(self._victim(), self.running)):  # tail first
                     budget += scheduled.pop(victim, 0)
                     pending = copies.pop(victim, None)  # its copy targets were just freed
+                    self.bm.unpin(self._pinned.pop(victim, []))
                     self._preempt(victim, dict((dst, src) for src, dst in pending or ()))
                     preempted.append(victim)
                 if seq.status is not Status.RUNNING:
@@ -156,11 +131,10 @@ class Scheduler:
                 scheduled[seq] = n
                 copies[seq] = cow
                 budget -= n
-                if cow:
-                    self._pinned += self.bm.fork([[src for src, _ in cow]])[0]
+                self._pinned[seq] = self.bm.pin([src for src, _ in cow])
         while self.waiting and budget > 0 and not preempted:
             gang = self._family(self.waiting[0], self.waiting)
-            if len(self.running) + len(gang) > self.max_num_seqs:
+            if len(self.running) + max(len(gang), gang[0].params.max_running) > self.max_num_seqs:
                 break
             admitted = self._admit(gang, budget)
             if admitted is None:
@@ -170,6 +144,8 @@ class Scheduler:
                     scheduled[seq] = n
                     budget -= n
 
+        if not scheduled:  # no copies will run: the pins of sequences scheduled, then preempted, go
+            self.release_pins()
         self.stats.computed_tokens += sum(scheduled.values())
         decode = sum(n for s, n in scheduled.items() if n == 1 + s.spec.num_draft and s.num_output_tokens)
         self.last_batch = (sum(scheduled.values()) - decode, decode)  # (prefill, decode) tokens: the console
@@ -348,9 +324,9 @@ class Scheduler:
 
     def release_pins(self) -> None:
         """The step's block copies are done (or the step failed): let go of their pinned sources."""
-        if self._pinned:
-            self.bm.free_blocks(self._pinned)
-            self._pinned = []
+        for blocks in self._pinned.values():
+            self.bm.unpin(blocks)
+        self._pinned = {}
 
     @staticmethod
     def _append(seq: Sequence, tokens: list[int], now: float) -> tuple[list[int], tuple | None]:

@@ -182,6 +182,12 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def max_running(self) -> int:
+        """How many of the request's sequences run at once at most: a beam search's width (it clones as it
+        goes, pruning as many before the next step), else 1 (n / best_of children stand alone)."""
+        return self.beam_width if self.use_beam_search else 1
+
+    @property
     def needs_logprob(self) -> bool:
         """Whether the chosen tokens' logprobs must be computed (asked for, or to rank best_of)."""
         return self.logprobs is not None or self.num_samples > self.n

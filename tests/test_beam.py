@@ -91,3 +91,33 @@ def test_beam_under_kv_pressure(tiny_models, width):  # type: ignore[no-untyped-
         assert st.used_blocks == 0 and not llm.engine.requests
         preempted += st.num_preemptions
     assert preempted > 0
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_a_beam_search_fits_a_pool_of_its_width(tiny_models, width):  # type: ignore[no-untyped-def]
+    """A 3-token prompt's beams, one block each, in a pool of exactly `width` blocks (what validation
+    accepts): the search finishes. Before, a copy-on-write source's pin counted as a holder, so the
+    last beam copied its block too, found no free block, and the scheduler stalled at the first step."""
+    path, hf = tiny_models["llama"]
+    per_block = KVCache.bytes_per_block(hf_config(path), 16, torch.float32)
+    llm = LLM(str(path), block_size=16, kv_cache_memory=per_block * width, enable_prefix_caching=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(use_beam_search=True, n=width, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == hf_beam(hf, [5, 6, 7], width, width, 4)
+    assert llm.stats().used_blocks == 0 and not llm.engine.block_manager.pins
+
+
+def test_a_beam_search_counts_its_width_against_max_num_seqs(tiny_models):  # type: ignore[no-untyped-def]
+    """max_num_seqs 2, one plain request and a 2-wide beam search: the beams wait for room for both
+    (before, the first beam was admitted beside the plain request and its clone made 3 running)."""
+    path, _ = tiny_models["llama"]
+    eng = LLM(str(path), block_size=4, max_num_seqs=2).engine
+    eng.add_request("A", [5, 6], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    eng.add_request("B", [7, 8, 9], SamplingParams(n=2, use_beam_search=True, max_tokens=6, ignore_eos=True))
+    peak, done = 0, {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        peak = max(peak, len(eng.scheduler.running))
+    assert peak == 2 and len(done["B"].outputs) == 2 and len(done["A"].outputs[0].token_ids) == 8

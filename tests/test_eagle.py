@@ -449,6 +449,47 @@ def test_on_an_int8_target_the_head_runs_int8_and_stays_exact(tiny_models, head_
     assert llm.stats().spec["accepted"] > 0
 
 
+def test_the_module_path_survives_its_kv_pool_growing(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    """A float target (the head as torch modules, as on CUDA): a 300-token prompt grows the head's KV
+    pool past its first 256 slots inside inference mode; the backlog is fed to it later, outside a
+    step's inference mode. Greedy output is plain decoding's (before: "Inplace update to inference
+    tensor outside InferenceMode", out of Engine.step)."""
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), quantization="none", draft_model=str(head_dir), **{**EAGLE, "num_speculative_tokens": 3})
+    assert llm.engine.spec.proposer.native is None
+    prompt = [(i * 7) % 120 + 3 for i in range(300)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ref = LLM(str(path), quantization="none").generate([prompt], params, use_tqdm=False)
+    out = llm.generate([prompt], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert llm.engine.spec.proposer.kv.kv.shape[1] > 256 and not llm.engine.spec.proposer.kv.kv.requires_grad
+
+
+def test_the_rope_table_covers_every_position_a_chain_reaches(tiny_models, head_dir, monkeypatch):  # type: ignore[no-untyped-def]
+    """Chains run to the batch's longest k, so a row cut short by max_model_len still drafts (and drops)
+    positions past it: the head's cos / sin tables reach max_model_len + k (before: max_model_len + 1
+    rows, and the C loop read 3 rows past the table's end in this run)."""
+    from lmserve.spec import eagle_native
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), quantization="int8", max_model_len=64, draft_model=str(head_dir),
+              **{**EAGLE, "num_speculative_tokens": 8})
+    prop = llm.engine.spec.proposer
+    if prop.native is None:
+        pytest.skip("no C compiler: the head does not draft in C here")
+    reached = []
+    orig = eagle_native.Drafting.step
+
+    def step(self, embeds, rounds=1, min_prob=0.0):  # type: ignore[no-untyped-def]
+        reached.append(int(self.pos.max()) + rounds - 1)  # the last position this call's chains read
+        return orig(self, embeds, rounds, min_prob)
+    monkeypatch.setattr(eagle_native.Drafting, "step", step)
+    llm.generate([[5, 6, 7], [(i * 5) % 100 + 3 for i in range(50)]],
+                 [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                  SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)], use_tqdm=False)
+    rows = prop.native.cos.shape[0]
+    assert max(reached) >= 65 and max(reached) < rows  # past max_model_len + 1, inside the table
+
+
 # int8: drafting in C (NativeHead), sampled in Python, with chains cut where the draft distribution is
 # unsure (spec_min_draft_prob: the median top probability of the drafts' distributions in a first run)
 @pytest.mark.parametrize("quantization,cut", [("none", False), ("int8", True)])

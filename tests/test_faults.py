@@ -199,3 +199,98 @@ def test_a_started_request_is_not_expired_for_a_child_still_waiting(tiny_models)
         done += [o for o in eng.step() if o.finished]
     (out,) = done
     assert [c.finish_reason for c in out.outputs] == ["length", "length"], [c.error for c in out.outputs]
+
+
+def test_a_failed_speculative_step_reports_no_unverified_drafts(tiny_models):  # type: ignore[no-untyped-def]
+    """n-gram drafts are on the token list when the verification's forward raises: the request ends
+    with the error and the tokens it had, none of the drafts (before, 4 drafts went out as output)."""
+    path, _ = tiny_models["llama"]
+    eng = LLM(str(path), block_size=4, speculative_method="ngram", num_speculative_tokens=4).engine
+    eng.add_request("Y", [9, 3, 4, 5] * 4, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                          logit_bias={9: 100}))
+    real = eng.runner.forward
+
+    def boom(out):  # type: ignore[no-untyped-def]
+        if any(s.spec.num_draft for s, _ in out.scheduled):
+            raise RuntimeError("injected fault")
+        return real(out)
+    eng.runner.forward = boom
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "error" and "injected fault" in final.error
+    assert final.token_ids == [9]  # the first step's token; the drafts that followed it were never verified
+    assert eng.spec.stats.as_dict()["proposed"] == 0 and not eng.requests
+
+
+def test_a_failed_beam_step_ends_the_whole_search_with_its_error(tiny_models):  # type: ignore[no-untyped-def]
+    """A token budget of 2 splits a 2-wide beam family over two steps; the step of the second beam
+    raises while the first waits with its log-probs. The whole search ends with the error (a 500 at
+    the server) and every block is free (the plain request beside it ran in that step or not: its
+    error, or all its tokens). Before, the first beam
+    waited forever (the engine then raised "scheduler stalled"), and a beam request that failed
+    reported success with no outputs."""
+    path, _ = tiny_models["llama"]
+    eng = LLM(str(path), block_size=4, max_num_batched_tokens=2).engine
+    eng.add_request("A", [5, 6], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    eng.add_request("B", [7, 8, 9], SamplingParams(n=2, use_beam_search=True, max_tokens=6, ignore_eos=True))
+    real, fired = eng.runner.forward, []
+
+    def boom(out):  # type: ignore[no-untyped-def]
+        beams = [s for s, _ in out.scheduled if s.request_id == "B"]
+        waiting = [s for s in eng.requests.get("B", []) if s not in beams and s.family.pending_logprobs is not None]
+        if not fired and len(beams) == 1 and waiting:
+            fired.append(True)
+            raise RuntimeError("injected fault")
+        return real(out)
+    eng.runner.forward = boom
+    done = {}
+    for _ in range(100):
+        if not eng.has_unfinished_requests():
+            break
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert fired and not eng.has_unfinished_requests()
+    (b,) = done["B"].outputs
+    assert b.finish_reason == "error" and "injected fault" in b.error and b.error_status == 500
+    assert all(c.finish_reason in ("error", "length") for c in done["A"].outputs)
+    assert eng.stats().used_blocks == 0
+
+
+def test_an_expired_beam_search_answers_503(tiny_models):  # type: ignore[no-untyped-def]
+    """A beam request past max_waiting_time ends with its 503 error, as a plain one does (before: a
+    finished request with no outputs, which the server answered with 200 and no choices)."""
+    path, _ = tiny_models["llama"]
+    eng = LLM(str(path), block_size=4, max_waiting_time=1.0).engine
+    old = time.time() - 5
+    eng.add_request("B", [7, 8, 9], SamplingParams(n=2, use_beam_search=True, max_tokens=6, ignore_eos=True),
+                    arrival_time=old)
+    eng.add_request("P", [7, 8, 9], SamplingParams(max_tokens=6), arrival_time=old)
+    outs = {o.request_id: o for o in eng.step()}
+    for rid in ("B", "P"):
+        assert outs[rid].finished
+        assert [(c.finish_reason, c.error_status) for c in outs[rid].outputs] == [("error", 503)]
+
+
+def test_a_failure_while_drafting_leaves_the_step_to_run_plainly(tiny_models):  # type: ignore[no-untyped-def]
+    """The proposer raises on every other call: those steps run without drafts, the engine goes on,
+    and the tokens are plain decoding's (before, the exception left Engine.step: generate() died and
+    the server failed every request in flight)."""
+    path, _ = tiny_models["llama"]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ref = LLM(str(path)).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(str(path), speculative_method="ngram", num_speculative_tokens=3, spec_min_acceptance=0.0)
+    proposer, calls = llm.engine.spec.proposer, {"n": 0}
+    real = proposer.propose
+
+    def flaky(seqs, ks):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("injected drafting fault")
+        return real(seqs, ks)
+    proposer.propose = flaky
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert calls["n"] > 2 and llm.stats().used_blocks == 0

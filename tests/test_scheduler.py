@@ -408,6 +408,61 @@ def test_copy_on_write_pairs_of_a_victim_are_dropped():
     d.check_step(out)
 
 
+def test_a_pinned_copy_source_is_no_holder():
+    """A copy-on-write source is pinned until the step's copies run, but a pin is no holder: of three
+    sequences sharing a partial block two copy it and the last writes in place (before, every one of
+    them copied: the pin kept the count above 1). And a sequence that copied, then is preempted in the
+    same schedule(), lets its pin go: a prefill needing the whole pool got an empty schedule before
+    (Engine.step: "scheduler stalled", every request failed)."""
+    d = Driver(num_blocks=16, block_size=4, budget=64)
+    d.add("p", list(range(6)), max_tokens=4)
+    out = d.step()
+    (p,) = d.families["p"]
+    d.fork(p), d.fork(p)  # three holders of p's 2 blocks, the second partial
+    out = d.step()
+    assert len(out.block_copies) == 2 and {n for _, n in out.scheduled} == {1}
+    d.run_until_done()
+    assert d.bm.num_free_blocks == 16 and not d.bm.pins
+
+    d = Driver(num_blocks=6, block_size=4, budget=64)
+    y = new_seq("y", list(range(100, 123)), max_tokens=1)  # 24 tokens: the whole pool
+    assert d.bm.allocate(y.block_tables, 8)
+    p = new_seq("p", list(range(6)))
+    assert d.bm.allocate(p.block_tables, 6)
+    p.append_token(9)
+    for s, computed in ((y, 8), (p, 6)):
+        s.num_computed_tokens, s.status = computed, Status.RUNNING
+        d.sched.running.append(s)
+        d.families[s.request_id] = [s]
+    d.content.update({b: [None] * 4 for t in y.block_tables + p.block_tables for b in t})
+    d.fork(p)  # p copies the shared block (pinning it); its child writes in place; y then needs all
+    out = d.sched.schedule()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("y", 15)]
+    assert {s.request_id for s in out.preempted} == {"p"} and out.block_copies == []
+    d.sched.release_pins()
+    assert not d.bm.pins and d.bm.num_free_blocks == 0  # y holds all 6 blocks
+
+
+def test_a_drafting_decode_goes_before_prefills():
+    """A decode with drafts has 1 + k tokens to run: it is still a decode and goes first (before, it
+    queued behind a prefill admitted earlier and could get no token at all that step)."""
+    d = Driver(num_blocks=64, block_size=4, budget=8)
+    y = new_seq("y", list(range(40)), max_tokens=4)  # still prefilling
+    assert d.bm.allocate(y.block_tables, 8)
+    y.num_computed_tokens = 8
+    dd = new_seq("d", [1, 2, 3], max_tokens=20)
+    assert d.bm.allocate(dd.block_tables, 3)
+    dd.num_computed_tokens = 3
+    dd.append_token(1)
+    for s in (y, dd):
+        s.status = Status.RUNNING
+        d.sched.running.append(s)
+    dd.token_ids += [1, 1, 1]
+    dd.spec.num_draft = 3
+    out = d.sched.schedule()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("d", 4), ("y", 4)]
+
+
 # ---------------------------------------------------------------- speculation and prefix hashes (defect 4)
 def test_speculative_steps_register_blocks_over_their_real_tokens():
     """Defect 4: after verification the computed count moved past the token list (the accepted

@@ -312,3 +312,45 @@ def test_a_windowed_draft_keeps_the_blocks_its_next_step_reads(tiny_models):  # 
     ref = LLM(str(path), block_size=4).generate(PROMPTS, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
                                                 use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_a_draft_model_drafts_nothing_past_its_own_context(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """A draft whose max_position_embeddings (64) is below the target's context: a sequence past 64
+    tokens decodes without drafts and the output is plain decoding's (before, the draft's rotary table
+    ran out: IndexError out of Engine.step, the whole engine down)."""
+    import json
+    import shutil
+    path, _ = tiny_models["llama"]
+    short = tmp_path / "short"
+    shutil.copytree(path, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(path), speculative_method="draft", draft_model=str(short), num_speculative_tokens=4,
+              spec_max_batch=1000, spec_min_acceptance=0.0)
+    assert llm.engine.max_model_len > 64
+    prompts = [[5, 6, 7], [5, 6, 7, 8] * 15]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref = LLM(str(path)).generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert llm.stats().spec["proposed"] > 0
+
+
+def test_deterministic_mode_seeded_sampling_with_speculation_ignores_the_batch(tiny_models):  # type: ignore[no-untyped-def]
+    """deterministic=True with n-gram speculation: a seeded request sampled at temperature 1 gives the
+    same tokens alone and among 10 greedy requests (before, its number of drafts followed the batch,
+    here spec_max_batch, and the draws of rejection sampling with it); the greedy ones still speculate."""
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), deterministic=True, speculative_method="ngram", num_speculative_tokens=4,
+              spec_min_acceptance=0.0, spec_max_batch=4)
+    needle = [5, 6, 7, 8] * 6 + [5, 6]
+    p = SamplingParams(max_tokens=30, temperature=1.0, seed=123, ignore_eos=True,
+                       logit_bias={5: 4.0, 6: 4.0, 7: 4.0, 8: 4.0})
+    alone = llm.generate([needle], p, use_tqdm=False)[0].outputs[0].token_ids
+    # 8 short requests end early: the batch then falls to spec_max_batch and the 2 long ones speculate
+    others = [[5, 6, 7, 8] * 3] * 2 + [[11 + i, 12, 13, 14] for i in range(8)]
+    greedy = [SamplingParams(max_tokens=30 if i < 2 else 4, temperature=0, ignore_eos=True) for i in range(10)]
+    batch = llm.generate([needle] + others, [p] + greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == batch
+    assert llm.stats().spec["accepted"] > 0  # the greedy requests speculated

@@ -61,7 +61,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
         self.max_step_tokens = max_step_tokens  # bounds a windowed group's blocks at one step
-        self.ref_count = [0] * num_blocks
+        self.ref_count = [0] * num_blocks  # holders and pins
+        self.pins: dict[int, int] = {}  # block -> the references of ref_count that are pins (pin()), not holders
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_group = [0] * num_blocks  # the group a hashed block is cached for
@@ -179,7 +180,7 @@ class BlockManager:
             tables.extend([] for _ in self.windows)
         self.drop_out_of_window(tables, horizon)
         shared = [(table, i) for table in tables for i in range(start // bs, min(len(table), -(-end // bs)))
-                  if self.ref_count[table[i]] > 1]
+                  if self.ref_count[table[i]] - self.pins.get(table[i], 0) > 1]  # other holders: a pin is none
         grow = sum(max(0, self.blocks_needed(end) - len(table)) for table in tables)
         if grow + len(shared) > len(self.free_queue):
             return None
@@ -229,9 +230,20 @@ class BlockManager:
                 self._release(b)
         tables.clear()
 
-    def free_blocks(self, blocks: list[int]) -> None:
-        """Drop one reference to each of `blocks` (a pin taken with fork([blocks]))."""
+    def pin(self, blocks: list[int]) -> list[int]:
+        """Keep `blocks` out of the free queue until unpin(blocks): a copy-on-write source the runner still
+        reads this step. A pin is a reference but no holder: the last sequence holding the block writes
+        it in place (reserve), after the step's copies have read it. Returns blocks."""
+        for b in blocks:
+            self.ref_count[b] += 1
+            self.pins[b] = self.pins.get(b, 0) + 1
+        return blocks
+
+    def unpin(self, blocks: list[int]) -> None:
         for b in reversed(blocks):
+            self.pins[b] -= 1
+            if not self.pins[b]:
+                del self.pins[b]
             self._release(b)
 
     def cache_full_blocks(self, tables: list[list[int]], token_ids: Seq[int], num_computed: int,

@@ -12,7 +12,9 @@ row, not one per vocabulary entry. On CUDA, rows without top-k / top-p / min-p a
 the Gumbel-max trick in one Triton pass over the logits (sampling/gumbel.py), with a Philox seed per
 row from the same per-sequence generator. The method is chosen per row from that row's params (and
 the device) alone, so a seeded request draws the same tokens whatever else is in the batch (CUDA
-and the CPU give different, equally distributed, tokens for one seed). Logprobs are the model's raw
+and the CPU give different, equally distributed, tokens for one seed). With speculation the draws
+follow the drafts, whose number follows the batch: `deterministic=True` keeps seeded sampled
+requests out of speculation (spec/policy.py). Logprobs are the model's raw
 log-softmax (before any processing), as vLLM and OpenAI report them.
 """
 

@@ -31,6 +31,7 @@ class DraftModelProposer:
         dtype = config.torch_dtype
         num_blocks = max(1, KVCache.blocks_for_budget(cfg, config.block_size, dtype, kv_budget))
         self.cfg = cfg
+        self.max_len = cfg.max_position_embeddings  # SpecPolicy drafts no position past the draft's own context
         self.model = model
         self.kv = KVCache(cfg, num_blocks, config.block_size, dtype, config.device)
         self.bm = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False,

@@ -88,7 +88,10 @@ class EagleProposer:
         self.readout: torch.nn.Module | None = None  # the read-out as an int8 layer (int8 targets on the CPU)
         if self.device.type == "cpu" and any(isinstance(m, GroupQuantLinear) and m.cpu_kernel for m in target.modules()):
             self.head, self.readout = _int8_head(self.head, self.lm_head)
-        self.rotary = RotaryEmbedding(c.head_dim, max_model_len + 1, c.rope_theta).to(self.device)
+        # rows for every position a chain reaches: rounds run to the batch's longest k (rows past their
+        # own k, near max_model_len, draft too and are dropped)
+        self.rotary = RotaryEmbedding(c.head_dim, max_model_len + config.num_speculative_tokens + 1,
+                                      c.rope_theta).to(self.device)
         self.sampler = Sampler()
         self.min_prob = config.spec_min_draft_prob  # a chain stops before a draft less sure than this
         self.states: dict[int, _State] = {}
@@ -200,6 +203,7 @@ class EagleProposer:
         if any(len(st.backlog) >= BACKLOG for st in owners):
             self.flush()
 
+    @torch.inference_mode()
     def flush(self) -> None:
         """Feed every backlog to the head's KV, in one batch (a state's rows consecutive, in order)."""
         owners = [st for st in self.states.values() for _ in st.backlog]

@@ -2,13 +2,15 @@
 
 Owns each sequence's `spec` state (this step's drafts, the running acceptance, the pause) and the
 cumulative counters. Per step, around the scheduler and the runner:
-  propose(running)          drafts appended to the token lists of the sequences that speculate
+  propose(running)          drafts appended to the token lists of the sequences that speculate (a
+                            proposer that raises costs the step its drafts, never the engine)
   trim(out)                 drafts the scheduler could not fit (or of preempted sequences) dropped
   settle(out, rejected)     after verification: drafts leave the token lists, acceptance recorded
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -19,6 +21,9 @@ from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Sequence, Status
 from lmserve.spec import Proposer, SpecStats
 from lmserve.spec.goodput import DECAY, PRIOR, PROBE, StepCosts, best_k
+from lmserve.utils import EngineFatalError
+
+log = logging.getLogger("lmserve")
 
 PAUSE_STEPS = 16  # steps without drafts after a request's acceptance falls below the floor
 
@@ -33,7 +38,8 @@ class SpecPolicy:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.proposer = proposer
         self.config = config
-        self.max_model_len = max_model_len
+        # no draft lands past the engine's context, nor past a draft model's own (its max_position_embeddings)
+        self.max_len = min(max_model_len, getattr(proposer, "max_len", max_model_len))
         self.stats = SpecStats()
         self._drafted: list[Sequence] = []
         self.goodput = config.spec_policy == "goodput"
@@ -49,13 +55,15 @@ class SpecPolicy:
         p = seq.params
         if not p.speculative or p.use_beam_search or seq.family.forks_pending or batch > c.spec_max_batch:
             return 0
+        if c.deterministic and p.seed is not None and p.temperature > 0:  # its draws would follow the drafts,
+            return 0  # which follow the batch (spec_max_batch, the token budget): it decodes plainly
         if st.pause > 0:
             st.pause -= 1
             return 0
         if st.acceptance < c.spec_min_acceptance:
             st.pause, st.acceptance = PAUSE_STEPS, c.spec_min_acceptance  # pause, then probe again
             return 0
-        room = min(p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        room = min(p.max_tokens - seq.num_output_tokens - 1, self.max_len - seq.num_tokens - 1)
         return max(0, min(c.num_speculative_tokens, room))
 
     def _acceptance(self, seq: Sequence) -> float:
@@ -88,17 +96,25 @@ class SpecPolicy:
             ks = self._choose(seqs, ks)
             self._plain = 0 if any(ks) else self._plain + 1
         self._drafted = []
-        # work deferred from earlier steps (EAGLE's backlog): the plain steps' share, timed in neither table
-        flush = getattr(self.proposer, "flush", None)
-        if any(ks) and flush is not None:
-            flush()
-        start = self.clock()  # drafting alone is timed
-        if any(ks):
-            for seq, prop in zip(seqs, self.proposer.propose(seqs, ks)):
-                if prop.tokens:
-                    seq.token_ids.extend(prop.tokens)
-                    seq.spec.num_draft, seq.spec.draft_probs = len(prop.tokens), prop.probs
-                    self._drafted.append(seq)
+        start = self.clock()
+        try:
+            # work deferred from earlier steps (EAGLE's backlog): the plain steps' share, timed in neither table
+            flush = getattr(self.proposer, "flush", None)
+            if any(ks) and flush is not None:
+                flush()
+            start = self.clock()  # drafting alone is timed
+            if any(ks):
+                for seq, prop in zip(seqs, self.proposer.propose(seqs, ks)):
+                    if prop.tokens:
+                        seq.token_ids.extend(prop.tokens)
+                        seq.spec.num_draft, seq.spec.draft_probs = len(prop.tokens), prop.probs
+                        self._drafted.append(seq)
+        except EngineFatalError:
+            raise
+        except Exception:  # noqa: BLE001 - drafting is an optimization: a failure costs the step its drafts
+            log.exception("drafting failed; this step runs without speculation")
+            self.discard()
+            return
         self._since = self.clock()
         if self._drafted:
             self.costs.record_draft(sum(1 for k in ks if k), max(ks), self._since - start)
@@ -113,6 +129,14 @@ class SpecPolicy:
                 del seq.token_ids[len(seq.token_ids) - (st.num_draft - keep):]
                 st.num_draft = keep
                 st.draft_probs = None if not keep or st.draft_probs is None else st.draft_probs[:keep]
+
+    def discard(self) -> None:
+        """A failed step: its drafts leave the token lists unverified, nothing recorded."""
+        for seq in self._drafted:
+            if seq.spec.num_draft:
+                del seq.token_ids[len(seq.token_ids) - seq.spec.num_draft:]
+            seq.spec.num_draft, seq.spec.draft_probs = 0, None
+        self._drafted, self._timed = [], None
 
     def settle(self, out: SchedulerOutput, rejected: dict[Sequence, int], hidden: torch.Tensor | None = None) -> None:
         """After verification: a proposer that reads the target's hidden states (N, hidden) sees them,

@@ -1,0 +1,46 @@
+"""The engine's counters in one snapshot (Engine.stats, LLM.stats, the server's /metrics and console):
+read from the block manager, the scheduler and the speculation policy, which own them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the cache and scheduler counters (Engine.stats)."""
+
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    kv_capacity_tokens: int
+    prefix_hit_tokens: int
+    prompt_tokens_queried: int
+    num_preemptions: int
+    computed_tokens: int
+    peak_used_blocks: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int = 0  # preemptions that swapped the KV out instead of recomputing
+    swap_free_blocks: int = 0  # host swap space left, in blocks
+    spec: dict | None = None  # speculative decoding counters, when it is on
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens_queried if self.prompt_tokens_queried else 0.0
+
+
+def snapshot(bm: Any, scheduler: Any, spec: Any = None) -> EngineStats:
+    """EngineStats now, from a BlockManager, a Scheduler and a SpecPolicy (or None)."""
+    b, st = bm.stats(), scheduler.stats
+    return EngineStats(
+        block_size=bm.block_size, num_blocks=b.total, free_blocks=b.free, cached_blocks=b.cached, used_blocks=b.used,
+        kv_capacity_tokens=b.total * bm.block_size // bm.num_groups,
+        prefix_hit_tokens=st.prefix_hit_tokens, prompt_tokens_queried=st.prompt_tokens_queried,
+        num_preemptions=st.num_preemptions, computed_tokens=st.computed_tokens,
+        num_swapped=st.num_swapped, swap_free_blocks=scheduler.swap_free, peak_used_blocks=st.peak_used_blocks,
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        spec=spec.stats.as_dict() if spec is not None else None)
