@@ -88,6 +88,10 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+        except BaseException:  # an engine error or Ctrl-C: this call's requests leave the engine with it
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         finally:
             if bar is not None:
                 bar.close()

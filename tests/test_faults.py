@@ -294,3 +294,25 @@ def test_a_failure_while_drafting_leaves_the_step_to_run_plainly(tiny_models):  
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert calls["n"] > 2 and llm.stats().used_blocks == 0
+
+
+def test_generate_that_raises_takes_its_requests_out_of_the_engine(tiny_models):  # type: ignore[no-untyped-def]
+    """Engine.step raises out of LLM.generate (an engine error, or Ctrl-C): the call's requests are
+    aborted with it, their blocks free, and the next generate() runs alone (before, they stayed in
+    the engine and ran inside the next call, holding blocks)."""
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    real, calls = llm.engine.step, {"n": 0}
+
+    def step():  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real()
+    llm.engine.step = step
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert not llm.engine.requests and llm.stats().used_blocks == 0
+    outs = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 20 and not llm.engine.requests
