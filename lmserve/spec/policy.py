@@ -96,7 +96,6 @@ class SpecPolicy:
             ks = self._choose(seqs, ks)
             self._plain = 0 if any(ks) else self._plain + 1
         self._drafted = []
-        start = self.clock()
         try:
             # work deferred from earlier steps (EAGLE's backlog): the plain steps' share, timed in neither table
             flush = getattr(self.proposer, "flush", None)
