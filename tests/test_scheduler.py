@@ -385,11 +385,12 @@ def test_lockstep_family_under_pressure_never_stalls():
     assert stalled_configs > 0  # the pressure was real: families were preempted and came back
 
 
-def test_copy_on_write_pairs_of_a_victim_are_dropped():
-    """Defect 7: a sequence that got a private copy this step and is then preempted must not leave
-    its (src, dst) pair behind: dst has just been freed and may now be someone else's fresh block."""
+def _prefill_beside_a_forked_decode(prompt_len: int) -> Driver:
+    """A 6-block pool of 4-token blocks: y, a prompt of prompt_len tokens with 8 computed (prefilling:
+    scheduled after the decodes), and p, 6 tokens computed and one to run, forked: p and its child
+    share p's 2 blocks, the second half full."""
     d = Driver(num_blocks=6, block_size=4, budget=64)
-    y = new_seq("y", list(range(100, 120)))  # still prefilling: scheduled after the decodes
+    y = new_seq("y", list(range(100, 100 + prompt_len)), max_tokens=1)
     assert d.bm.allocate(y.block_tables, 8)
     p = new_seq("p", list(range(6)))
     assert d.bm.allocate(p.block_tables, 6)
@@ -398,7 +399,15 @@ def test_copy_on_write_pairs_of_a_victim_are_dropped():
         s.num_computed_tokens, s.status = computed, Status.RUNNING
         d.sched.running.append(s)
         d.families[s.request_id] = [s]
-    d.fork(p)  # p and its child share p's 2 blocks, the second half full; 2 blocks free
+    d.content.update({b: [None] * 4 for t in y.block_tables + p.block_tables for b in t})
+    d.fork(p)
+    return d
+
+
+def test_copy_on_write_pairs_of_a_victim_are_dropped():
+    """Defect 7: a sequence that got a private copy this step and is then preempted must not leave
+    its (src, dst) pair behind: dst has just been freed and may now be someone else's fresh block."""
+    d = _prefill_beside_a_forked_decode(20)  # 2 blocks free
     out = d.sched.schedule()
     # p writes into the shared block (a copy takes 1 free block); y's next chunk needs 3 blocks:
     # the tail family (p and its child) is preempted, and p's copy must go with it
@@ -424,19 +433,8 @@ def test_a_pinned_copy_source_is_no_holder():
     d.run_until_done()
     assert d.bm.num_free_blocks == 16 and not d.bm.pins
 
-    d = Driver(num_blocks=6, block_size=4, budget=64)
-    y = new_seq("y", list(range(100, 123)), max_tokens=1)  # 24 tokens: the whole pool
-    assert d.bm.allocate(y.block_tables, 8)
-    p = new_seq("p", list(range(6)))
-    assert d.bm.allocate(p.block_tables, 6)
-    p.append_token(9)
-    for s, computed in ((y, 8), (p, 6)):
-        s.num_computed_tokens, s.status = computed, Status.RUNNING
-        d.sched.running.append(s)
-        d.families[s.request_id] = [s]
-    d.content.update({b: [None] * 4 for t in y.block_tables + p.block_tables for b in t})
-    d.fork(p)  # p copies the shared block (pinning it); its child writes in place; y then needs all
-    out = d.sched.schedule()
+    d = _prefill_beside_a_forked_decode(23)  # y: 24 tokens, the whole pool
+    out = d.sched.schedule()  # p copies the shared block (pinning it); its child writes in place; y needs all
     assert [(s.request_id, n) for s, n in out.scheduled] == [("y", 15)]
     assert {s.request_id for s in out.preempted} == {"p"} and out.block_copies == []
     d.sched.release_pins()
