@@ -91,22 +91,23 @@ def confidence(head: eagle.EagleHead, examples: list[eagle.Example], lm: torch.T
 
 
 @torch.no_grad()
-def sampled(head: eagle.EagleHead, examples: list[eagle.Example], lm: torch.Tensor, temperature: float) -> float:
-    """Draft 1's acceptance probability under rejection sampling at `temperature`, averaged over the rows:
-    sum_x min(p_T(x), q_T(x)), p the target's distribution at the drafted position, q the head's."""
+def sampled(head: eagle.EagleHead, examples: list[eagle.Example], lm: torch.Tensor,
+            temperatures: tuple[float, ...]) -> list[float]:
+    """Draft 1's acceptance probability under rejection sampling at each temperature, averaged over the
+    rows: sum_x min(p_T(x), q_T(x)), p the target's distribution at the drafted position, q the head's."""
     vocab = head.draft_vocab
-    total, rows = 0.0, 0
+    totals, rows = [0.0] * len(temperatures), 0
     for ex in examples:
         pred = eagle.chain_forward(head, ex.feats, ex.embeds, 1)[0]  # (T - 1, H): features of positions 1..
-        q = torch.zeros(pred.shape[0], lm.shape[0])
-        if vocab is None:
-            q = torch.softmax(pred @ lm.T / temperature, -1)
-        else:
-            q[:, vocab] = torch.softmax(pred @ lm[vocab].T / temperature, -1)
-        p = torch.softmax(ex.feats[1:] @ lm.T / temperature, -1)  # (T - 1, V)
-        total += float(torch.minimum(p, q).sum())
+        head_logits = pred @ (lm if vocab is None else lm[vocab]).T  # (T - 1, V')
+        target_logits = ex.feats[1:] @ lm.T  # (T - 1, V)
+        for i, temperature in enumerate(temperatures):
+            q = torch.zeros_like(target_logits)
+            q[:, slice(None) if vocab is None else vocab] = torch.softmax(head_logits / temperature, -1)
+            p = torch.softmax(target_logits / temperature, -1)
+            totals[i] += float(torch.minimum(p, q).sum())
         rows += pred.shape[0]
-    return total / max(1, rows)
+    return [t / max(1, rows) for t in totals]
 
 
 @torch.no_grad()
@@ -177,8 +178,9 @@ def main(heads: list[str]) -> None:
             for lo, hi in zip(TARGET_BUCKETS, TARGET_BUCKETS[1:]) if (sel := (target >= lo) & (target < hi)).any()))
         for line in trees(torch.cat(per)):
             print("  " + line)
-        print("  draft 1 accepted by rejection sampling:",
-              ", ".join(f"T = {t}: {sampled(head, examples, lm, t):.1%}" for t in (0.3, 0.7, 1.0)))
+        temperatures = (0.3, 0.7, 1.0)
+        print("  draft 1 accepted by rejection sampling:", ", ".join(
+            f"T = {t}: {a:.1%}" for t, a in zip(temperatures, sampled(head, examples, lm, temperatures))))
         ngram, mixed, line = hybrid(head, examples, contexts, lm)
         print("  " + line)
         for name, acc in (("prompt lookup alone", ngram),

@@ -122,20 +122,22 @@ class SpecPolicy:
         """Drop the drafts the scheduler could not fit (or of preempted sequences) before the forward."""
         got = dict(out.scheduled)
         for seq in self._drafted:
-            st = seq.spec
-            keep = max(0, got.get(seq, 0) - 1) if seq.status is Status.RUNNING else 0
-            if keep < st.num_draft:
-                del seq.token_ids[len(seq.token_ids) - (st.num_draft - keep):]
-                st.num_draft = keep
-                st.draft_probs = None if not keep or st.draft_probs is None else st.draft_probs[:keep]
+            self._cut(seq, max(0, got.get(seq, 0) - 1) if seq.status is Status.RUNNING else 0)
 
     def discard(self) -> None:
         """A failed step: its drafts leave the token lists unverified, nothing recorded."""
         for seq in self._drafted:
-            if seq.spec.num_draft:
-                del seq.token_ids[len(seq.token_ids) - seq.spec.num_draft:]
-            seq.spec.num_draft, seq.spec.draft_probs = 0, None
+            self._cut(seq)
         self._drafted, self._timed = [], None
+
+    @staticmethod
+    def _cut(seq: Sequence, keep: int = 0) -> None:
+        """Keep the first `keep` of seq's drafts on its token list, drop the rest."""
+        st = seq.spec
+        if keep < st.num_draft:
+            del seq.token_ids[len(seq.token_ids) - (st.num_draft - keep):]
+            st.num_draft = keep
+            st.draft_probs = None if not keep or st.draft_probs is None else st.draft_probs[:keep]
 
     def settle(self, out: SchedulerOutput, rejected: dict[Sequence, int], hidden: torch.Tensor | None = None) -> None:
         """After verification: a proposer that reads the target's hidden states (N, hidden) sees them,
@@ -153,8 +155,7 @@ class SpecPolicy:
                 continue
             k = st.num_draft
             accepted = k - rejected.get(seq, 0)
-            del seq.token_ids[len(seq.token_ids) - k:]
-            st.num_draft, st.draft_probs = 0, None
+            self._cut(seq)
             self.stats.record(k, accepted)
             st.acceptance = 0.7 * st.acceptance + 0.3 * (accepted / k)
             tested = accepted + (accepted < k)  # the accepted drafts and the first rejected one
