@@ -154,9 +154,9 @@ class Engine:
     def _forget(self, request_id: str) -> None:
         self.fanout.forget(request_id)
         self.final_only.discard(request_id)
-        for seq in self.requests.pop(request_id, []):
-            if self.spec is not None:
-                self.spec.release(seq)
+        seqs = self.requests.pop(request_id, [])
+        if self.spec is not None:
+            self.spec.release(seqs)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -192,6 +192,8 @@ class Engine:
                 self.spec.discard()  # unverified drafts are no output
             for seq in self.fanout.failing([seq for seq, _ in out.scheduled], self.requests):
                 self.output.fail(seq, f"{type(e).__name__}: {e}")
+                if self.spec is not None:
+                    self.spec.release([seq])
             return self._outputs(out, expired)
         if self.spec is not None:
             self.spec.settle(out, res.rejected, res.hidden)
@@ -202,6 +204,8 @@ class Engine:
             if seq.grammar is not None and seq.grammar.failed:
                 self.output.fail(seq, "structured output: the model produced a token its grammar does not allow")
         self.fanout.after_step(out, res.beam, self.requests)
+        if self.spec is not None:  # sequences that ended this step (stopped, pruned) let their draft state go
+            self.spec.release(seq for seq, _ in out.scheduled)
         return self._outputs(out, expired)
 
     def _expire(self) -> set[str]:

@@ -134,3 +134,5 @@ class FanOut:
         for b, s in enumerate(seqs):
             if b not in used or st.done:
                 self.scheduler.finish(s, "length")  # pruned, or the search is over: blocks freed now
+        if not st.done:  # pruned beams leave the request (their tokens live on in the search's hypotheses):
+            family[:] = [s for s in family if not s.is_finished]  # it holds its width, not every beam it had

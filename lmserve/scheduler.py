@@ -304,6 +304,7 @@ class Scheduler:
         bs = self.bm.block_size
         now = time.time()
         received: dict[Sequence, list[int]] = {}
+        restored = {seq for seq, _ in out.swap_in}  # fresh blocks, their hashes registered again
         for seq, n in out.scheduled:
             before = seq.num_computed_tokens
             wrong = rejected.get(seq, 0)
@@ -315,9 +316,9 @@ class Scheduler:
                 got, stop = self._append(seq, sampled[seq], now)
                 received[seq] = got
             filled = min(seq.num_computed_tokens, seq.num_tokens)  # tokens whose KV is in the blocks
-            if filled // bs > before // bs:  # a block filled up this step
-                self.bm.cache_full_blocks(seq.block_tables, seq.token_ids, filled, seq.block_hashes,
-                                          first=before // bs)
+            first = 0 if seq in restored else before // bs
+            if filled // bs > first:  # a block filled up this step (or came back from the host)
+                self.bm.cache_full_blocks(seq.block_tables, seq.token_ids, filled, seq.block_hashes, first=first)
             if stop is not None:
                 self.finish(seq, *stop)
         return received

@@ -121,3 +121,32 @@ def test_a_beam_search_counts_its_width_against_max_num_seqs(tiny_models):  # ty
                 done[o.request_id] = o
         peak = max(peak, len(eng.scheduler.running))
     assert peak == 2 and len(done["B"].outputs) == 2 and len(done["A"].outputs[0].token_ids) == 8
+
+
+def test_pruned_beams_leave_their_request(tiny_models):  # type: ignore[no-untyped-def]
+    """A 4-wide beam search over 24 steps: the request holds its running beams only (before, every
+    clone it ever made stayed in its list until the search ended, ~3 more sequences a step, each with
+    its own token list), and the result is still HF's."""
+    from lmserve import fanout
+    path, hf = tiny_models["llama"]
+    eng = LLM(str(path), block_size=4).engine
+    clones = [0]
+    real = fanout.FanOut._clone
+
+    def counting(self, *a):  # type: ignore[no-untyped-def]
+        clones[0] += 1
+        return real(self, *a)
+
+    fanout.FanOut._clone = counting  # type: ignore[method-assign]
+    try:
+        prompt = [5, 17, 33, 9, 100, 3]
+        eng.add_request("B", prompt, SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=24, ignore_eos=True))
+        peak, out = 0, None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                out = o if o.finished else out
+            peak = max(peak, len(eng.requests.get("B", [])))
+    finally:
+        fanout.FanOut._clone = real  # type: ignore[method-assign]
+    assert clones[0] > 10 and peak <= 4
+    assert [o.token_ids for o in out.outputs] == hf_beam(hf, prompt, 4, 2, 24)

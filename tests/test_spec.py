@@ -354,3 +354,26 @@ def test_deterministic_mode_seeded_sampling_with_speculation_ignores_the_batch(t
     batch = llm.generate([needle] + others, [p] + greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == batch
     assert llm.stats().spec["accepted"] > 0  # the greedy requests speculated
+
+
+def test_a_finished_sample_lets_its_draft_state_go_at_once(tiny_models):  # type: ignore[no-untyped-def]
+    """n = 2 sampled children with draft-model speculation: a child that stops before its sibling frees
+    its draft mirror (blocks of the draft's KV) the step it ends (before, only when the whole request
+    ended, so a long sibling kept a finished child's draft blocks)."""
+    path, _ = tiny_models["llama"]
+    eng = spec_llm(path, "draft").engine
+    prop = eng.spec.proposer
+    early = 0
+    for seed in range(8):
+        params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=40, stop_token_ids=list(range(0, 128, 9)))
+        eng.add_request(f"r{seed}", [5, 6, 7, 8], params)
+        while eng.has_unfinished_requests():
+            had = {id(s) for seqs in eng.requests.values() for s in seqs if id(s) in prop.mirrors}
+            eng.step()
+            for seqs in eng.requests.values():  # requests still running after this step
+                for s in seqs:
+                    if s.is_finished:
+                        assert id(s) not in prop.mirrors, (seed, s.index)
+                        early += id(s) in had
+    assert early > 0  # some child with a mirror ended before its sibling
+    assert not prop.mirrors and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -106,3 +106,31 @@ def test_an_aborted_swapped_out_request_lets_go_of_its_host_copy_at_once(tiny_mo
     for rid in list(eng.requests):
         eng.abort_request(rid)
     assert not eng.runner.swap.saved and not eng.has_unfinished_requests()
+
+
+def test_blocks_restored_by_swap_in_serve_the_prefix_cache_again(tiny_models):  # type: ignore[no-untyped-def]
+    """A request swapped out while its old blocks are taken by others (here: the whole free pool taken
+    and given back, which evicts every cached hash) comes back into fresh blocks; once it ends, a new
+    request on the same prompt finds its prompt's blocks in the prefix cache (before, restored blocks
+    were never registered again: 0 tokens cached)."""
+    path, _ = tiny_models["llama"]
+    per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
+    llm = LLM(str(path), block_size=4, kv_cache_memory=per_block * 16, preemption_mode="swap", swap_space="64MiB")
+    eng, bm = llm.engine, llm.engine.block_manager
+    prompt = list(range(40, 56))  # 4 full blocks
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    eng.add_request("B", list(range(60, 68)), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    eng.add_request("A", prompt, params)
+    a = eng.requests["A"][0]
+    evicted = False
+    while eng.has_unfinished_requests():
+        if a.swapped is not None and not evicted:  # others take A's old blocks while it is out
+            tables: list[list[int]] = []
+            assert bm.allocate(tables, bm.num_free_blocks * bm.block_size)
+            bm.free(tables)
+            evicted = True
+        eng.step()
+    assert evicted and eng.stats().num_swapped > 0
+    eng.add_request("C", prompt + [70, 71, 72], params)
+    eng.step()
+    assert eng.requests["C"][0].num_cached_tokens == 16

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -164,5 +164,9 @@ class SpecPolicy:
         self._timed = (rows, [seq for seq, _ in out.scheduled]) if timed else None  # timed at the next step
         self._drafted = []
 
-    def release(self, seq: Sequence) -> None:
-        self.proposer.release(seq)
+    def release(self, seqs: Iterable[Sequence]) -> None:
+        """The proposer's state of those of `seqs` that ended goes now: a finished n-child's or a
+        pruned beam's as soon as it ends, not with its whole request."""
+        for seq in seqs:
+            if seq.is_finished:
+                self.proposer.release(seq)
