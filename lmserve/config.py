@@ -323,19 +323,20 @@ class EngineConfig:
     distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        for name, lo in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 1),
+                         ("quantization_group_size", 1), ("num_speculative_tokens", 1), ("draft_num_layers", 1),
+                         ("ngram_min", 1), ("ngram_max", self.ngram_min), ("spec_max_batch", 1),
+                         ("tensor_parallel_size", 1), ("seed", 0)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         on_cuda = str(self.device).startswith("cuda")
         if self.max_num_seqs is None:
             object.__setattr__(self, "max_num_seqs", 256 if on_cuda else 64)
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", 8192 if on_cuda else 512)
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes
                                                   or any(b < 1 for b in self.cuda_graph_sizes)):
             raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
@@ -343,12 +344,11 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_memory", "1GiB")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
-        object.__setattr__(self, "swap_space", parse_bytes(self.swap_space) if self.swap_space else 0)
+        object.__setattr__(self, "swap_space", parse_bytes(self.swap_space, "swap_space") if self.swap_space else 0)
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
-        if self.tensor_parallel_size < 1 or not self.distributed_timeout > 0:
-            raise ValueError(f"tensor_parallel_size must be >= 1 and distributed_timeout > 0, got "
-                             f"{self.tensor_parallel_size} and {self.distributed_timeout}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         if self.tensor_parallel_size > 1 and (self.swap_space or self.preemption_mode == "swap"):
             raise ValueError("preemption_mode: swapping is not mirrored across tensor-parallel ranks; use recompute")
         if self.tensor_parallel_size > 1 and on_cuda and self.kv_cache_memory is None:
@@ -367,8 +367,8 @@ class EngineConfig:
         if self.speculative_method == "eagle" and self.tensor_parallel_size > 1:
             raise ValueError("speculative_method: 'eagle' reads the whole target's features; "
                              "use it with tensor_parallel_size=1")
-        if self.speculative_method and self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 0.0 <= self.spec_min_acceptance <= 1.0:
+            raise ValueError(f"spec_min_acceptance must be in [0, 1], got {self.spec_min_acceptance}")
         if not 0.0 <= self.spec_min_draft_prob < 1.0:  # (1 would never draft)
             raise ValueError(f"spec_min_draft_prob must be in [0, 1), got {self.spec_min_draft_prob}")
         if self.spec_policy not in ("fixed", "goodput") or (self.spec_policy == "goodput" and self.deterministic):
@@ -377,9 +377,6 @@ class EngineConfig:
         resolve_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")
-        if self.quantization_group_size is not None and self.quantization_group_size < 1:
-            raise ValueError(f"quantization_group_size must be a positive number of columns, "
-                             f"got {self.quantization_group_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 

@@ -45,7 +45,9 @@ class Engine:
         self.config = c = config
         self.model_config, self.model, self.tokenizer = (load_tensor_parallel if c.tensor_parallel_size > 1 else load_model)(c)
         cfg = self.model_config
-        self.max_model_len = min(cfg.max_position_embeddings, c.max_model_len or cfg.max_position_embeddings)
+        self.max_model_len = c.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:  # past it the rotary table (and the training) end
+            raise ValueError(f"max_model_len: {c.max_model_len} exceeds the model's context ({cfg.max_position_embeddings})")
         draft = None  # a draft model's weights are loaded before the memory profile, so it counts them
         if c.speculative_method == "draft":
             dcfg, dmodel, _ = load_model(c.replace(model=c.draft_model or c.model), c.draft_num_layers)

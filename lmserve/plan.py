@@ -220,14 +220,15 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
         "prefill_ms_lower_bound": t_pre * 1e3,
         "prefill_bound": "compute" if prefill_flops / peak >= prefill_bytes / bw else "memory",
         "table": [step(b) for b in batches],
-        "tensor_parallel": None if tp == 1 else tensor_parallel(m, tp, wb, kv_tok, bw, peak, link, batch, seq_len,
+        "tensor_parallel": None if tp == 1 else tensor_parallel(m, tp, wb, kv_tok, kv_seq, bw, peak, link, batch, seq_len,
                                                           act_bytes or (4 if wb >= 4 else 2)),
     }
 
 
-def tensor_parallel(m: PlanModel, tp: int, wb: float, kv_tok: float, bw: float, peak: float,
+def tensor_parallel(m: PlanModel, tp: int, wb: float, kv_tok: float, kv_seq: float, bw: float, peak: float,
                     link: tuple[float, float], batch: int, seq_len: int, act_bytes: int) -> dict[str, Any]:
-    """Per-rank memory and the decode step bound over `tp` ranks (see the module docstring)."""
+    """Per-rank memory and the decode step bound over `tp` ranks (see the module docstring). kv_seq: one
+    sequence's KV bytes (sliding-window layers keep their window), as the one-process bound reads them."""
     kv_heads = max(1, -(-m.kv_heads // tp))  # the most any rank holds; one replicated when fewer than ranks
     kv_rank_tok = kv_tok * kv_heads / m.kv_heads
     link_bw, latency = link[0] * 1e9, link[1] * 1e-6
@@ -238,7 +239,7 @@ def tensor_parallel(m: PlanModel, tp: int, wb: float, kv_tok: float, bw: float, 
     t_comm = reduces * (latency + ring / link_bw) + latency + gather / link_bw
 
     def bound(ranks: int) -> float:
-        moved = m.active_params * wb / ranks + batch * kv_tok * seq_len * (kv_heads / m.kv_heads if ranks > 1 else 1)
+        moved = m.active_params * wb / ranks + batch * kv_seq * (kv_heads / m.kv_heads if ranks > 1 else 1)
         return max(moved / bw, (2 * m.active_params * batch + 4 * batch * seq_len * m.heads * m.head_dim * m.layers)
                    / ranks / peak)
 

@@ -67,6 +67,16 @@ class StructuredOutputsParams:
         return kind, text
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy
+
+
+def _token_id(key: object) -> int:
+    """A logit_bias key: an int, or a string of one (JSON object keys are strings)."""
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(key)
+    return int(key)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping options, named as vLLM names them."""
@@ -108,19 +118,29 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
+        def whole(name: str, lo: int, hi: int | None = None) -> bool:  # an int (not a bool) in [lo, hi]
+            v = getattr(self, name)
+            return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop or [], (list, tuple)):
+            raise bad("stop", "must be a string or a list of strings")
         self.stop = list(self.stop or [])
+        if not isinstance(self.stop_token_ids or [], (list, tuple)):
+            raise bad("stop_token_ids", "must be a list of token ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
         if self.top_k == 0:
             self.top_k = -1
-        if not isinstance(self.n, int) or self.n < 1:
+        if not whole("n", 1):
             raise bad("n", "must be an integer >= 1")
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+        if self.best_of is not None and not whole("best_of", self.n):
             raise bad("best_of", "must be an integer >= n")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not whole("max_tokens", 1):
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if not whole("min_tokens", 0, self.max_tokens):
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "length_penalty"):
@@ -129,33 +149,41 @@ class SamplingParams:
                 raise bad(name, "must be a finite number")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if self.temperature < GREEDY_BELOW:  # logits / T would overflow: the limit T -> 0 is greedy (vLLM's rule)
+            self.temperature = 0.0
+        if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if not (whole("top_k", 1) or isinstance(self.top_k, int) and self.top_k == -1):
             raise bad("top_k", "must be -1 (off) or an integer >= 1")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+        if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0")
         for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+            if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "must be in [-2, 2]")
         for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or not 0 <= v <= self.MAX_LOGPROBS):
+            if getattr(self, name) is not None and not whole(name, 0, self.MAX_LOGPROBS):
                 raise bad(name, f"must be an integer in [0, {self.MAX_LOGPROBS}]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and not whole("seed", 0):
             raise bad("seed", "must be a non-negative integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if self.logit_bias is not None:
-            try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:  # token ids: ints, or strings of digits as JSON keys are (never floats: 1.7 is no token)
+                self.logit_bias = {_token_id(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError):
                 raise bad("logit_bias", "must map token ids to numbers") from None
             if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.use_beam_search:  # the beam step ranks raw log-probs: refuse what it would silently ignore
+            ignored = {"logit_bias": bool(self.logit_bias), "repetition_penalty": self.repetition_penalty != 1,
+                       "presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
+                       "min_tokens": self.min_tokens > 0, "stop": bool(self.stop), "logprobs": self.logprobs is not None,
+                       "prompt_logprobs": self.prompt_logprobs is not None}
+            name = next((k for k, v in ignored.items() if v), None)
+            if name is not None:
+                raise bad(name, "not supported with beam search")
         if self.structured_outputs is not None:
             if isinstance(self.structured_outputs, dict):
                 try:

@@ -14,22 +14,22 @@ _UNITS = {"b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, 
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: int | float | str, name: str = "kv_cache_memory") -> int:
     """A byte count, parsed exactly: a number is bytes (123, 2e9); a string needs its unit
     ('2GiB', '512MiB', '1e9B', '500MB'; KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB of 10). No
     unit is ever guessed: '512B' is 512 bytes, and '2' is refused."""
     if isinstance(value, bool):
-        raise ValueError(f"kv_cache_memory: expected a byte count, got {value!r}")
+        raise ValueError(f"{name}: expected a byte count, got {value!r}")
     if isinstance(value, (int, float)):
         n = float(value)
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]+)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"kv_cache_memory: cannot parse {value!r}: give a number of bytes or a size "
+            raise ValueError(f"{name}: cannot parse {value!r}: give a number of bytes or a size "
                              f"with its unit, e.g. '2GiB', '512MiB', '1000000B'")
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not n > 0 or n != int(n):
-        raise ValueError(f"kv_cache_memory must be a positive whole number of bytes, got {value!r}")
+        raise ValueError(f"{name} must be a positive whole number of bytes, got {value!r}")
     return int(n)
 
 

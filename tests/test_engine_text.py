@@ -55,7 +55,18 @@ def test_bad_input_raises_and_engine_survives(smol, field, make):  # type: ignor
 @pytest.mark.parametrize("field,kw", [("max_tokens", dict(max_tokens=0)), ("temperature", dict(temperature=-0.5)),
                                       ("temperature", dict(temperature=float("inf"))),
                                       ("top_p", dict(top_p=0.0)), ("top_k", dict(top_k=-3)),
-                                      ("logprobs", dict(logprobs=50)), ("min_p", dict(min_p=float("nan")))])
+                                      ("logprobs", dict(logprobs=50)), ("min_p", dict(min_p=float("nan"))),
+                                      # a bool is an int to Python: it must not pass for a count or an id
+                                      ("logprobs", dict(logprobs=True)), ("n", dict(n=True)), ("top_k", dict(top_k=True)),
+                                      ("seed", dict(seed=True)), ("min_tokens", dict(min_tokens=True)),
+                                      ("stop_token_ids", dict(stop_token_ids=["a"])), ("stop_token_ids", dict(stop_token_ids=5)),
+                                      ("stop_token_ids", dict(stop_token_ids=[1.5])), ("stop", dict(stop=5)),
+                                      ("logit_bias", dict(logit_bias={1.7: 1})),
+                                      # beam search ranks raw log-probs: what it would ignore is refused
+                                      *[(f, dict(use_beam_search=True, n=2, **{f: v})) for f, v in (
+                                          ("logit_bias", {3: 5.0}), ("repetition_penalty", 1.3),
+                                          ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("min_tokens", 2),
+                                          ("stop", ["x"]), ("logprobs", 2), ("prompt_logprobs", 1))]])
 def test_sampling_params_name_the_bad_field(field, kw):  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=field):
         SP(**kw)
@@ -226,6 +237,30 @@ def test_kv_cache_memory_without_a_unit_is_refused(value):  # type: ignore[no-un
     from lmserve.config import EngineConfig
     with pytest.raises(ValueError, match="kv_cache_memory"):
         EngineConfig(kv_cache_memory=value)
+
+
+@pytest.mark.parametrize("field,kw", [("swap_space", dict(swap_space=-5)), ("swap_space", dict(swap_space="2")),
+                                      ("ngram_min", dict(ngram_min=0)), ("ngram_max", dict(ngram_min=3, ngram_max=2)),
+                                      ("spec_max_batch", dict(spec_max_batch=0)),
+                                      ("spec_min_acceptance", dict(spec_min_acceptance=-3)),
+                                      ("draft_num_layers", dict(draft_num_layers=-2)),
+                                      ("max_num_seqs", dict(max_num_seqs=2.5)), ("block_size", dict(block_size=True)),
+                                      ("num_speculative_tokens", dict(num_speculative_tokens=0))])
+def test_engine_config_names_the_bad_field(field, kw):  # type: ignore[no-untyped-def]
+    """Each was accepted (an engine built with max_num_seqs 2.5), or refused naming another field
+    (swap_space's errors said kv_cache_memory)."""
+    from lmserve.config import EngineConfig
+    with pytest.raises(ValueError, match=f"^{field}"):
+        EngineConfig(**kw)
+
+
+def test_a_context_past_the_models_is_refused(tiny_models):  # type: ignore[no-untyped-def]
+    """max_model_len above the model's max_position_embeddings (2048): an error naming it, as vLLM
+    gives (before, silently cut to 2048)."""
+    path, _ = tiny_models["llama"]
+    with pytest.raises(ValueError, match="max_model_len.*2048"):
+        LLM(str(path), max_model_len=10**6, kv_cache_memory="16MiB")
+    assert LLM(str(path), max_model_len=2048, kv_cache_memory="16MiB").engine.max_model_len == 2048
 
 
 def test_stop_strings_need_a_tokenizer(tiny_models):  # type: ignore[no-untyped-def]

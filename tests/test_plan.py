@@ -126,3 +126,14 @@ def test_tensor_parallel_worked_example(capsys):
                  "--link-latency-us", "10"]) == 0
     out = capsys.readouterr().out
     assert "tensor parallel over 4 ranks" in out and f"{t['speedup']:.2f}x" in out
+
+
+def test_the_tensor_parallel_bound_reads_a_windowed_model_as_one_process_does():
+    """A sliding-window model (5 of 6 layers keep 512 tokens), batch 64 at 8k tokens: the tensor-parallel
+    section's one-rank bound is the decode bound above it (before, it read every layer's whole 8k
+    tokens: 3.0 ms against 0.8 ms for gemma-3-270m)."""
+    from dataclasses import replace
+    m = replace(mk(6, 2, heads=8), windows=(512, 512, 512, 512, 512, None))
+    r = plan(m, DEVICES["h100"], "bf16", batch=64, seq_len=8192, tp=2)
+    assert math.isclose(r["tensor_parallel"]["step_ms_tp1"], r["decode"]["step_ms"], rel_tol=1e-9)
+    assert r["kv_bytes_per_seq"] < r["kv_bytes_per_seq_window_blind"] / 3

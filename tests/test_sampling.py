@@ -369,3 +369,41 @@ def test_gumbel_kernel_greedy_rows_blocks_and_seeds():
     s = make_seqs(params, 1, seed0=1)[0]
     out = sampler(torch.zeros(2, 64), [g, s])
     assert out.token_ids[0] == 3 and 0 <= out.token_ids[1] < 64
+
+
+def test_a_row_without_filters_keeps_its_whole_vocabulary_beside_filtered_rows():
+    """A real vocabulary (49,152): the unfiltered row's probabilities beside a top-k row are its
+    probabilities alone, every token > 0 (before, the batch's filter pass applied its top_p = 1.0,
+    and a float32 running sum reaches 1 thousands of tokens before the tail: ~4,800 tokens zeroed, so
+    a seeded request's tokens followed its neighbours); so is a row asking top_p = 1.0 itself."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, 49152) * 3  # (2, V)
+    plain, topk = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=20)
+    alone = Sampler._probs(logits[:1].clone(), [plain])  # (1, V)
+    beside = Sampler._probs(logits.clone(), [plain, topk])  # (2, V)
+    assert (alone > 0).all() and torch.equal(beside[0], alone[0])
+    assert int((beside[1] > 0).sum()) == 20
+    asked = Sampler._probs(logits[:1].clone(), [SamplingParams(temperature=1.0, top_p=1.0, min_p=1e-30)])
+    assert int((asked > 0).sum()) > 49000  # min_p 1e-30 drops nothing a float32 softmax holds
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth():
+    """logits [2, 1, 1, 1, 0, -1], top_k = 2: the three tokens tied at 1 all stay (HF's TopKLogitsWarper
+    and vLLM keep ties), the float64 softmax over the four; before, two of the tied three were cut by
+    the sort's order."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, -1.0]])
+    got = Sampler._probs(logits.clone(), [SamplingParams(temperature=1.0, top_k=2)])[0].double()
+    ref = torch.tensor([2.0, 1.0, 1.0, 1.0], dtype=torch.float64).exp()
+    ref = torch.cat([ref / ref.sum(), torch.zeros(2, dtype=torch.float64)])
+    assert torch.allclose(got, ref, atol=1e-6), got
+
+
+def test_a_vanishing_temperature_is_greedy(tiny_models):  # type: ignore[no-untyped-def]
+    """temperature 1e-40: logits / T overflowed to inf and the draw fell on the last token of the
+    vocabulary every time; below 1e-5 a temperature is greedy (vLLM's rule)."""
+    assert SamplingParams(temperature=1e-40).temperature == 0 and SamplingParams(temperature=1e-4).temperature == 1e-4
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    tiny, greedy = (llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=t, seed=1, ignore_eos=True),
+                                 use_tqdm=False)[0].outputs[0].token_ids for t in (1e-40, 0))
+    assert tiny == greedy and tiny != [llm.engine.vocab_size - 1] * 6

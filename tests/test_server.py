@@ -325,6 +325,9 @@ BAD = [
      None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 2,
                          "structured_outputs": {"regex": "a+"}}, None, 400, "structured_outputs"),
+    # beam search ranks raw log-probs and reports none: refused, not silently dropped
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 2, "logprobs": 1}, None, 400,
+     "logprobs"),
     # unbounded inputs are bounded
     ("/v1/completions", {"prompt": ["hi"] * 257, "max_tokens": 1}, None, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(1025)}}, None, 400,

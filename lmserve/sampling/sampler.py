@@ -105,16 +105,18 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                   ) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k / top-p / min-p, per row. logits: (B, V); params: (B,).
 
-    top_k <= 0 means off; top_p = 1 and min_p = 0 mean off. The most likely token always survives.
+    top_k <= 0 means off; top_p = 1 and min_p = 0 mean off, so a row with none of them keeps every
+    token whatever its neighbours ask. Tokens tied with the k-th stay (as HF's and vLLM's top-k keep
+    them). The most likely token always survives.
     """
     B, V = logits.shape
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-    rank = torch.arange(V, device=logits.device).expand(B, V)  # (B, V)
-    k = torch.where(top_k > 0, top_k, V).unsqueeze(1)  # (B, 1)
-    drop = rank >= k
+    k = torch.where(top_k > 0, top_k, V).clamp(max=V).unsqueeze(1)  # (B, 1)
+    drop = sorted_logits < sorted_logits.gather(1, k - 1)  # below the k-th largest
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)  # (B, V)
     before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    drop |= before >= top_p.unsqueeze(1)
+    # top_p = 1 is off: a float32 running sum reaches 1 before the vocabulary's tail does
+    drop |= (before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1)
     drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -179,7 +179,7 @@ class SamplingRequest(BaseRequest):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos,
-            logprobs=None if self.use_beam_search else logprobs,
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
