@@ -139,6 +139,8 @@ class OutputProcessor:
             out.text += out.detok.step([tok])
             if not p.stop or (i == last and seq.finish_reason not in (None, "length")):
                 continue
+            if seq.num_output_tokens - (last - i) <= p.min_tokens:  # as stop tokens: none before min_tokens
+                continue  # (vLLM's rule: a stop string counts from the token after the min_tokens-th)
             for stop in p.stop:
                 idx = out.text.find(stop, max(0, before - len(stop) + 1))
                 if idx == -1:

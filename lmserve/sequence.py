@@ -157,6 +157,8 @@ class SamplingParams:
             raise bad("top_k", "must be -1 (off) or an integer >= 1")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
+        if not -10 <= self.length_penalty <= 10:  # (length + 1) ** 400 overflowed in the beam step
+            raise bad("length_penalty", "must be in [-10, 10]")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0")
         for name in ("presence_penalty", "frequency_penalty"):

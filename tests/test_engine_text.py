@@ -291,3 +291,17 @@ def test_a_dropped_engine_is_freed_at_once(tiny_models):  # type: ignore[no-unty
             assert ref() is None, kw
     finally:
         gc.enable()
+
+
+def test_stop_strings_wait_for_min_tokens(smol):  # type: ignore[no-untyped-def]
+    """A stop string in the first token, min_tokens 6: like a stop token, it counts only from the 7th
+    token on (vLLM's rule); before, the output ended at its first token while stop_token_ids waited."""
+    free = smol.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0),
+                         use_tqdm=False)[0].outputs[0]
+    stop = free.text[:2]  # in the first token's text
+    first = smol.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop=stop),
+                          use_tqdm=False)[0].outputs[0]
+    assert first.finish_reason == "stop" and len(first.token_ids) == 1
+    held = smol.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop=stop,
+                                                                      min_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 7 and held.token_ids[:7] == free.token_ids[:7]

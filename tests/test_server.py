@@ -325,6 +325,9 @@ BAD = [
      None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 2,
                          "structured_outputs": {"regex": "a+"}}, None, 400, "structured_outputs"),
+    # (length + 1) ** 400 overflowed in the beam step: a 500 for every request in flight
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 2, "length_penalty": 400},
+     None, 400, "length_penalty"),
     # beam search ranks raw log-probs and reports none: refused, not silently dropped
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 2, "logprobs": 1}, None, 400,
      "logprobs"),
@@ -424,6 +427,78 @@ def test_exception_in_one_request_is_500_others_unharmed(server, client, monkeyp
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
     monkeypatch.undo()
     assert_idle(server)
+
+
+def metric(server, name: str) -> float:  # type: ignore[no-untyped-def]
+    """One sample of /metrics (a labelled counter not yet counted is absent: 0)."""
+    lines = httpx.get(server["url"] + "/metrics").text.splitlines()
+    return next((float(x.split()[1]) for x in lines if x.split() and x.split()[0] == name), 0.0)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Once upon a time"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_an_unstreamed_request_whose_client_left_is_aborted(server, path, body):  # type: ignore[no-untyped-def]
+    """A client that gives up on an unstreamed request (its 1 s timeout) frees the engine at once
+    (before, under Starlette's BaseHTTPMiddleware the route never saw the disconnect: 2,000 tokens
+    ran on for nobody, holding their blocks)."""
+    aborted = metric(server, 'lmserve_requests_total{finish_reason="abort"}')
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server["url"] + path, json={**body, "max_tokens": 2000, "ignore_eos": True},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
+    assert_idle(server)  # within 10 s: 2,000 tokens would take over a minute
+    assert metric(server, 'lmserve_requests_total{finish_reason="abort"}') == aborted + 1
+
+
+def test_a_failed_job_of_a_many_prompt_request_ends_its_siblings(server, monkeypatch):  # type: ignore[no-untyped-def]
+    """Two 4-prompt requests pass the queue check together (the check bypassed here, as two requests
+    in the same instant would), and the second's third job finds the queue full: it answers 429, and
+    its two queued siblings are aborted (before, they ran to the end for nobody: 6 requests finished
+    for 4 answered prompts)."""
+    monkeypatch.setattr(server["srv"], "first_check", lambda jobs: None)
+    monkeypatch.setattr(server["ae"], "max_queue", 6)
+    name = 'lmserve_requests_total{finish_reason="length"}'
+    before = metric(server, name)
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(c.post(
+                server["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                json={"prompt": [f"Story {i}.{j}:" for j in range(4)], "max_tokens": 32, "ignore_eos": True})
+                for i in range(2)))
+
+    codes = sorted(r.status_code for r in asyncio.run(go()))
+    monkeypatch.undo()
+    assert codes == [200, 429]
+    assert_idle(server)
+    assert metric(server, name) == before + 4
+
+
+def test_streamed_scoring_and_logprob_offsets_equal_the_response(server):  # type: ignore[no-untyped-def]
+    """echo with max_tokens 0 (scoring) streamed: the prompt alone and 0 completion tokens, as the
+    response has it (before, the throw-away token was streamed and counted); streamed logprobs'
+    text_offset runs on over the choice (before, it restarted at 0 in every chunk)."""
+    def run(body: dict, stream: bool) -> tuple[str, list[int], dict]:
+        r = post(server, "/v1/completions", {**body, "stream": stream, **(
+            {"stream_options": {"include_usage": True}} if stream else {})})
+        if not stream:
+            ch = r.json()["choices"][0]
+            return ch["text"], (ch["logprobs"] or {}).get("text_offset", []), r.json()["usage"]
+        text, offsets, use = "", [], {}
+        for line in r.text.splitlines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                use = ev.get("usage") or use
+                for ch in ev["choices"]:
+                    text += ch["text"]
+                    offsets += (ch["logprobs"] or {}).get("text_offset", [])
+        return text, offsets, use
+
+    score = {"prompt": "The capital of France is", "max_tokens": 0, "echo": True}
+    assert run(score, True) == run(score, False)
+    assert run(score, True)[2]["completion_tokens"] == 0 and run(score, True)[0] == score["prompt"]
+    gen = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    plain, streamed = run(gen, False), run(gen, True)
+    assert streamed[:2] == plain[:2] and len(set(plain[1])) == 8
 
 
 # ---------------------------------------------------------------- concurrency

@@ -637,3 +637,15 @@ def test_schema_compiles_and_constrains_in_xgrammar() -> None:
         g = xgr.Grammar.from_json_schema(json.dumps(tools_json_schema([*TOOLS, TRIP], mode, parallel)))
         assert all(accepts(g, json.dumps(v)) for v in good), (mode, parallel)
         assert not any(accepts(g, json.dumps(v)) for v in bad), (mode, parallel)
+
+
+@pytest.mark.parametrize("args", ['{"s": "\\ud800"}', '{"a": 1e999}'])
+def test_arguments_no_client_can_read_are_content(args):  # type: ignore[no-untyped-def]
+    """Arguments the model wrote as JSON text that no strict UTF-8 JSON can carry (a lone surrogate,
+    a number past a float's range, read as inf): the call is content (before, the surrogate made a 500
+    on encoding and cut the stream; inf went out as `Infinity`, which is not JSON)."""
+    text = f'{OPEN}{{"name": "f", "arguments": {args}}}{CLOSE}'
+    r = hermes().extract(text)
+    assert not r.calls and r.content == text
+    good = hermes().extract(f'{OPEN}{{"name": "f", "arguments": {{"a": 1e300, "s": "\\u00e9"}}}}{CLOSE}')
+    assert calls_of(good) == [("f", {"a": 1e300, "s": "é"})]

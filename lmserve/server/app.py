@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +28,7 @@ from lmserve.server import anthropic_api, disagg, responses_api
 from lmserve.server import openapi as oa
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.server.errors import ApiError, invalid_request
+from lmserve.server.gate import Gate
 from lmserve.server.limits import ServerLimits
 from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Formatter
 from lmserve.server.metrics import ServerMetrics
@@ -192,7 +192,8 @@ class OpenAIServer:
         return ApiError(408, f"request exceeded the {self.request_timeout} s timeout", code="request_timeout")
 
     async def run_all(self, request: Request, jobs: list[Job]) -> list[RequestOutput]:
-        """Run several engine requests to completion; abort them all if the client disconnects."""
+        """Run several engine requests to completion; abort them all if the client disconnects, the
+        deadline passes or one of them fails (its error answers; the others would run for nobody)."""
         async def one(rid: str, req: EngineRequest) -> RequestOutput:
             last = None
             async for out in self.ae.generate(rid, req):
@@ -201,28 +202,29 @@ class OpenAIServer:
             self.metrics.observe(last)
             return last
 
-        task = asyncio.ensure_future(asyncio.gather(*(one(*j) for j in jobs)))
+        tasks = [asyncio.ensure_future(one(*j)) for j in jobs]
         deadline = self.deadline()
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=0.2)
-                if done:
-                    return task.result()
+                done, running = await asyncio.wait(tasks, timeout=0.2, return_when=asyncio.FIRST_EXCEPTION)
+                failed = next((t for t in done if t.exception() is not None), None)
+                if failed is not None:
+                    raise failed.exception()  # type: ignore[misc]
+                if not running:
+                    return [t.result() for t in tasks]
                 if await request.is_disconnected():
-                    task.cancel()
-                    self.metrics.aborted(len(jobs))
+                    self.metrics.aborted(len(running))
                     raise ApiError(499, "client disconnected")
                 if deadline is not None and time.monotonic() > deadline:
-                    task.cancel()
-                    self.metrics.aborted(len(jobs))
+                    self.metrics.aborted(len(running))
                     raise self.timed_out()
         except QueueFullError as e:
             raise ApiError(429, str(e), type_="rate_limit_error", headers={"Retry-After": "1"}) from None
         except EngineDeadError as e:
             raise ApiError(503, str(e), type_="server_error") from None
         finally:
-            if not task.done():
-                task.cancel()
+            for t in tasks:  # cancelled in its generator: AsyncEngine.generate aborts the engine request
+                t.cancel()
 
     async def stream_all(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
         """Merge the output streams of several requests: (job index, output or error). The merge holds
@@ -336,23 +338,7 @@ def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, ma
         """e in the error shape of the API the request is for (Anthropic's on its routes)."""
         return anthropic_api.error_response(e) if anthropic_api.is_route(request.url.path) else e.response()
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):  # type: ignore[no-untyped-def]
-        too_big = limits.check_headers(request.scope["headers"])  # (whatever the HTTP parser let through)
-        if too_big is not None:
-            return error(request, too_big)
-        if srv.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            tokens = [header[7:] if header.lower().startswith("bearer ") else ""]
-            if anthropic_api.is_route(request.url.path):  # Anthropic's clients send x-api-key
-                tokens.append(request.headers.get("x-api-key", ""))
-            if not any([hmac.compare_digest(t.encode(), srv.api_key.encode()) for t in tokens]):
-                return error(request, ApiError(401, "invalid or missing API key", type_="authentication_error",
-                                               code="invalid_api_key"))
-        try:
-            return await call_next(request)
-        except ApiError as e:
-            return error(request, e)
+    app.add_middleware(Gate, limits=limits, api_key=srv.api_key, error=error)  # header limits, the API key
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> Response:

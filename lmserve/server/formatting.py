@@ -68,7 +68,11 @@ class Formatter:
         """The whole response, once every request finished (outs in job order)."""
         return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [self.choice(i, o, c) for i, o in enumerate(outs) for c in o.outputs],
-                "usage": usage(outs)}
+                "usage": self.usage(outs)}
+
+    def usage(self, outs: list[RequestOutput]) -> dict[str, int]:
+        """The token counts this response reports, whole or streamed."""
+        return usage(outs)
 
     def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
         """A stream chunk: some choices' deltas, and usage if given."""
@@ -112,16 +116,16 @@ class CompletionFormatter(Formatter):
         super().__init__(rid, model, tokenizer)
         self.body, self.prompts = body, prompts
         self.echoed: set[tuple[int, int]] = set()  # (job, choice) whose prompt the stream has sent
+        self.offset: dict[tuple[int, int], int] = {}  # (job, choice): the stream's next text_offset
 
     def prompt_text(self, i: int) -> str:
         """Job i's prompt as text (echo)."""
         p = self.prompts[i]
         return p if isinstance(p, str) else (self.tok.decode(p, skip_special_tokens=False) if self.tok else "")
 
-    def logprobs(self, ids: list[int], lps: list[Logprob | None]) -> dict[str, Any]:
-        """Legacy completions logprobs: tokens, their logprobs, top alternatives, text offsets."""
+    def logprobs(self, ids: list[int], lps: list[Logprob | None], off: int = 0) -> dict[str, Any]:
+        """Legacy completions logprobs: tokens, their logprobs, top alternatives, text offsets (from off)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        off = 0
         for tid, lp in zip(ids, lps):
             piece = self.piece(tid)
             tokens.append(piece)
@@ -131,8 +135,8 @@ class CompletionFormatter(Formatter):
             tops.append(None if lp is None else {self.piece(t): v for t, v in lp.top.items()})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        return {**super().response(outs), "usage": usage(outs, drop_generated=self.body.echo_only)}
+    def usage(self, outs: list[RequestOutput]) -> dict[str, int]:
+        return usage(outs, drop_generated=self.body.echo_only)  # scoring: the throw-away token is no output
 
     def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         body = self.body
@@ -148,17 +152,21 @@ class CompletionFormatter(Formatter):
                 "finish_reason": "length" if body.echo_only else c.finish_reason, "stop_reason": c.stop_reason}
 
     def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
-        text = c.delta_text
+        key, body = (i, c.index), self.body
+        text = "" if body.echo_only else c.delta_text  # scoring streams the prompt alone, as its response has it
+        if body.echo and key not in self.echoed:
+            self.echoed.add(key)
+            self.offset[key] = len(echo := self.prompt_text(i))
+            text = echo + text
         lp_obj = None
-        if self.body.logprobs is not None and c.delta_token_ids:
-            lp_obj = self.logprobs(c.delta_token_ids, new_logprobs(c))
-        if self.body.echo and (i, c.index) not in self.echoed:
-            self.echoed.add((i, c.index))
-            text = self.prompt_text(i) + text
+        if body.logprobs is not None and c.delta_token_ids and not body.echo_only:
+            start = self.offset.get(key, 0)  # offsets run on over the whole choice, as in the response
+            lp_obj = self.logprobs(c.delta_token_ids, new_logprobs(c), start)
+            self.offset[key] = start + sum(map(len, lp_obj["tokens"]))
         if not text and not c.finished and lp_obj is None:
             return None
-        return {"index": i * self.body.n + c.index, "text": text, "logprobs": lp_obj,
-                "finish_reason": c.finish_reason if c.finished else None,
+        return {"index": i * body.n + c.index, "text": text, "logprobs": lp_obj,
+                "finish_reason": ("length" if body.echo_only else c.finish_reason) if c.finished else None,
                 "stop_reason": c.stop_reason if c.finished else None}
 
 
@@ -288,7 +296,7 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
                 yield sse(ApiError.engine_failure(c.error, c.error_status).body())
                 continue
             for choice in fmt.deltas(i, c):
-                yield sse(fmt.chunk([choice], usage([item]) if continuous else None))
+                yield sse(fmt.chunk([choice], fmt.usage([item]) if continuous else None))
     if include_usage and last:
-        yield sse(fmt.chunk([], usage(list(last.values()))))
+        yield sse(fmt.chunk([], fmt.usage(list(last.values()))))
     yield DONE

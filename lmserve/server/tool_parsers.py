@@ -106,7 +106,12 @@ def _as_call(obj: Any) -> tuple[str, str] | None:
     args = [obj[k] for k in ARGUMENT_KEYS if k in obj]
     if len(args) != 1 or not isinstance(args[0], dict):
         return None
-    return obj["name"], json.dumps(args[0], ensure_ascii=False)
+    try:  # strict JSON a client can read back, in UTF-8: else the call is content
+        text = json.dumps(args[0], ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except ValueError:  # a number past a float's range (1e999 reads as inf), a lone surrogate ("\ud800")
+        return None
+    return obj["name"], text
 
 
 def _tag_prefix_len(buf: str, tag: str, start: int) -> int:
