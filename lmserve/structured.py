@@ -168,7 +168,10 @@ class StructuredOutputs:
             elif kind == "regex":
                 compiled = compiler.compile_regex(text)
             elif kind == "choice":
-                compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
+                # characters kept raw: an escaped one past U+FFFF (\ud83d\ude42) is read as two surrogates,
+                # each its own 3 UTF-8 bytes, so the grammar forced bytes no UTF-8 text holds
+                compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                            for c in json.loads(text)))
             else:
                 compiled = compiler.compile_grammar(text)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own kinds

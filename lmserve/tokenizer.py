@@ -8,6 +8,7 @@ vocabulary order).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -141,6 +142,25 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self.raw.id_to_token(i) for i in ids]
 
+    def token_bytes(self, tid: int) -> bytes:
+        """A token's own bytes, as chat logprobs give them: a token holding part of a multi-byte
+        character is that part (decoded alone it is U+FFFD), so a client can join a character again.
+        Byte-level BPE spells bytes as characters; SentencePiece's byte fallback as <0xAB>."""
+        tok = self.raw.id_to_token(tid)
+        if tok is not None and self._byte_level and all(ch in _BYTE_OF for ch in tok):
+            return bytes(_BYTE_OF[ch] for ch in tok)
+        if tok is not None and len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+            try:
+                return bytes([int(tok[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([tid], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        d = json.loads(self.raw.to_str()).get("decoder") or {}
+        return "ByteLevel" in [d.get("type")] + [x.get("type") for x in d.get("decoders") or []]
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             template: str | None = None, max_chars: int = 0, max_seconds: float = 0.0,
                             **kwargs: Any) -> str:
@@ -197,6 +217,19 @@ class Tokenizer:
 
 
 SPM_BUILD = "1"  # bump when _sentencepiece_bpe changes: cached tokenizers of older builds are not read
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte as a printable character -> the byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = dict(zip(keep, keep))
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + sum(1 for x in range(b) if x not in keep)
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_alphabet()
 
 
 def _built_path(g: Any) -> Path | None:

@@ -305,3 +305,12 @@ def test_stop_strings_wait_for_min_tokens(smol):  # type: ignore[no-untyped-def]
     held = smol.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop=stop,
                                                                       min_tokens=6), use_tqdm=False)[0].outputs[0]
     assert len(held.token_ids) >= 7 and held.token_ids[:7] == free.token_ids[:7]
+
+
+def test_token_bytes_join_to_the_texts_utf8(smol):  # type: ignore[no-untyped-def]
+    """Byte-level BPE: every token's own bytes (a piece of a character included) joined are the text's
+    UTF-8, special tokens too."""
+    tok = smol.tokenizer
+    for text in ("游让 🙂 héllo", "<|im_start|>user\n日本語<|im_end|>", "  tabs\tand\n\nspaces"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(t) for t in ids) == text.encode("utf-8"), text

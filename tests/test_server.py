@@ -501,6 +501,20 @@ def test_streamed_scoring_and_logprob_offsets_equal_the_response(server):  # typ
     assert streamed[:2] == plain[:2] and len(set(plain[1])) == 8
 
 
+def test_chat_logprob_bytes_rebuild_a_character_split_over_tokens(server):  # type: ignore[no-untyped-def]
+    """Output held to the choice "游让 🙂" (characters of 3 and 4 UTF-8 bytes that the tokenizer splits
+    over several tokens): the tokens' `bytes` joined are the content's UTF-8 (before, each partial
+    token's bytes were U+FFFD's, so a client could not rebuild the characters; and the choice's 🙂, escaped
+    into the grammar as two UTF-16 surrogates, forced 6 bytes no UTF-8 text holds: content "游让 ")."""
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say it"}], "max_tokens": 24,
+                                              "logprobs": True, "top_logprobs": 1,
+                                              "structured_outputs": {"choice": ["游让 🙂"]}}).json()
+    ch = r["choices"][0]
+    toks = ch["logprobs"]["content"]
+    assert ch["message"]["content"] == "游让 🙂" and any(t["token"] == "\ufffd" for t in toks)  # split characters
+    assert bytes(b for t in toks for b in t["bytes"]).removesuffix(b"<|im_end|>") == "游让 🙂".encode()
+
+
 # ---------------------------------------------------------------- concurrency
 
 PROMPTS = [f"Tell me fact number {i} about {t}:" for i, t in

@@ -208,12 +208,13 @@ class ChatFormatter(Formatter):
 
     def logprobs(self, ids: list[int], lps: list[Logprob]) -> dict[str, Any]:
         """Chat logprobs: each token with its bytes and top alternatives."""
+        def raw(t: int) -> list[int]:  # the token's own bytes (part of a character: not U+FFFD's)
+            return list(self.tok.token_bytes(t) if self.tok else self.piece(t).encode("utf-8"))
+
         content = []
         for tid, lp in zip(ids, lps):
-            piece = self.piece(tid)
-            content.append({"token": piece, "logprob": lp.logprob, "bytes": list(piece.encode("utf-8")),
-                            "top_logprobs": [{"token": self.piece(t), "logprob": v,
-                                              "bytes": list(self.piece(t).encode("utf-8"))}
+            content.append({"token": self.piece(tid), "logprob": lp.logprob, "bytes": raw(tid),
+                            "top_logprobs": [{"token": self.piece(t), "logprob": v, "bytes": raw(t)}
                                              for t, v in lp.top.items()]})
         return {"content": content}
 
