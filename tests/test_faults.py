@@ -316,3 +316,31 @@ def test_generate_that_raises_takes_its_requests_out_of_the_engine(tiny_models):
     assert not llm.engine.requests and llm.stats().used_blocks == 0
     outs = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 20 and not llm.engine.requests
+
+
+def test_a_request_to_a_stopping_loop_is_refused_at_once(tiny_models):  # type: ignore[no-untyped-def]
+    """Between the loop's last _fail_all (which fails what is pending) and the end of its thread, a new
+    request must be refused, not queued where nobody reads it again (before, generate checked only
+    that the thread was alive: the request waited forever). The window is held open here: the loop is
+    stopped and a stand-in thread still counts as alive."""
+    from lmserve.server.async_engine import AsyncEngine, EngineDeadError
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    ae = AsyncEngine(llm.engine)
+    ae.start()
+    ae.shutdown()
+    ae._stop.set()
+
+    class StillAlive:
+        def is_alive(self) -> bool:
+            return True
+
+    ae._thread = StillAlive()  # type: ignore[assignment]
+    req = llm.engine.process_request([5, 6, 7], SamplingParams(max_tokens=2))
+
+    async def ask() -> None:
+        async for _ in ae.generate("late", req):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(asyncio.wait_for(ask(), timeout=3))

@@ -175,7 +175,7 @@ class AsyncEngine:
         with self._lock:
             if not self.has_room():
                 raise QueueFullError(f"{self.max_queue} requests are already waiting")
-            if not self._thread.is_alive():
+            if not self.alive or self._stop.is_set():  # (a stopping loop may have failed its last pending ones)
                 raise EngineDeadError("the engine loop is not running")
             self._pending.append((request_id, request, stream))
         self._wake.set()
