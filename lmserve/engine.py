@@ -89,7 +89,7 @@ class Engine:
         # a function of the RNG and the output processor, not a bound method: no engine <-> fan-out cycle
         # (a cycle would keep a dropped engine, and its KV cache, alive until the next GC pass)
         self._init_seq = functools.partial(init_sequence, random.Random(c.seed), self.output, self.structured)
-        self.fanout = FanOut(self.scheduler, self.block_manager, self._init_seq)
+        self.fanout = FanOut(self.scheduler, self.block_manager, self._init_seq, self.output.fail)
         self.requests: dict[str, list[Sequence]] = {}  # the request table: each request's sequences
         self.final_only: set[str] = set()  # requests whose caller wants only the finished output
         self.load_time = time.perf_counter() - t0

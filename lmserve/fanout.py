@@ -8,6 +8,7 @@ Beam search clones beams the same way each step, from the log-probs the runner h
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -18,15 +19,17 @@ from lmserve.sampling.beam import BeamState
 from lmserve.scheduler import Scheduler, SchedulerOutput
 from lmserve.sequence import Sequence, Status
 
+log = logging.getLogger("lmserve")
 
 class FanOut:
     """Creates, forks and clones the sequences of multi-sequence requests and runs the beam step."""
 
     def __init__(self, scheduler: Scheduler, block_manager: BlockManager,
-                 init_seq: Callable[[Sequence], None]) -> None:
+                 init_seq: Callable[[Sequence], None], fail: Callable[[Sequence, str], None]) -> None:
         self.scheduler = scheduler
         self.bm = block_manager
         self.init_seq = init_seq  # gives a new sequence its generator and output state
+        self.fail = fail  # ends a sequence with an error (OutputProcessor.fail)
         self.beams: dict[str, BeamState] = {}  # beam-search requests: their search state
         self._forking: list[Sequence] = []  # parents with children still to fork
 
@@ -62,7 +65,13 @@ class FanOut:
         self._forking = [s for s in self._forking if s.family.forks_pending and not s.is_finished]
         for rid in {s.request_id for s in beam_logprobs}:
             if rid in requests:
-                self._beam_step(rid, requests[rid])
+                try:
+                    self._beam_step(rid, requests[rid])
+                except Exception as e:  # noqa: BLE001 - a search that cannot go on ends alone, with its error
+                    log.exception("beam step failed for %s", rid)
+                    for s in requests[rid]:
+                        if not s.is_finished:
+                            self.fail(s, f"{type(e).__name__}: {e}")
 
     @staticmethod
     def failing(seqs: list[Sequence], requests: dict[str, list[Sequence]]) -> list[Sequence]:

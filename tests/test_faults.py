@@ -344,3 +344,29 @@ def test_a_request_to_a_stopping_loop_is_refused_at_once(tiny_models):  # type: 
 
     with pytest.raises(EngineDeadError):
         asyncio.run(asyncio.wait_for(ask(), timeout=3))
+
+
+def test_a_beam_step_that_raises_ends_its_search_alone(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+    """The beam step itself raising (after the forward, in FanOut): that search ends with its error and
+    every block is free; the plain request beside it gets all its tokens (before, the exception left
+    Engine.step: the server failed every request in flight)."""
+    from lmserve.sampling import beam
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), block_size=4)
+    calls = []
+
+    def boom(self, *a):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 3:
+            raise ArithmeticError("injected in the beam step")
+        return real(self, *a)
+
+    real = beam.BeamState.step
+    monkeypatch.setattr(beam.BeamState, "step", boom)
+    outs = llm.generate([[5, 6], [7, 8, 9]], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                              SamplingParams(n=2, use_beam_search=True, max_tokens=6, ignore_eos=True)],
+                        use_tqdm=False)
+    (b,) = outs[1].outputs
+    assert b.finish_reason == "error" and "injected in the beam step" in b.error and b.error_status == 500
+    assert len(outs[0].outputs[0].token_ids) == 12 and outs[0].outputs[0].finish_reason == "length"
+    assert llm.stats().used_blocks == 0 and not llm.engine.requests
