@@ -159,90 +159,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from an HF config.json dict."""
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rope_theta = cfg.get("rope_theta")
-        rope_params = cfg.get("rope_parameters") or {}
-        if rope_theta is None:
-            rope_theta = rope_params.get("rope_theta", 10000.0)
-        scaling = cfg.get("rope_scaling")
-        if scaling is None and rope_params.get("rope_type", "default") != "default":
-            scaling = rope_params
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        extra: dict[str, Any] = {}
-        if arch.startswith("Gemma3"):  # local / global layers with their own rope bases (Gemma3TextConfig)
-            types = cfg.get("layer_types") or [
-                "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
-                for i in range(cfg["num_hidden_layers"])]
-            per_type = rope_params if "full_attention" in rope_params else {}
-            full, local = per_type.get("full_attention") or {}, per_type.get("sliding_attention") or {}
-            rope_theta = full.get("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
-            scaling = full if full.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
-            extra = dict(layer_types=tuple(types), rope_local_theta=float(local.get("rope_theta", cfg.get(
-                "rope_local_base_freq", 10_000.0))), query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
-                final_logit_softcapping=cfg.get("final_logit_softcapping"))
-            if cfg.get("attn_logit_softcapping") is not None:
-                raise ValueError("attn_logit_softcapping is not supported (Gemma 2's attention soft cap)")
-            window = cfg.get("sliding_window")
-        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        mla = arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-        if mla:
-            extra.update(_deepseek_fields(cfg, arch))
-        elif experts:
-            if cfg.get("shared_expert_intermediate_size") or cfg.get("n_shared_experts"):
-                raise ValueError("MoE with shared experts is not supported yet")
-            extra.update(num_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                         moe_intermediate_size=cfg.get("moe_intermediate_size"),
-                         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),  # Mixtral: always renormalised
-                         decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
-                         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
-        return cls(**extra,
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,  # MLA: no K / V heads
-            head_dim=extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"] if mla  # MLA: q / k width a head
-            else cfg.get("head_dim") or hidden // heads,
-            rope_theta=float(rope_theta),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=cfg.get("attention_bias", arch.startswith("Qwen2")),
-            qk_norm=arch.startswith(("Qwen3", "Gemma3")),
-            sliding_window=window,
-            rope_scaling=scaling,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
-        )
-
-
-def _deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
-    """ModelConfig's MLA and DeepSeek-MoE fields from a DeepseekV2 / V3 config.json (absent keys take
-    transformers' defaults for the architecture)."""
-    v3 = arch == "DeepseekV3ForCausalLM"
-    if cfg.get("mlp_bias"):
-        raise ValueError("mlp_bias is not supported (DeepSeek MLPs without biases only)")
-    return dict(
-        q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=int(cfg["kv_lora_rank"]),
-        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
-        num_experts=int(cfg.get("n_routed_experts") or 0),
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=cfg.get("moe_intermediate_size"), n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
-        scoring_func=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
-        topk_method=cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
-        n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0), moe_layer_freq=int(cfg.get("moe_layer_freq") or 1))
+        """Build from an HF config.json dict (config_hf.py reads it as transformers does)."""
+        from lmserve.config_hf import model_fields
+        return cls(**model_fields(cfg))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:

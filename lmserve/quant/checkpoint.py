@@ -169,6 +169,11 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1 else cfg.eos_token_ids[0],
     }
+    if cfg.layer_types is not None:  # which layers slide (Gemma 3's pattern, Qwen's max_window_layers)
+        d["layer_types"] = list(cfg.layer_types)
+    if cfg.architecture.startswith("Gemma3"):  # (a missing key would take Gemma3TextConfig's default)
+        d.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+                 rope_local_base_freq=cfg.rope_local_theta, final_logit_softcapping=cfg.final_logit_softcapping)
     return d
 
 

@@ -1,0 +1,140 @@
+"""config.json read as transformers reads it (lmserve/config_hf.py): layers that slide only from
+max_window_layers on, the defaults a checkpoint leaves out (its architecture's, from transformers' own
+config class), and options our layers do not implement refused by name. Each case compares logits
+or greedy tokens with HF transformers on the same saved checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmserve import LLM, SamplingParams
+from lmserve.config import ModelConfig
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+IDS = [(i * 37 + 11) % 120 + 3 for i in range(30)]
+
+
+def build(cfg, path: Path, seed: int = 0):  # type: ignore[no-untyped-def]
+    """A seeded random HF model saved at path (weights at a scale where attention is not uniform)."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    cfg._attn_implementation = "eager"
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    return model
+
+
+def without(path: Path, *keys: str):  # type: ignore[no-untyped-def]
+    """Drop keys from the saved config.json (as transformers drops its class defaults when it saves);
+    returns HF's model loaded back from that file (which then takes the class defaults)."""
+    import transformers as tf
+    f = path / "config.json"
+    cfg = json.loads(f.read_text())
+    for k in keys:
+        cfg.pop(k, None)
+    f.write_text(json.dumps(cfg))
+    return tf.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def assert_logits_equal(path: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    ours = LLM(str(path), kv_cache_memory="16MiB").score(IDS)  # (T, V)
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0].float()
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_qwen2_slides_only_from_max_window_layers(tmp_path):  # type: ignore[no-untyped-def]
+    """Qwen2, use_sliding_window, window 8, max_window_layers 1: layer 0 attends to everything, layer 1
+    to its window, as HF's layer_types say (before, both slid: greedy wrong from the first token on a
+    37-token prompt)."""
+    import transformers as tf
+    cfg = tf.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    hf = build(cfg, tmp_path)
+    mc = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert [mc.layer_window(i) for i in range(2)] == [None, 8]
+    prompt = list(range(3, 40))
+    out = LLM(str(tmp_path), kv_cache_memory="16MiB", block_size=4).generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == ref
+    # the same without layer_types in the file: read from max_window_layers (28 by default: no layer slides)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("layer_types", None)
+    assert [ModelConfig.from_hf(raw).layer_window(i) for i in range(2)] == [None, 8]
+    raw.pop("max_window_layers")
+    assert ModelConfig.from_hf(raw).sliding_window is None
+
+
+def test_qwen3_moe_without_norm_topk_prob_keeps_raw_router_weights(tmp_path):  # type: ignore[no-untyped-def]
+    """Qwen3MoeConfig's default is not to renormalise the k router weights (before: renormalised,
+    logits off by 5e-3 from the first position)."""
+    import transformers as tf
+    cfg = tf.Qwen3MoeConfig(**{**COMMON, "intermediate_size": 96}, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, head_dim=16, norm_topk_prob=False, tie_word_embeddings=False)
+    build(cfg, tmp_path, seed=5)
+    hf = without(tmp_path, "norm_topk_prob")
+    assert hf.config.norm_topk_prob is False
+    assert_logits_equal(tmp_path, hf)
+
+
+@pytest.mark.parametrize("key", ["query_pre_attn_scalar", "tie_word_embeddings"])
+def test_gemma3_without_a_key_takes_gemma3s_default(tmp_path, key):  # type: ignore[no-untyped-def]
+    """Gemma3TextConfig's defaults: attention scale 256 ** -0.5 (before: head_dim ** -0.5, logits off
+    by 1.6), tied embeddings (before: "checkpoint is missing lm_head.weight")."""
+    import transformers as tf
+    cfg = tf.Gemma3TextConfig(**{**COMMON, "intermediate_size": 96}, head_dim=16, sliding_window=8,
+                              query_pre_attn_scalar=256, layer_types=["sliding_attention", "full_attention"])
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    build(cfg, tmp_path, seed=1)
+    hf = without(tmp_path, key)
+    assert_logits_equal(tmp_path, hf)
+
+
+@pytest.mark.parametrize("arch,key", [("LlamaForCausalLM", "attention_bias"), ("LlamaForCausalLM", "mlp_bias"),
+                                      ("Qwen3ForCausalLM", "attention_bias")])
+def test_biases_our_layers_lack_are_refused_by_name(arch, key):  # type: ignore[no-untyped-def]
+    """Llama's and Qwen3's attention_bias biases o_proj too, mlp_bias the MLP: refused naming the option
+    (before: "Linear has no bias" from deep in the loader)."""
+    raw = {"architectures": [arch], **{k: v for k, v in COMMON.items() if k != "pad_token_id"}, key: True}
+    with pytest.raises(ValueError, match=f"^{key}"):
+        ModelConfig.from_hf(raw)
+    assert ModelConfig.from_hf({**raw, "architectures": ["Qwen2ForCausalLM"], key: key == "attention_bias"}).qkv_bias
+
+
+def test_deepseek_v2_never_renormalises_its_router(tmp_path):  # type: ignore[no-untyped-def]
+    """transformers' DeepseekV2 router never reads norm_topk_prob: a V2 file that says true runs as HF runs
+    it (before, its 2 router weights a token were renormalised); V3's default (true) stays."""
+    import transformers as tf
+
+    from tests.test_deepseek import V3, make_deepseek
+    make_deepseek("v2", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "norm_topk_prob": True}))
+    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
+    assert_logits_equal(tmp_path, hf)
+    v3 = {k: v for k, v in V3.items() if k != "norm_topk_prob"}
+    assert ModelConfig.from_hf(v3).norm_topk_prob is True and tf.DeepseekV3Config().norm_topk_prob is True
+
+
+@pytest.mark.parametrize("change,key", [({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+                                        ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                                                              "full_attention": {"rope_type": "default"}}},
+                                         "rope_parameters.sliding_attention")])
+def test_gemma3_options_our_layers_lack_are_refused(change, key):  # type: ignore[no-untyped-def]
+    """Gemma 3 options that change the math and that gemma3.py does not implement (before: ignored)."""
+    raw = {"architectures": ["Gemma3ForCausalLM"], **{k: v for k, v in COMMON.items() if k != "pad_token_id"},
+           "head_dim": 16, "sliding_window": 8}
+    ModelConfig.from_hf(raw)
+    with pytest.raises(ValueError, match=f"^{key}"):
+        ModelConfig.from_hf({**raw, **change})
