@@ -16,9 +16,9 @@ import random
 import time
 from typing import Any
 
-from lmserve.attention import get_backend
 from lmserve.config import EngineConfig
 from lmserve.fanout import FanOut
+from lmserve.graphs import graphs_wanted
 from lmserve.inputs import InputProcessor, init_sequence
 from lmserve.kv import BlockManager, KVCache
 from lmserve.kv.swap import swap_policy
@@ -44,6 +44,18 @@ class Engine:
         t0 = time.perf_counter()
         self.config = c = config
         self.model_config, self.model, self.tokenizer = (load_tensor_parallel if c.tensor_parallel_size > 1 else load_model)(c)
+        try:
+            num_blocks = self._build(c)
+        except BaseException:  # tensor parallel: the other ranks stop and the group goes (a next engine
+            self.close()  # in this process would otherwise join the stale group and its old shards)
+            raise
+        self.load_time = time.perf_counter() - t0
+        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)%s", self.load_time,
+                 num_blocks, c.block_size, num_blocks * c.block_size, "" if self.graph_capture_time is None
+                 else f"; decode CUDA graphs captured in {self.graph_capture_time:.1f} s")
+
+    def _build(self, c: EngineConfig) -> int:
+        """Everything past the weights: the KV cache and the parts around it. Returns the KV blocks."""
         cfg = self.model_config
         self.max_model_len = c.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:  # past it the rotary table (and the training) end
@@ -75,7 +87,7 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, c.grammar_compile_timeout)
         self.runner = ModelRunner(self.model, self.kv_cache, c.device, self.structured)
         self.graph_capture_time: float | None = None  # seconds spent capturing decode CUDA graphs
-        if self._use_graphs():
+        if graphs_wanted(c):
             try:
                 self.graph_capture_time = self.runner.enable_graphs(c.graph_sizes, self.max_model_len)
             except Exception as e:  # a model or kernel that cannot be captured at all: serve eagerly, say so
@@ -92,19 +104,7 @@ class Engine:
         self.fanout = FanOut(self.scheduler, self.block_manager, self._init_seq, self.output.fail)
         self.requests: dict[str, list[Sequence]] = {}  # the request table: each request's sequences
         self.final_only: set[str] = set()  # requests whose caller wants only the finished output
-        self.load_time = time.perf_counter() - t0
-        log.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)%s", self.load_time,
-                 num_blocks, c.block_size, num_blocks * c.block_size, "" if self.graph_capture_time is None
-                 else f"; decode CUDA graphs captured in {self.graph_capture_time:.1f} s")
-
-    def _use_graphs(self) -> bool:
-        c = self.config
-        if c.enforce_eager or c.tensor_parallel_size > 1 or not str(c.device).startswith("cuda"):
-            return False
-        if not get_backend(c.attention_backend, c.device).supports_cuda_graphs:
-            log.info("attention backend %r cannot run in a CUDA graph: decode runs eagerly", c.attention_backend)
-            return False
-        return True
+        return num_blocks
 
     # ---------------------------------------------------------------- requests
     @property

@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from lmserve.attention import AttentionMetadata, pack_block_tables
+from lmserve.attention import AttentionMetadata, get_backend, pack_block_tables
+from lmserve.config import EngineConfig
 from lmserve.kv.cache import KVCache, slot
 from lmserve.scheduler import SchedulerOutput
 from lmserve.utils import to_device
@@ -161,6 +162,17 @@ class DecodeGraphs:
         else:
             hidden = self._forward(size, self._meta(size))
         return hidden[:b]
+
+
+def graphs_wanted(c: EngineConfig) -> bool:
+    """Whether decode steps run as CUDA graphs: on CUDA, one process, not enforce_eager, and an attention
+    backend that can be captured."""
+    if c.enforce_eager or c.tensor_parallel_size > 1 or not str(c.device).startswith("cuda"):
+        return False
+    if not get_backend(c.attention_backend, c.device).supports_cuda_graphs:
+        log.info("attention backend %r cannot run in a CUDA graph: decode runs eagerly", c.attention_backend)
+        return False
+    return True
 
 
 def _ranges(sizes: list[int]) -> str:

@@ -159,3 +159,27 @@ def test_only_peers_holding_the_secret_move_kv(pair, tiny_models):
             disagg.register(None, srv, "decode", engine=a.engine)  # type: ignore[arg-type]
         disagg.register(None, srv, "both")  # type: ignore[arg-type]
         assert srv.role == "both" and srv.kv_peers == ()
+
+
+def test_kv_of_other_weights_or_a_windowed_model_is_refused(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """A tiny Llama of the same shape with other weights, and the same checkpoint quantized to int8: the
+    header's fingerprint tells them apart (before, the other model's blocks were taken: wrong tokens).
+    A sliding-window model takes no part (before, a prompt past the window made a 500: its blocks out of
+    the window are the null block)."""
+    from tests.conftest import make_tiny
+    from lmserve.kv.transfer import check_engine
+    folder = str(tiny_models["llama"][0])
+    make_tiny("llama", tmp_path / "other", seed=7)
+    with LLM(folder, kv_cache_memory="16MiB") as a, LLM(str(tmp_path / "other"), kv_cache_memory="16MiB") as b, \
+            LLM(folder, kv_cache_memory="16MiB", quantization="int8") as q:
+        a.generate([PROMPT], GREEDY, use_tqdm=False)
+        payload = export_prefix(a.engine, PROMPT)
+        for other in (b, q):
+            with pytest.raises(ValueError, match="fingerprint"):
+                import_prefix(other.engine, payload)
+            assert other.stats().cached_blocks == 0
+        with LLM(folder, kv_cache_memory="16MiB") as same:  # a second load of the same weights: taken
+            assert import_prefix(same.engine, payload) == 2
+    with LLM(str(tiny_models["mistral"][0]), kv_cache_memory="16MiB") as w:
+        with pytest.raises(ValueError, match="sliding window"):
+            check_engine(w.engine)

@@ -252,3 +252,58 @@ def test_serve_data_parallel_starts_replicas_behind_a_router(tiny_models):
             proc.kill()
     out = proc.stdout.read()
     assert "lmserve router: round-robin over http://127.0.0.1:" in out and "Traceback" not in out, out[-2000:]
+
+
+def test_dot_segments_cannot_reach_internal_routes(front):  # type: ignore[no-untyped-def]
+    """/x/../v1/internal/kv and its kin, sent raw (httpx would collapse them client-side): refused (before,
+    the upstream request collapsed them and the replica's internal route was reached)."""
+    import socket
+    url, router = front
+    host, port = url.removeprefix("http://").split(":")
+    before = sum(r.requests for r in router.replicas)
+    for path in ("/x/../v1/internal/kv", "/./v1/internal/kv", "/%2e/v1/internal/kv", "/v1/x/../internal/kv"):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nConnection: close\r\n\r\nLMKV".encode())
+            status = s.recv(64).split()[1]
+        assert status in (b"400", b"404"), path
+    assert sum(r.requests for r in router.replicas) == before
+
+
+def test_a_slow_replica_is_not_a_dead_one_and_a_client_gone_is_gone(replicas):  # type: ignore[no-untyped-def]
+    """A read timeout (2 s here; 600 s by default) on an unstreamed 1,500-token request: a 504, the replica
+    still up and not asked again (before: marked down, the request run again on the other replica, then
+    a 503). Then a client that gives up on an unstreamed request: the replica stops generating (before,
+    the router waited for the whole answer while the replica generated for nobody)."""
+    from lmserve.router.app import build_router_app
+    from tests.test_server import assert_idle
+    router = Router([Replica(u) for u in replicas], "round-robin")
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
+    with serving(build_router_app(router, health_interval=0.2, timeout=2.0)) as (url, _):
+        for _ in range(100):
+            if all(r.healthy for r in router.replicas):
+                break
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "replica_timeout"
+        assert sum(x.requests for x in router.replicas) == 1 and all(x.healthy for x in router.replicas)
+        for u in replicas:
+            assert_idle({"url": u})  # the closed connection aborted it at the replica
+    with serving(build_router_app(router, health_interval=0.2)) as (url, _):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=1.0)
+        for u in replicas:
+            assert_idle({"url": u})
+
+
+def test_serve_data_parallel_stops_when_a_replica_dies():  # type: ignore[no-untyped-def]
+    """--data-parallel 2 on a model that does not exist: both replicas exit, and so does the front, non-zero
+    (before, it answered 503 forever)."""
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--data-parallel", "2", "--model",
+                             "/nonexistent/model", "--port", str(free_port())], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.wait(90) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "exited with" in proc.stdout.read()

@@ -312,3 +312,22 @@ def test_nothing_between_ranks_is_pickled():
                 names.add((getattr(node, "module", None) or "").split(".")[0])
         assert not names & banned, (src.name, names & banned)
         assert "load" not in names or src.name != "step.py"  # no torch.load of a payload
+
+
+def test_an_engine_that_fails_after_its_ranks_started_stops_them(tiny_models):  # type: ignore[no-untyped-def]
+    """TP=2 whose engine fails after loading (max_model_len past the model's): its worker exits and the
+    group goes, so the next TP engine, on another model, gives that model's tokens (before, the old
+    worker and group lived on, the new engine joined them and decoded through the old model's shard:
+    wrong tokens); a second group in one process is refused rather than joined."""
+    import torch.distributed as dist
+    from lmserve.parallel.group import init_group
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(str(tiny_models["llama"][0]), tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=10**6)
+    assert not dist.is_initialized()
+    other = str(tiny_models["qwen2"][0])
+    with LLM(other, kv_cache_memory="16MiB") as one:
+        want = one.generate([[5, 9, 13]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(other, tensor_parallel_size=2, kv_cache_memory="16MiB", distributed_timeout=20) as two:
+        assert two.generate([[5, 9, 13]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+        with pytest.raises(RuntimeError, match="already running"):
+            init_group(2, 0, "cpu", 5, None, "tcp://127.0.0.1:1")

@@ -5,17 +5,23 @@ prefix cache holds; `import_prefix` (on the decode instance) writes them into fr
 their hashes in its prefix cache, so the request that follows - and any later one with the same prefix
 - hits them and computes only the rest. Both run on the engine thread, between steps.
 
-Wire format (little-endian; never pickle): a fixed header struct HEADER (magic, version, block size,
-layers per KV group, K/V parts, KV heads, head dim, element bytes, dtype code, tokens, blocks), then the
+Wire format (little-endian; never pickle): a fixed header struct HEADER (magic, version, the model's
+fingerprint, block size, layers per KV group, K/V parts, KV heads, head dim, element bytes, dtype code,
+tokens, blocks), then the
 tokens as int64, then the KV elements of every tensor of the cache, block by block: (tensors, parts,
 blocks x block_size, heads, head_dim) in the cache's dtype. The receiver checks every field against its
 own cache, and that every element is finite, off the engine thread (`parse`), and refuses what does
 not fit (a ValueError naming the field); only then does the engine thread write (`import_prefix`).
-Both sides must serve the same model (the header can tell shapes and dtypes apart, not weights).
+Both sides must serve the same weights: the fingerprint (sha256 over the model's config and a sample
+of every weight tensor) tells two models of one shape apart, and a float from a quantized copy.
+Sliding-window models do not take part (their caches drop blocks out of the window).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import struct
 from typing import Any
 
@@ -23,23 +29,35 @@ import numpy as np
 import torch
 
 MAGIC = b"LMKV"
-VERSION = 2
-HEADER = struct.Struct("<4sIqqqqqqqqq")  # magic, version, block_size, tensors, parts, heads, head_dim, elem, dtype,
-#                                          tokens, blocks
+VERSION = 3
+HEADER = struct.Struct("<4sI32sqqqqqqqqq")  # magic, version, fingerprint, block_size, tensors, parts, heads, head_dim,
+#                                            elem, dtype, tokens, blocks
 DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 def check_engine(engine: Any) -> list[torch.Tensor]:
     """The cache tensors of an engine that can take part in a transfer; ValueError naming what cannot."""
     kv, c = engine.kv_cache, engine.config
-    if kv.groups.num_groups != 1 or not all(isinstance(t, torch.Tensor) for t in kv.tensors):
-        raise ValueError("KV transfer: only a float KV cache of one group (no sliding-window groups, no int8 / "
-                         "fp8 KV) moves between instances")
+    if kv.groups.num_groups != 1 or not all(isinstance(t, torch.Tensor) for t in kv.tensors) \
+            or any(w is not None for w in kv.groups.windows):
+        raise ValueError("KV transfer: only a float KV cache of one group without a sliding window (no "
+                         "int8 / fp8 KV) moves between instances")
     if c.tensor_parallel_size > 1:
         raise ValueError("KV transfer: not with tensor_parallel_size > 1 (each rank holds only its KV heads)")
     if not c.enable_prefix_caching:
         raise ValueError("KV transfer: enable_prefix_caching must be on (the moved blocks live in the prefix cache)")
     return kv.tensors
+
+
+@torch.no_grad()
+def fingerprint(engine: Any) -> bytes:
+    """sha256 over the model's config and 16 evenly spaced elements of every weight tensor (as float64):
+    equal for two loads of one checkpoint with one quantization, different otherwise (~ms)."""
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(engine.model_config), sort_keys=True, default=str).encode())
+    for name, t in engine.model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        h.update(name.encode() + flat[::max(1, flat.numel() // 16)][:16].to(torch.float64).cpu().numpy().tobytes())
+    return h.digest()
 
 
 def _slots(blocks: list[int], block_size: int, device: torch.device) -> torch.Tensor:
@@ -57,7 +75,7 @@ def export_prefix(engine: Any, token_ids: list[int]) -> bytes:
     bs = bm.block_size
     tokens = token_ids[:len(blocks) * bs]
     parts, _, heads, dim = tensors[0].shape
-    head = HEADER.pack(MAGIC, VERSION, bs, len(tensors), parts, heads, dim, tensors[0].element_size(),
+    head = HEADER.pack(MAGIC, VERSION, fingerprint(engine), bs, len(tensors), parts, heads, dim, tensors[0].element_size(),
                        DTYPES[tensors[0].dtype], len(tokens), len(blocks))
     if not blocks:
         return head
@@ -72,7 +90,7 @@ def parse(engine: Any, payload: bytes) -> tuple[list[int], torch.Tensor | None]:
     tensors = check_engine(engine)
     if len(payload) < HEADER.size:
         raise ValueError("KV transfer: payload shorter than its header")
-    magic, version, bs, n_t, parts, heads, dim, elem, dtype, n_tok, n_blk = HEADER.unpack_from(payload)
+    magic, version, model, bs, n_t, parts, heads, dim, elem, dtype, n_tok, n_blk = HEADER.unpack_from(payload)
     t0 = tensors[0]
     mine = (MAGIC, VERSION, engine.block_manager.block_size, len(tensors), t0.shape[0], t0.shape[2], t0.shape[3],
             t0.element_size(), DTYPES.get(t0.dtype))
@@ -81,6 +99,9 @@ def parse(engine: Any, payload: bytes) -> tuple[list[int], torch.Tensor | None]:
     for name, a, b in zip(names, theirs, mine):
         if a != b:
             raise ValueError(f"KV transfer: {name} {a!r} does not match this instance's {b!r}")
+    if model != fingerprint(engine):
+        raise ValueError("KV transfer: model fingerprint does not match this instance's (the peers serve "
+                         "different weights, or one quantized differently)")
     if n_blk < 0 or n_tok != n_blk * bs or len(payload) != HEADER.size + 8 * n_tok + n_t * parts * n_tok * heads * dim * elem:
         raise ValueError("KV transfer: payload length does not match its header")
     tokens = np.frombuffer(payload, dtype="<i8", count=n_tok, offset=HEADER.size).tolist()

@@ -133,7 +133,9 @@ def init_group(size: int, rank: int, device: str, timeout_s: float, interface: s
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.is_initialized():  # joining it would talk to another engine's ranks and their shards
+        raise RuntimeError("a tensor-parallel group is already running in this process: close its engine "
+                           "(LLM.close) before starting another")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return TPGroup(rank, size, None, dev, gather_sum=not cuda)

@@ -12,7 +12,10 @@ request goes to the decode replica as usual, where its prompt hits those blocks.
 is counted and skipped: the decode replica then computes the prompt itself.
 
 Failures: a replica that cannot be reached, or drops a request before its first byte reached the
-client, is marked down and the request goes to the next one (`retries`); once bytes were streamed,
+client, is marked down and the request goes to the next one (`retries`). A replica that is only slow
+(no byte within the read timeout) is not down: the client gets a 504 and nothing is retried (the
+request may have run). A client that leaves before the first byte ends the request at the replica
+too (the upstream connection closes, and the replica aborts it); once bytes were streamed,
 a replica that dies ends the stream with an SSE error event (`replica_failed`), since a generation
 cannot be resumed elsewhere. A background task polls each replica's /health and /metrics (running +
 waiting: the load `least-load` and `prefix` balance on) and brings replicas back when they answer.
@@ -40,6 +43,7 @@ PUSH_HEADER = "x-lmserve-kv-push"  # = lmserve.server.disagg.PUSH_HEADER (the ro
 HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
        "proxy-authorization", "proxy-connection", "trailer"}
 NOT_FROM_CLIENTS = HOP | {PUSH_HEADER, "x-lmserve-kv-secret"}  # the instances' own headers
+SLOW = (httpx.ReadTimeout, httpx.WriteTimeout)  # a replica that answers slowly: not a replica that is down
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -141,6 +145,8 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(request: Request, path: str) -> Response:
+        if any(seg in (".", "..") for seg in path.split("/")):  # the upstream would collapse them: /x/../v1/...
+            return error(400, "dot segments are not allowed in the path", "bad_path")
         if path.startswith("v1/internal"):  # between instances only, never from a client
             return error(404, "Not Found", "not_found")
         size = request.headers.get("content-length")
@@ -165,7 +171,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
             first = router.pick(text)  # the decode replica, told to the prefill instance
             if first is not None:
                 await prefill_for(first, url, headers, parsed, text)
-        return await send(request.method, url, headers, body, text, t0, first)
+        return await send(request, url, headers, body, text, t0, first)
 
     async def prefill_for(decode: Replica, url: str, headers: list, parsed: dict, text: str) -> None:
         assert prefill is not None
@@ -182,6 +188,8 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                 *((k, v) for k, v in headers if k.lower() != "content-type"), ("content-type", "application/json"),
                 (PUSH_HEADER, decode.url)])
             ok = r.status_code == 200
+        except SLOW:  # slow, not down: the decode replica computes the prompt itself
+            ok = False
         except httpx.TransportError:
             rep.healthy, ok = False, False
         finally:
@@ -190,7 +198,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
         metrics.prefills.labels("pushed" if ok else "failed").inc()
         metrics.prefill_time.observe(time.monotonic() - t0)
 
-    async def send(method: str, url: str, headers: list, body: bytes, text: str, t0: float,
+    async def send(request: Request, url: str, headers: list, body: bytes, text: str, t0: float,
                    first: Replica | None = None) -> Response:
         tried: set[str] = set()
         client: httpx.AsyncClient = state["client"]
@@ -205,18 +213,37 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
             rep.in_flight += 1
             rep.requests += 1
             metrics.requests.labels(rep.url).inc()
-            upstream = None
-            try:
-                upstream = await client.send(client.build_request(method, rep.url + url, headers=headers, content=body),
-                                             stream=True)
+            opened: list[httpx.Response] = []
+
+            async def start() -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+                up = await client.send(client.build_request(request.method, rep.url + url, headers=headers,
+                                                            content=body), stream=True)
+                opened.append(up)
                 metrics.queue.observe(time.monotonic() - t0)
-                chunks = upstream.aiter_raw()
-                first = await anext(chunks, b"")  # nothing has reached the client yet: a failure here retries
-            except httpx.TransportError:
-                rep.healthy, rep.failures = False, rep.failures + 1
+                chunks = up.aiter_raw()
+                return up, chunks, await anext(chunks, b"")  # nothing reached the client yet: a failure retries
+
+            task = asyncio.ensure_future(start())
+            try:
+                while not (await asyncio.wait({task}, timeout=0.25))[0]:  # an unstreamed answer comes whole:
+                    if await request.is_disconnected():  # a client gone meanwhile ends it at the replica
+                        task.cancel()
+                        with contextlib.suppress(BaseException):
+                            await task
+                        raise ClientGone
+                upstream, chunks, first = task.result()
+            except BaseException as e:
+                task.cancel()
                 rep.in_flight -= 1
-                if upstream is not None:
-                    await upstream.aclose()
+                for up in opened:  # the closed connection aborts the request at the replica
+                    await up.aclose()
+                if isinstance(e, ClientGone):
+                    return error(499, "client disconnected", "client_disconnected")
+                if isinstance(e, SLOW):  # slow, not down (its health check says which): no retry, it may have run
+                    return error(504, f"the replica sent nothing for {timeout:g} s", "replica_timeout")
+                if not isinstance(e, httpx.TransportError):
+                    raise
+                rep.healthy, rep.failures = False, rep.failures + 1
                 continue
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP}
             done = _Once(rep, upstream)
@@ -229,7 +256,8 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
             async for chunk in chunks:
                 yield chunk
         except httpx.TransportError as e:  # bytes were sent: the request cannot move; say so and end
-            rep.healthy, rep.failures = False, rep.failures + 1
+            if not isinstance(e, SLOW):  # (a slow replica is not a dead one)
+                rep.healthy, rep.failures = False, rep.failures + 1
             metrics.broken.inc()
             err = {"error": {"message": f"the replica serving this stream failed: {type(e).__name__}",
                              "type": "server_error", "param": None, "code": "replica_failed"}}
@@ -238,6 +266,10 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
             await done()
 
     return app
+
+
+class ClientGone(Exception):
+    """The client disconnected before the replica's first byte."""
 
 
 class _Once:

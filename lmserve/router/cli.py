@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from typing import Any
 
 from lmserve.router.policy import POLICIES
@@ -86,9 +87,24 @@ def run_data_parallel(a: argparse.Namespace, argv: list[str]) -> int:
     ports = [_free_port() for _ in range(n)]
     procs = [subprocess.Popen([sys.executable, "-m", "lmserve.cli", *replica_argv(argv), "--host", "127.0.0.1",
                                "--port", str(p), "--data-parallel", "1"], env=env) for p in ports]  # last wins
+    stop, died = threading.Event(), []
+
+    def watch() -> None:  # a replica that exits (a bad model, a crash) stops the whole front, non-zero
+        while not stop.wait(0.5):
+            gone = [p for p in procs if p.poll() is not None]
+            if gone:
+                died.extend(gone)
+                print(f"lmserve serve: replica process {gone[0].pid} exited with {gone[0].returncode}; stopping",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGINT)  # uvicorn shuts down gracefully and returns
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
     try:
-        return serve_router([f"http://127.0.0.1:{p}" for p in ports], a)
+        rc = serve_router([f"http://127.0.0.1:{p}" for p in ports], a)
+        return 1 if died else rc
     finally:
+        stop.set()
         for p in procs:
             p.terminate()
         for p in procs:
