@@ -307,3 +307,29 @@ def test_serve_data_parallel_stops_when_a_replica_dies():  # type: ignore[no-unt
         if proc.poll() is None:
             proc.kill()
     assert "exited with" in proc.stdout.read()
+
+
+def test_a_health_check_does_not_revive_a_replica_that_failed_while_it_ran():  # type: ignore[no-untyped-def]
+    """The check's 200 left the replica before a forwarded request failed on it (marked down): the
+    check's answer must not mark it up again (before, it did, until the next check)."""
+    import asyncio
+
+    from lmserve.router.app import check
+    rep = Replica("http://r0", healthy=True)
+
+    class Client:
+        async def get(self, url: str, timeout: float) -> httpx.Response:
+            if url.endswith("/health"):  # meanwhile a forwarded request fails on it
+                rep.healthy, rep.failures = False, rep.failures + 1
+                return httpx.Response(200, text="ok")
+            return httpx.Response(200, text="lmserve_num_requests_running 0\n")
+
+    asyncio.run(check(Client(), rep))  # type: ignore[arg-type]
+    assert not rep.healthy
+
+    class Quiet:
+        async def get(self, url: str, timeout: float) -> httpx.Response:
+            return httpx.Response(200, text="ok" if url.endswith("/health") else "lmserve_num_requests_running 2\n")
+
+    asyncio.run(check(Quiet(), rep))  # type: ignore[arg-type]
+    assert rep.healthy and rep.reported == 2  # a clean check brings it back

@@ -95,14 +95,16 @@ def parse_load(metrics_text: str) -> int:
 
 
 async def check(client: httpx.AsyncClient, rep: Replica) -> None:
-    """One health check: /health 200 -> up (and its load from /metrics); anything else -> down."""
+    """One health check: /health 200 -> up (and its load from /metrics); anything else -> down. A request
+    that failed on the replica while the check ran wins (the check's 200 may predate the failure)."""
+    failures = rep.failures
     try:
         ok = (await client.get(rep.url + "/health", timeout=2.0)).status_code == 200
         if ok:
             rep.reported = parse_load((await client.get(rep.url + "/metrics", timeout=2.0)).text)
     except (httpx.HTTPError, ValueError):
         ok = False
-    rep.healthy = ok
+    rep.healthy = ok and rep.failures == failures
 
 
 def build_router_app(router: Router, health_interval: float = 1.0, max_body_bytes: int = 4 << 20,
