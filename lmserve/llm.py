@@ -65,7 +65,10 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | None = None, use_tqdm: bool = False, **template_kwargs: Any
              ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template (or `chat_template`, vLLM's name; `template`) to one conversation
+        (or a list of them) and generate; other keywords are the template's variables."""
+        if "chat_template" in template_kwargs:
+            template_kwargs["template"] = template_kwargs.pop("chat_template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         if not convs or any(not c for c in convs):
             raise ValueError("messages: must not be empty")

@@ -27,6 +27,7 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_decode_tokens: int = 0  # the longest output's tokens (n > 1: its choices decode side by side)
 
     @property
     def ttft(self) -> float | None:
@@ -35,10 +36,11 @@ class RequestMetrics:
 
     @property
     def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+        """Mean time per output token after the first, of one output (n > 1: the longest; its choices
+        decode side by side, so their summed tokens would make it n times too small)."""
+        if self.finished_time is None or self.first_token_time is None or self.num_decode_tokens < 2:
             return None
-        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return (self.finished_time - self.first_token_time) / (self.num_decode_tokens - 1)
 
     @property
     def e2e(self) -> float | None:
@@ -199,11 +201,13 @@ class OutputProcessor:
                 outs.append(CompletionOutput(index=i, text=text, token_ids=h.tokens, cumulative_logprob=h.score,
                                              finish_reason="stop" if h.ended_by_eos else "length",
                                              delta_text=text, delta_token_ids=h.tokens))
-        metrics = request_metrics(seqs, finished, sum(len(o.token_ids) for o in outs))
+        metrics = request_metrics(seqs, finished, sum(len(o.token_ids) for o in outs),
+                                  max((len(o.token_ids) for o in outs), default=0))
         return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, finished, metrics)
 
 
-def request_metrics(seqs: list[Sequence], finished: bool, num_output_tokens: int) -> RequestMetrics:
+def request_metrics(seqs: list[Sequence], finished: bool, num_output_tokens: int,
+                    num_decode_tokens: int | None = None) -> RequestMetrics:
     """A request's metrics from its sequences (the first holds the prompt-side facts)."""
     s0 = seqs[0]
     return RequestMetrics(
@@ -211,4 +215,6 @@ def request_metrics(seqs: list[Sequence], finished: bool, num_output_tokens: int
         first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
         finished_time=max((s.finished_time or 0) for s in seqs) if finished else None,
         num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=num_output_tokens,
-        num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs))
+        num_cached_tokens=s0.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in seqs),
+        num_decode_tokens=max((s.num_output_tokens for s in seqs), default=0) if num_decode_tokens is None
+        else num_decode_tokens)

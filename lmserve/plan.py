@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from lmserve.utils import above, at_least
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "fp8": 1, "int8": 1, "int4": 0.5}
@@ -320,13 +321,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES))
     p.add_argument("--device", default="h100", choices=sorted(DEVICES))
-    p.add_argument("--mem-gb", type=float, default=None)
-    p.add_argument("--bandwidth-tbs", type=float, default=None)
-    p.add_argument("--tflops", type=float, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharing every layer")
+    p.add_argument("--mem-gb", type=above(0), default=None)
+    p.add_argument("--bandwidth-tbs", type=above(0), default=None)
+    p.add_argument("--tflops", type=above(0), default=None)
+    p.add_argument("--gpu-memory-utilization", type=above(0, 1), default=0.9)
+    p.add_argument("--batch", type=at_least(1), default=1)
+    p.add_argument("--seq-len", type=at_least(1), default=1024)
+    p.add_argument("--tensor-parallel-size", type=at_least(1), default=1, help="ranks sharing every layer")
     p.add_argument("--link-gbs", type=float, default=None, help="link GB/s between ranks (default: by device)")
     p.add_argument("--link-latency-us", type=float, default=None, help="us per small collective (default: by device)")
     p.add_argument("--json", action="store_true")

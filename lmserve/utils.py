@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 import functools
 import importlib.util
 import os
@@ -67,3 +70,26 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 class EngineFatalError(RuntimeError):
     """An error after which the engine cannot go on (a tensor-parallel rank lost): Engine.step lets it
     through instead of failing only the step's requests, and the server stops."""
+
+
+def at_least(lo: float, kind: type = int) -> Any:
+    """An argparse type: `kind` (int or float) >= lo, else the flag's usage error (exit status 2)."""
+    def parse(text: str) -> Any:
+        v = kind(text)  # not a number: argparse's "invalid int value"
+        if not v >= lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {text}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def above(lo: float, hi: float | None = None) -> Any:
+    """An argparse type: a float > lo (and <= hi when given)."""
+    def parse(text: str) -> float:
+        v = float(text)
+        if not (v > lo and (hi is None or v <= hi)):
+            raise argparse.ArgumentTypeError(f"must be > {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {text}")
+        return v
+    parse.__name__ = "float"
+    return parse
+

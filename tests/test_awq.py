@@ -246,3 +246,13 @@ def test_quantize_command_writes_an_awq_folder(tiny_models, tmp_path, capsys):
     assert read_quantization_config(out)["group_size"] == 64  # type: ignore[index]
     assert main(["quantize", "--model", str(model), "--calib", str(text), "--out", str(out),
                  "--quantization", "int8"]) == 2  # calibration needs the float model
+
+
+def test_float_layers_inside_an_awq_checkpoint_are_refused_by_name():  # type: ignore[no-untyped-def]
+    """AutoAWQ's modules_to_not_convert: those layers are stored in float, and every decoder linear loaded
+    as int4 re-rounded them (logits 5% off, silently); refused naming the key. null / [] load as before."""
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    for empty in (None, []):
+        assert check_awq_config({**qc, "modules_to_not_convert": empty}) == 32
+    with pytest.raises(ValueError, match="modules_to_not_convert"):
+        check_awq_config({**qc, "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]})

@@ -87,3 +87,54 @@ def test_hf_latency_streams_a_batch_with_real_transformers(tiny_models):  # type
     model.generate = lambda **kw: calls.append(kw["max_new_tokens"]) or real(**kw)  # type: ignore[method-assign]
     r = hf_latency(model, [5, 9, 2, 7], batch_size=2, output_len=6, device="cpu")
     assert calls == [2, 6] and 0 < r["ttft_s"] < r["total_s"] and r["tpot_s"] > 0
+
+
+def test_bench_serve_wall_ends_with_the_run_and_itl_is_per_choice(monkeypatch):  # type: ignore[no-untyped-def]
+    """Requests answered at once: the wall time is the arrival gaps between the requests, not one more gap
+    after the last (before, req/s and tok/s divided by it too); a stream whose n = 2 choices interleave
+    has ITL per choice (before, the gap between two choices' chunks, ~0, counted as an ITL)."""
+    import asyncio
+    import random
+
+    from lmserve.bench import serve
+
+    async def instant(client, url, model, req, headers):  # type: ignore[no-untyped-def]
+        return serve.ServeResult(ok=True, ttft=0.0, e2e=0.0, completion_tokens=1)
+
+    monkeypatch.setattr(serve, "_one", instant)
+    reqs = [serve.ServeRequest([5, 6], 4) for _ in range(3)]
+    def gaps_of(seed: int) -> list[float]:  # run_serve's arrival gaps for this seed
+        rng = random.Random(seed + 1)
+        return [rng.expovariate(4.0) for _ in range(3)]
+
+    seed = next(s for s in range(200) if gaps_of(s)[2] > 0.4 and sum(gaps_of(s)[:2]) < 0.6)
+    gaps = gaps_of(seed)
+    _, wall = asyncio.run(serve.run_serve("http://x", "m", reqs, 4.0, seed, progress=False))
+    assert abs(wall - (gaps[0] + gaps[1])) < 0.1 < gaps[2] - 0.3
+
+    class Stream:  # two choices' chunks, alternating, 10 ms apart per pair
+        status_code = 200
+
+        async def __aenter__(self):  # type: ignore[no-untyped-def]
+            return self
+
+        async def __aexit__(self, *a):  # type: ignore[no-untyped-def]
+            return None
+
+        async def aiter_lines(self):  # type: ignore[no-untyped-def]
+            import json
+            import time
+            for _ in range(4):
+                time.sleep(0.01)
+                for i in (0, 1):
+                    yield "data: " + json.dumps({"choices": [{"index": i, "text": "x"}]})
+            yield "data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 8, "prompt_tokens": 2}})
+            yield "data: [DONE]"
+
+    class Client:
+        def stream(self, *a, **k):  # type: ignore[no-untyped-def]
+            return Stream()
+
+    monkeypatch.undo()
+    res = asyncio.run(serve._one(Client(), "http://x", "m", serve.ServeRequest([5, 6], 4, n=2), {}))
+    assert res.ok and len(res.itl) == 6 and min(res.itl) > 0.005  # 3 gaps per choice, each ~10 ms

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.cli import build_parser
+from lmserve.cli import build_parser, main
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.config import EngineConfig
 
@@ -140,3 +140,47 @@ def test_one_operation_cannot_build_a_huge_value_in_a_template():
             tok.apply_chat_template(msgs, template=tpl)
         assert time.monotonic() - t0 < 2, tpl
     assert tok.apply_chat_template(msgs, template="{{ 'ab' * 3 }}{{ 2 ** 10 }}") == "ababab1024"
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["eval", "perplexity", "--stride", "0"], "--stride"), (["eval", "perplexity", "--window", "0"], "--window"),
+    (["eval", "perplexity", "--max-tokens", "-50"], "--max-tokens"),
+    (["bench", "throughput", "--num-requests", "0"], "--num-requests"),
+    (["bench", "throughput", "--num-requests", "-3"], "--num-requests"),
+    (["quantize", "--calib", "c", "--out", "o", "--group-size", "0"], "--group-size"),
+    (["quantize", "--calib", "c", "--out", "o", "--n-grid", "0"], "--n-grid"),
+    (["plan", "--mem-gb", "0"], "--mem-gb"), (["plan", "--mem-gb", "-4"], "--mem-gb"),
+    (["plan", "--seq-len", "-5"], "--seq-len"), (["plan", "--batch", "0"], "--batch"),
+    (["plan", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["bench", "latency", "--repeats", "0"], "--repeats"), (["bench", "latency", "--batch-size", "0"], "--batch-size"),
+    (["bench", "serve", "--request-rate", "0"], "--request-rate"),
+    (["serve", "--max-queue", "-5"], "--max-queue"), (["serve", "--request-timeout", "-1"], "--request-timeout"),
+])
+def test_a_flag_out_of_range_is_a_usage_error(argv, flag, capsys):  # type: ignore[no-untyped-def]
+    """Each was taken (0 silently became the default: --stride 0 -> 16, --num-requests 0 -> the preset's;
+    -50 tokens scored 53) or crashed with a traceback (KeyError, ZeroDivisionError, AssertionError)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["serve", "--policy", "round-robin"], "policy"), (["serve", "--health-interval", "0"], "health_interval"),
+    (["serve", "--kv-peer", "http://127.0.0.1:1"], "kv_peer"),
+    (["bench", "spec", "--spec-max-batch", "1"], "spec_max_batch"),
+    (["bench", "spec", "--speculative-method", "ngram"], "speculative_method"),
+])
+def test_a_flag_the_command_would_ignore_is_refused(argv, field, capsys):  # type: ignore[no-untyped-def]
+    """Router flags without --data-parallel, --kv-peer without --role prefill, and the two flags bench spec
+    sets for each row were accepted and ignored (no model is loaded before the refusal)."""
+    assert main(argv) == 2
+    assert f"error: {field}" in capsys.readouterr().err
+
+
+def test_plan_under_torchrun_runs_on_rank_0_and_is_refused_elsewhere(monkeypatch, capsys):  # type: ignore[no-untyped-def]
+    """plan has --tensor-parallel-size but loads no model: rank 1 of a torchrun got an AttributeError."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["plan", "--model", "llama-3.1-8b"]) == 2 and "loads no model" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    assert main(["plan", "--model", "llama-3.1-8b"]) == 0

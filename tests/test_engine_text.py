@@ -314,3 +314,12 @@ def test_token_bytes_join_to_the_texts_utf8(smol):  # type: ignore[no-untyped-de
     for text in ("游让 🙂 héllo", "<|im_start|>user\n日本語<|im_end|>", "  tabs\tand\n\nspaces"):
         ids = tok.encode(text, add_special_tokens=False)
         assert b"".join(tok.token_bytes(t) for t in ids) == text.encode("utf-8"), text
+
+
+def test_chat_takes_a_chat_template_by_vllms_name(smol):  # type: ignore[no-untyped-def]
+    """LLM.chat(..., chat_template=...) renders that template (before, the keyword went into the model's own
+    template as an unused variable)."""
+    msgs = [{"role": "user", "content": "hi"}]
+    out = smol.chat(msgs, SamplingParams(max_tokens=1, temperature=0),
+                    chat_template="{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")[0]
+    assert out.prompt_token_ids == smol.tokenizer.encode("<<hi>>", add_special_tokens=False)

@@ -150,3 +150,14 @@ def test_forked_children_never_exceed_max_num_seqs(tiny_models):  # type: ignore
         assert len(eng.scheduler.running) <= 3
     assert len(done["fan"].outputs) == 4 and all(len(c.token_ids) == 6 for c in done["fan"].outputs)
     assert llm.stats().used_blocks == 0  # the children that waited let their references go
+
+
+def test_tpot_of_n_samples_is_one_outputs(tiny_models):  # type: ignore[no-untyped-def]
+    """n = 4 samples of 20 tokens decode side by side: TPOT is the time per token of one output, (finish -
+    first token) / 19 (before, / 79: the four outputs' tokens summed, 4x too small)."""
+    path, _ = tiny_models["llama"]
+    out = LLM(str(path)).generate([[5, 6, 7]], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20,
+                                                               ignore_eos=True), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.num_output_tokens == 80
+    assert m.tpot == pytest.approx((m.finished_time - m.first_token_time) / 19, rel=1e-9)

@@ -346,3 +346,34 @@ def test_a_truncated_gguf_draft_keeps_its_blocks():  # type: ignore[no-untyped-d
     out = llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
     assert len(out) == 8
     assert len(draft.layers) == 4 and type(draft.layers[0].mlp.down_proj) is Int4Linear
+
+
+def test_outlier_columns_leave_the_int8_kernels_blocks_alone():  # type: ignore[no-untyped-def]
+    """An Int8Linear with float outlier columns (LLM.int8()-style), x's outliers 200x the rest, through our
+    CPU kernel: within the kernel's int8-activation error of the float64 reference, as without outliers
+    (before, each outlier set its 32-column block's activation scale: relative error 0.2-0.3)."""
+    from lmserve.layers import cpu_native
+    from lmserve.layers.quant import Int8Linear
+    if not cpu_native.available():
+        pytest.skip("no C compiler: the CPU kernels are not built")
+    torch.manual_seed(0)
+    w, cols = torch.randn(64, 256), torch.tensor([5, 100])
+    layer = Int8Linear(256, 64, outlier_cols=cols)
+    layer.load(w)
+    layer.cpu_kernel = True
+    ref_w = layer.dequantize().double()
+    for rows in (1, 4, 32):
+        x = torch.randn(rows, 256)
+        x[:, cols] *= 200
+        inliers = x.double().clone()
+        inliers[:, cols] = 0
+        err = (layer(x).double() - x.double() @ ref_w.T).abs().max() / (inliers @ ref_w.T).abs().max()
+        assert err < 3e-2, (rows, float(err))
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "none"])
+def test_a_group_size_no_scheme_uses_is_refused(tiny_models, scheme):  # type: ignore[no-untyped-def]
+    """quantization_group_size with fp8 (a scale per row) or float weights was accepted and ignored."""
+    path, _ = tiny_models["llama"]
+    with pytest.raises(ValueError, match="^quantization_group_size"):
+        LLM(str(path), kv_cache_memory=KV, quantization=scheme, quantization_group_size=64)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.utils import at_least
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -35,9 +36,9 @@ def add_parser(sub: Any) -> None:
     _common(t)
     t.add_argument("--preset", choices=["gpu", "cpu", "tiny"], default=None,
                    help="workload size (default: gpu on CUDA, cpu otherwise)")
-    t.add_argument("--num-requests", type=int, default=None)
-    t.add_argument("--input-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
-    t.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    t.add_argument("--num-requests", type=at_least(1), default=None)
+    t.add_argument("--input-len", type=at_least(1), nargs=2, default=None, metavar=("MIN", "MAX"))
+    t.add_argument("--output-len", type=at_least(1), nargs=2, default=None, metavar=("MIN", "MAX"))
     t.add_argument("--temperature", type=float, default=0.6)
     t.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run the workload with every output held to this JSON schema (same run), and time "
@@ -46,10 +47,10 @@ def add_parser(sub: Any) -> None:
 
     lat = bs.add_parser("latency", help="fixed-length latency: TTFT, TPOT, achieved bandwidth")
     _common(lat)
-    lat.add_argument("--batch-size", type=int, default=1)
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=128)
-    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument("--batch-size", type=at_least(1), default=1)
+    lat.add_argument("--input-len", type=at_least(1), default=128)
+    lat.add_argument("--output-len", type=at_least(1), default=128)
+    lat.add_argument("--repeats", type=at_least(1), default=3)
     lat.add_argument("--peak-bandwidth-tbs", type=float, default=None,
                      help="peak memory bandwidth (default: measured with a large device copy)")
     lat.add_argument("--naive-max-len", type=int, default=256, help="longest context for --compare naive")

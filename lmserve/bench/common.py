@@ -50,9 +50,10 @@ def latency_prompts(vocab_size: int, batch_size: int, input_len: int, repeats: i
 
 
 def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
-    """Nearest-rank-interpolated percentiles plus the mean."""
+    """Nearest-rank-interpolated percentiles plus the mean (NaN each, of no values: e.g. TPOT of
+    one-token outputs, which has none)."""
     if not values:
-        return {}
+        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in ps}}
     v = sorted(values)
     out = {"mean": sum(v) / len(v)}
     for p in ps:

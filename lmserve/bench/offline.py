@@ -105,7 +105,8 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int, repe
         for rid in ids:
             ttfts.append(first[rid] - start)
             e2es.append(done[rid] - start)
-            tpots.append((done[rid] - first[rid]) / max(1, output_len - 1))
+            if output_len > 1:  # one token has no time per output token
+                tpots.append((done[rid] - first[rid]) / (output_len - 1))
     med_step = percentiles(step_times)["p50"] if step_times else float("nan")
     bytes_per_step = sum(step_bytes) / len(step_bytes) if step_bytes else 0.0
     achieved = bytes_per_step / med_step if step_times else 0.0

@@ -10,14 +10,15 @@ import time
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.utils import at_least
 
 
 def add_parser(bs: Any) -> None:
     p = bs.add_parser("parallel", help="n-way parallel sampling: shared blocks vs separate requests")
     add_engine_args(p)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--n", type=at_least(1), default=8)
+    p.add_argument("--prompt-len", type=at_least(1), default=1024)
+    p.add_argument("--max-tokens", type=at_least(1), default=256)
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_parallel)
 
@@ -34,6 +35,7 @@ def cmd_parallel(a: argparse.Namespace) -> int:
         rng = random.Random(a.seed)
         prompt = [rng.randrange(10, llm.engine.vocab_size) for _ in range(a.prompt_len)]
         llm.generate([prompt[:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        warm = llm.stats().computed_tokens  # (not the timed run's)
         t0 = time.perf_counter()
         if mode == "shared":
             outs = llm.generate([prompt], SamplingParams(n=a.n, temperature=1.0, seed=1, max_tokens=a.max_tokens,
@@ -46,7 +48,7 @@ def cmd_parallel(a: argparse.Namespace) -> int:
         wall = time.perf_counter() - t0
         st = llm.stats()
         rows.append({"mode": mode, "output_tokens": toks, "wall_s": wall, "output_tokens_per_s": toks / wall,
-                     "peak_kv_blocks": st.peak_used_blocks, "prompt_tokens_computed": st.computed_tokens - toks})
+                     "peak_kv_blocks": st.peak_used_blocks, "prompt_tokens_computed": st.computed_tokens - warm - toks})
         del llm
     saving = 1 - rows[0]["peak_kv_blocks"] / rows[1]["peak_kv_blocks"]
     speed = rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmserve.bench.common import percentiles, run_metadata, write_json
+from lmserve.utils import above, at_least
 
 
 @dataclass
@@ -68,7 +69,7 @@ async def _one(client: Any, url: str, model: str, req: ServeRequest, headers: di
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     res = ServeResult(ok=False, n=req.n)
-    last = None
+    last: dict[int, float] = {}  # each choice's last chunk: ITL is per choice (n > 1 interleave theirs)
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -87,12 +88,14 @@ async def _one(client: Any, url: str, model: str, req: ServeRequest, headers: di
                 if chunk.get("usage"):
                     res.completion_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                for c in chunk.get("choices", []):
+                    if not c.get("text"):
+                        continue
                     if res.ttft is None:
                         res.ttft = now - t0
-                    elif last is not None:
-                        res.itl.append(now - last)
-                    last = now
+                    if c.get("index", 0) in last:
+                        res.itl.append(now - last[c.get("index", 0)])
+                    last[c.get("index", 0)] = now
         res.e2e = time.perf_counter() - t0
         res.ok = res.ttft is not None
         if not res.ok:
@@ -139,9 +142,9 @@ async def run_serve(url: str, model: str, reqs: list[ServeRequest], rate: float,
 
         tasks = []
         t0 = time.perf_counter()
-        for req in reqs:
+        for i, req in enumerate(reqs):
             tasks.append(asyncio.ensure_future(fire(req)))
-            if rate != float("inf"):
+            if rate != float("inf") and i < len(reqs) - 1:  # no gap after the last: it is no part of the run
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
@@ -176,16 +179,16 @@ def add_parser(bs: Any) -> None:
     s.add_argument("--api-key", default=None)
     s.add_argument("--vocab-size", type=int, default=32000,
                    help="prompt token ids are drawn from [10, vocab-size) (32000 fits every common model)")
-    s.add_argument("--num-requests", type=int, default=64)
-    s.add_argument("--request-rate", type=float, default=4.0, help="Poisson arrival rate (req/s); inf = all at once")
+    s.add_argument("--num-requests", type=at_least(1), default=64)
+    s.add_argument("--request-rate", type=above(0), default=4.0, help="Poisson arrival rate (req/s); inf = all at once")
     s.add_argument("--max-concurrency", type=int, default=None)
-    s.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    s.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    s.add_argument("--input-len", type=at_least(1), nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    s.add_argument("--output-len", type=at_least(1), nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
     s.add_argument("--shared-prefix-fraction", type=float, default=0.3)
     s.add_argument("--num-prefixes", type=int, default=3)
     s.add_argument("--prefix-len", type=int, default=512)
     s.add_argument("--n-fraction", type=float, default=0.1, help="share of requests with n > 1")
-    s.add_argument("--n", type=int, default=2)
+    s.add_argument("--n", type=at_least(1), default=2)
     s.add_argument("--slo-ttft-ms", type=float, default=None)
     s.add_argument("--slo-tpot-ms", type=float, default=None)
     s.add_argument("--seed", type=int, default=0)

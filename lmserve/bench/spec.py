@@ -13,6 +13,7 @@ from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.spec.prompts import CHAT
+from lmserve.utils import at_least
 
 TEXTS = [
     "The library opens at nine in the morning and closes at six in the evening. Visitors may borrow up to "
@@ -93,10 +94,10 @@ def add_parser(bs: Any) -> None:
     s.add_argument("--eagle-head", default=None, help="the EAGLE head's folder (lmserve train-draft) for eagle")
     s.add_argument("--batch-sizes", default="1,8",
                    help="requests at a time: --num-prompts prompts run in waves of this many")
-    s.add_argument("--num-prompts", type=int, default=16,
+    s.add_argument("--num-prompts", type=at_least(1), default=16,
                    help="prompts per row (at least the batch size), run B at a time: a row is not one prompt's luck")
-    s.add_argument("--max-tokens", type=int, default=96)
-    s.add_argument("--repeats", type=int, default=1, help="timed runs per row; the median's tokens/s is reported")
+    s.add_argument("--max-tokens", type=at_least(1), default=96)
+    s.add_argument("--repeats", type=at_least(1), default=1, help="timed runs per row; the median's tokens/s is reported")
     s.add_argument("--output-json", default=None)
     s.set_defaults(func=cmd_spec)
 
@@ -107,6 +108,11 @@ def cmd_spec(a: argparse.Namespace) -> int:
     from lmserve import LLM, SamplingParams
     from lmserve.bench.common import run_metadata, write_json
     rows: list[dict[str, Any]] = []
+    given = {x.split("=", 1)[0] for x in getattr(a, "argv", [])}
+    for flag in ("--speculative-method", "--spec-max-batch"):  # each row sets them: refused, not ignored
+        if flag in given:
+            raise ValueError(f"{flag.lstrip('-').replace('-', '_')}: bench spec sets it for each row "
+                             f"(--methods, --batch-sizes)")
     base = engine_kwargs(a)
     for method in a.methods.split(","):
         kw = dict(base)

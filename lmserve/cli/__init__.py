@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (serve --data-parallel passes it on)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and hasattr(args, "tensor_parallel_size"):  # torchrun: the group is WORLD_SIZE ranks
+    if world > 1 and hasattr(args, "kv_cache_memory"):  # a command that loads a model (its engine flags);
+        # torchrun: the group is WORLD_SIZE ranks
         if args.tensor_parallel_size not in (1, world):
             print(f"error: --tensor-parallel-size {args.tensor_parallel_size} but torchrun started {world} ranks",
                   file=sys.stderr)
@@ -59,7 +60,7 @@ def torchrun_rank(args: argparse.Namespace) -> int:
     from lmserve.config import EngineConfig
     from lmserve.parallel.worker import run
 
-    if not hasattr(args, "tensor_parallel_size"):
+    if not hasattr(args, "kv_cache_memory"):  # (plan has --tensor-parallel-size, and loads no model)
         print(f"error: `lmserve {args.cmd}` loads no model: run it without torchrun", file=sys.stderr)
         return 2
     kw = {**engine_kwargs(args), "tensor_parallel_size": int(os.environ["WORLD_SIZE"])}

@@ -20,6 +20,7 @@ from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from lmserve.utils import at_least
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "declaration_gettysburg.txt"
 
@@ -31,9 +32,9 @@ def add_parser(sub: Any) -> None:
     add_engine_args(p)
     p.add_argument("--text", default=None, help=f"plain-text file (default: {DEFAULT_TEXT.name} from tests/data, "
                                                 "public-domain prose, when run from a checkout)")
-    p.add_argument("--window", type=int, default=None, help="tokens per window (default: the model's context)")
-    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    p.add_argument("--window", type=at_least(2), default=None, help="tokens per window (default: the model's context)")
+    p.add_argument("--stride", type=at_least(1), default=None, help="tokens between window starts (default: window / 2)")
+    p.add_argument("--max-tokens", type=at_least(2), default=None, help="score only the text's first N tokens")
     p.add_argument("--decode", action="store_true",
                    help="score each window's targets by one-token decode steps (the path generation takes: "
                         "decode-sized kernels) instead of one prefill")

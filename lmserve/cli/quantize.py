@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.utils import at_least
 
 
 def add_parser(sub: Any) -> None:
@@ -24,12 +25,12 @@ def add_parser(sub: Any) -> None:
     q.add_argument("--method", choices=["awq"], default="awq")
     q.add_argument("--calib", required=True, help="calibration text file (plain text)")
     q.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, tokenizer)")
-    q.add_argument("--group-size", type=int, default=None,
+    q.add_argument("--group-size", type=at_least(1), default=None,
                    help="input channels per scale (default 128, halved until it divides every layer's input)")
     q.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration sequence")
     q.add_argument("--calib-samples", type=int, default=64, help="most calibration sequences")
     q.add_argument("--search-rows", type=int, default=4096, help="sampled tokens per layer for the scale search")
-    q.add_argument("--n-grid", type=int, default=20, help="alpha grid: 0, 1/n, ..., (n-1)/n")
+    q.add_argument("--n-grid", type=at_least(1), default=20, help="alpha grid: 0, 1/n, ..., (n-1)/n")
     add_engine_args(q)
     q.set_defaults(func=cmd_quantize)
 

@@ -7,12 +7,13 @@ import argparse
 from pathlib import Path
 
 from lmserve.sequence import SamplingParams, StructuredOutputsParams
+from lmserve.utils import at_least
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """The "sampling" argument group: one request's sampling options."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=at_least(1), default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)

@@ -327,10 +327,10 @@ class Int8Linear(GroupQuantLinear):
         return w
 
     def native_matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
-        y = super().native_matmul(x)  # the int8 part, zeros in the outlier columns (dequantize fills them)
-        if self.outlier_cols is not None:
-            y = y + x[:, self.outlier_cols] @ self.outlier_weight.to(x.dtype).T
-        return y
+        if self.outlier_cols is None:
+            return super().native_matmul(x)
+        inliers = x.index_fill(1, self.outlier_cols, 0)  # else an outlier sets its 32-column block's int8 scale
+        return super().native_matmul(inliers) + x[:, self.outlier_cols] @ self.outlier_weight.to(x.dtype).T
 
 
 class Int4Linear(GroupQuantLinear):

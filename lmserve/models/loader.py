@@ -226,6 +226,9 @@ def _quantize(model: nn.Module, cfg: ModelConfig, config: EngineConfig, src: Mod
     """Swap in the (still empty) layers config.quantization asks for; returns the weight stream that
     fills them. An HF folder with AutoAWQ's quantization_config loads as awq, asked or not."""
     scheme = resolve_quantization(config.quantization, src.kind, config.device)
+    if config.quantization_group_size is not None and scheme not in ("int8", "int4"):  # refused, not ignored
+        raise ValueError(f"quantization_group_size: only int8 / int4 quantized at load use it, not quantization="
+                         f"{scheme or 'none'} (a GGUF's or an AWQ checkpoint's blocks keep their own groups)")
     if src.kind == "hf" and scheme in (None, "awq"):
         from lmserve.quant.checkpoint import check_awq_config, group_awq_tensors, read_quantization_config
         qc = read_quantization_config(src.path)

@@ -150,6 +150,9 @@ def check_awq_config(qc: dict[str, Any]) -> int:
                          f"quant_method={method!r} bits={bits!r} version={version!r} zero_point={qc.get('zero_point')!r}")
     if not isinstance(group, int) or group < -1 or group == 0:
         raise ValueError(f"quantization_config: bad group_size {group!r}")
+    if qc.get("modules_to_not_convert"):  # every decoder linear loads as int4: float ones would be re-rounded
+        raise ValueError(f"quantization_config.modules_to_not_convert: layers kept in float inside an AWQ "
+                         f"checkpoint are not supported, got {qc['modules_to_not_convert']!r}")
     return group
 
 

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.utils import above, at_least
 
 
 def add_parser(sub: Any) -> None:
@@ -20,13 +21,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--api-key", default=os.environ.get("LMSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set LMSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
+    p.add_argument("--max-queue", type=at_least(1), default=256, help="waiting requests before answering 429")
     from lmserve.server.limits import ServerLimits  # (pydantic-free: the CLI loads without the server extras)
     for flag, dest, kind, default, text in ServerLimits.flags():
         p.add_argument(flag, dest=dest, type=kind, default=default, help=text)
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a chat request bring its own chat_template (rendered in the same sandbox and limits)")
-    p.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
+    p.add_argument("--request-timeout", type=above(0), default=None, help="abort requests running longer (s)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls are read from the output (default: from the model: hermes for Qwen "
                         "and <tool_call> templates, llama3_json for Llama 3)")
@@ -39,7 +40,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--kv-peer", action="append", default=[], help="prefill: a decode instance's URL it may push to")
     p.add_argument("--kv-secret", default=os.environ.get("LMSERVE_KV_SECRET"),
                    help="prefill / decode: the secret both instances share for KV transfers (or LMSERVE_KV_SECRET)")
-    p.add_argument("--data-parallel", type=int, default=1,
+    p.add_argument("--data-parallel", type=at_least(1), default=1,
                    help="N engine processes on local ports behind a router on --host / --port (lmserve router)")
     from lmserve.router.cli import add_router_args
     add_router_args(p)
@@ -51,8 +52,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.data_parallel > 1:
         from lmserve.router.cli import run_data_parallel
         return run_data_parallel(a, a.argv)
-    if a.data_parallel < 1:
-        raise ValueError(f"data_parallel must be >= 1, got {a.data_parallel}")
+    given = {x.split("=", 1)[0] for x in a.argv}
+    idle = [f for f in ("--policy", "--balance", "--health-interval") if f in given]
+    if idle:  # (the replicas of --data-parallel get 1 and no router flags)
+        raise ValueError(f"{idle[0].lstrip('-').replace('-', '_')}: a router flag; it needs --data-parallel > 1")
+    if a.kv_peer and a.role != "prefill":
+        raise ValueError("kv_peer: only a prefill instance (--role prefill) pushes KV to peers")
     import uvicorn
 
     from lmserve.config import EngineConfig
