@@ -244,10 +244,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, lo in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 1),
                          ("quantization_group_size", 1), ("num_speculative_tokens", 1), ("draft_num_layers", 1),
-                         ("ngram_min", 1), ("ngram_max", self.ngram_min), ("spec_max_batch", 1),
+                         ("ngram_min", 1), ("ngram_max", self.ngram_min), ("spec_max_batch", 0),
                          ("tensor_parallel_size", 1), ("seed", 0)):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+            if v is not None and (isinstance(v, bool) or not hasattr(v, "__index__") or v < lo):  # numpy ints too
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
@@ -286,8 +286,8 @@ class EngineConfig:
         if self.speculative_method == "eagle" and self.tensor_parallel_size > 1:
             raise ValueError("speculative_method: 'eagle' reads the whole target's features; "
                              "use it with tensor_parallel_size=1")
-        if not 0.0 <= self.spec_min_acceptance <= 1.0:
-            raise ValueError(f"spec_min_acceptance must be in [0, 1], got {self.spec_min_acceptance}")
+        if not self.spec_min_acceptance >= 0.0:  # (above 1: every request pauses after its first drafts)
+            raise ValueError(f"spec_min_acceptance must be >= 0, got {self.spec_min_acceptance}")
         if not 0.0 <= self.spec_min_draft_prob < 1.0:  # (1 would never draft)
             raise ValueError(f"spec_min_draft_prob must be in [0, 1), got {self.spec_min_draft_prob}")
         if self.spec_policy not in ("fixed", "goodput") or (self.spec_policy == "goodput" and self.deterministic):

@@ -119,8 +119,8 @@ class SamplingParams:
             return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
         def whole(name: str, lo: int, hi: int | None = None) -> bool:  # an int (not a bool) in [lo, hi]
-            v = getattr(self, name)
-            return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+            v = getattr(self, name)  # (numpy ints too: an index, not a bool)
+            return hasattr(v, "__index__") and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]

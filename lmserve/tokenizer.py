@@ -147,7 +147,7 @@ class Tokenizer:
         character is that part (decoded alone it is U+FFFD), so a client can join a character again.
         Byte-level BPE spells bytes as characters; SentencePiece's byte fallback as <0xAB>."""
         tok = self.raw.id_to_token(tid)
-        if tok is not None and self._byte_level and all(ch in _BYTE_OF for ch in tok):
+        if tok is not None and self._byte_level and tid not in self._added and all(ch in _BYTE_OF for ch in tok):
             return bytes(_BYTE_OF[ch] for ch in tok)
         if tok is not None and len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
             try:
@@ -155,6 +155,10 @@ class Tokenizer:
             except ValueError:
                 pass
         return self.decode([tid], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _added(self) -> frozenset[int]:  # added tokens are spelled as their text, not in the byte alphabet
+        return frozenset(self.raw.get_added_tokens_decoder())
 
     @functools.cached_property
     def _byte_level(self) -> bool:

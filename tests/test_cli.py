@@ -155,6 +155,8 @@ def test_one_operation_cannot_build_a_huge_value_in_a_template():
     (["bench", "latency", "--repeats", "0"], "--repeats"), (["bench", "latency", "--batch-size", "0"], "--batch-size"),
     (["bench", "serve", "--request-rate", "0"], "--request-rate"),
     (["serve", "--max-queue", "-5"], "--max-queue"), (["serve", "--request-timeout", "-1"], "--request-timeout"),
+    (["router", "--replica", "http://x", "--health-interval", "0"], "--health-interval"),
+    (["router", "--replica", "http://x", "--balance", "-1"], "--balance"),
 ])
 def test_a_flag_out_of_range_is_a_usage_error(argv, flag, capsys):  # type: ignore[no-untyped-def]
     """Each was taken (0 silently became the default: --stride 0 -> 16, --num-requests 0 -> the preset's;
@@ -165,7 +167,7 @@ def test_a_flag_out_of_range_is_a_usage_error(argv, flag, capsys):  # type: igno
 
 
 @pytest.mark.parametrize("argv,field", [
-    (["serve", "--policy", "round-robin"], "policy"), (["serve", "--health-interval", "0"], "health_interval"),
+    (["serve", "--policy", "round-robin"], "policy"), (["serve", "--health-interval", "5"], "health_interval"),
     (["serve", "--kv-peer", "http://127.0.0.1:1"], "kv_peer"),
     (["bench", "spec", "--spec-max-batch", "1"], "spec_max_batch"),
     (["bench", "spec", "--speculative-method", "ngram"], "speculative_method"),

@@ -241,7 +241,7 @@ def test_kv_cache_memory_without_a_unit_is_refused(value):  # type: ignore[no-un
 
 @pytest.mark.parametrize("field,kw", [("swap_space", dict(swap_space=-5)), ("swap_space", dict(swap_space="2")),
                                       ("ngram_min", dict(ngram_min=0)), ("ngram_max", dict(ngram_min=3, ngram_max=2)),
-                                      ("spec_max_batch", dict(spec_max_batch=0)),
+                                      ("spec_max_batch", dict(spec_max_batch=-1)),  # (0: never speculate, a use)
                                       ("spec_min_acceptance", dict(spec_min_acceptance=-3)),
                                       ("draft_num_layers", dict(draft_num_layers=-2)),
                                       ("max_num_seqs", dict(max_num_seqs=2.5)), ("block_size", dict(block_size=True)),

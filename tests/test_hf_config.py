@@ -112,15 +112,16 @@ def test_biases_our_layers_lack_are_refused_by_name(arch, key):  # type: ignore[
     assert ModelConfig.from_hf({**raw, "architectures": ["Qwen2ForCausalLM"], key: key == "attention_bias"}).qkv_bias
 
 
-def test_deepseek_v2_never_renormalises_its_router(tmp_path):  # type: ignore[no-untyped-def]
-    """transformers' DeepseekV2 router never reads norm_topk_prob: a V2 file that says true runs as HF runs
-    it (before, its 2 router weights a token were renormalised); V3's default (true) stays."""
+def test_deepseek_v2_router_renormalisation_is_refused(tmp_path):  # type: ignore[no-untyped-def]
+    """transformers' DeepseekV2 router never reads norm_topk_prob, DeepSeek's own code honours it: a V2 file
+    saying true is refused by name (before, renormalised silently: logits off HF's); false loads and
+    equals HF; V3's default (true) stays."""
     import transformers as tf
 
-    from tests.test_deepseek import V3, make_deepseek
+    from tests.test_deepseek import V2_LITE, V3, make_deepseek
+    with pytest.raises(ValueError, match="^norm_topk_prob"):
+        ModelConfig.from_hf({**V2_LITE, "norm_topk_prob": True})
     make_deepseek("v2", tmp_path)
-    raw = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**raw, "norm_topk_prob": True}))
     hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
     assert_logits_equal(tmp_path, hf)
     v3 = {k: v for k, v in V3.items() if k != "norm_topk_prob"}

@@ -473,6 +473,31 @@ def test_a_failed_job_of_a_many_prompt_request_ends_its_siblings(server, monkeyp
     assert metric(server, name) == before + 4
 
 
+def test_a_job_failing_in_the_engine_ends_its_siblings(server, monkeypatch):  # type: ignore[no-untyped-def]
+    """A 2-prompt request whose first prompt fails inside the engine (its output processing raises): the
+    500 answers at once and the other prompt's 1,500 tokens stop with it (before, they ran to the end for
+    nobody, and only then came the 500)."""
+    out = server["engine"].output
+    original = out._text
+    marked = server["llm"].tokenizer.encode("EXPLODE now", add_special_tokens=False)
+
+    def flaky(seq, new):  # type: ignore[no-untyped-def]
+        if seq.prompt_token_ids[-len(marked):] == marked:
+            raise RuntimeError("boom")
+        return original(seq, new)
+
+    monkeypatch.setattr(out, "_text", flaky)
+    name = 'lmserve_requests_total{finish_reason="%s"}'
+    before = {k: metric(server, name % k) for k in ("abort", "length")}
+    r = post(server, "/v1/completions", {"prompt": ["EXPLODE now", "Once upon a time"], "max_tokens": 1500,
+                                         "ignore_eos": True})
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    assert_idle(server)
+    monkeypatch.undo()
+    assert metric(server, name % "abort") == before["abort"] + 1  # the sibling was stopped,
+    assert metric(server, name % "length") == before["length"]  # not run to its 1,500th token
+
+
 def test_streamed_scoring_and_logprob_offsets_equal_the_response(server):  # type: ignore[no-untyped-def]
     """echo with max_tokens 0 (scoring) streamed: the prompt alone and 0 completion tokens, as the
     response has it (before, the throw-away token was streamed and counted); streamed logprobs'

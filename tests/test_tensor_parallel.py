@@ -329,5 +329,8 @@ def test_an_engine_that_fails_after_its_ranks_started_stops_them(tiny_models):  
         want = one.generate([[5, 9, 13]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     with LLM(other, tensor_parallel_size=2, kv_cache_memory="16MiB", distributed_timeout=20) as two:
         assert two.generate([[5, 9, 13]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+        with pytest.raises(RuntimeError, match="already running"):  # refused before it starts anything,
+            LLM(other, tensor_parallel_size=2, kv_cache_memory="16MiB")  # and the first one's group kept:
+        assert two.generate([[5, 9, 13]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
         with pytest.raises(RuntimeError, match="already running"):
             init_group(2, 0, "cpu", 5, None, "tcp://127.0.0.1:1")

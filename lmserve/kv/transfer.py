@@ -65,9 +65,9 @@ def _slots(blocks: list[int], block_size: int, device: torch.device) -> torch.Te
     return (b[:, None] * block_size + torch.arange(block_size)).reshape(-1).to(device)  # (n * block_size,)
 
 
-def export_prefix(engine: Any, token_ids: list[int]) -> bytes:
+def export_prefix(engine: Any, token_ids: list[int], model: bytes | None = None) -> bytes:
     """The KV of token_ids' full blocks that the prefix cache holds, in the wire format (0 blocks: a header
-    and nothing else)."""
+    and nothing else). model: the engine's fingerprint, if the caller keeps it (else computed here)."""
     tensors = check_engine(engine)
     bm = engine.block_manager
     hit = bm.find_cached_prefix(token_ids, limit=len(token_ids))
@@ -75,7 +75,7 @@ def export_prefix(engine: Any, token_ids: list[int]) -> bytes:
     bs = bm.block_size
     tokens = token_ids[:len(blocks) * bs]
     parts, _, heads, dim = tensors[0].shape
-    head = HEADER.pack(MAGIC, VERSION, fingerprint(engine), bs, len(tensors), parts, heads, dim, tensors[0].element_size(),
+    head = HEADER.pack(MAGIC, VERSION, model or fingerprint(engine), bs, len(tensors), parts, heads, dim, tensors[0].element_size(),
                        DTYPES[tensors[0].dtype], len(tokens), len(blocks))
     if not blocks:
         return head
@@ -84,13 +84,14 @@ def export_prefix(engine: Any, token_ids: list[int]) -> bytes:
     return head + np.asarray(tokens, dtype="<i8").tobytes() + data.view(torch.uint8).numpy().tobytes()
 
 
-def parse(engine: Any, payload: bytes) -> tuple[list[int], torch.Tensor | None]:
-    """A peer's payload checked against this engine's cache (read-only: any thread may call it) ->
-    (tokens, KV (tensors, parts, tokens, heads, head_dim) in the cache's dtype, or None for no blocks)."""
+def parse(engine: Any, payload: bytes, model: bytes | None = None) -> tuple[list[int], torch.Tensor | None]:
+    """A peer's payload checked against this engine's cache and its fingerprint `model` (computed here if
+    not given) (read-only: any thread may call it) -> (tokens, KV (tensors, parts, tokens, heads,
+    head_dim) in the cache's dtype, or None for no blocks)."""
     tensors = check_engine(engine)
     if len(payload) < HEADER.size:
         raise ValueError("KV transfer: payload shorter than its header")
-    magic, version, model, bs, n_t, parts, heads, dim, elem, dtype, n_tok, n_blk = HEADER.unpack_from(payload)
+    magic, version, model_fp, bs, n_t, parts, heads, dim, elem, dtype, n_tok, n_blk = HEADER.unpack_from(payload)
     t0 = tensors[0]
     mine = (MAGIC, VERSION, engine.block_manager.block_size, len(tensors), t0.shape[0], t0.shape[2], t0.shape[3],
             t0.element_size(), DTYPES.get(t0.dtype))
@@ -99,7 +100,7 @@ def parse(engine: Any, payload: bytes) -> tuple[list[int], torch.Tensor | None]:
     for name, a, b in zip(names, theirs, mine):
         if a != b:
             raise ValueError(f"KV transfer: {name} {a!r} does not match this instance's {b!r}")
-    if model != fingerprint(engine):
+    if model_fp != (model or fingerprint(engine)):
         raise ValueError("KV transfer: model fingerprint does not match this instance's (the peers serve "
                          "different weights, or one quantized differently)")
     if n_blk < 0 or n_tok != n_blk * bs or len(payload) != HEADER.size + 8 * n_tok + n_t * parts * n_tok * heads * dim * elem:

@@ -193,7 +193,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
         except SLOW:  # slow, not down: the decode replica computes the prompt itself
             ok = False
         except httpx.TransportError:
-            rep.healthy, ok = False, False
+            rep.healthy, rep.failures, ok = False, rep.failures + 1, False
         finally:
             rep.in_flight -= 1
             decode.in_flight -= 1

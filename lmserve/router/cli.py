@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from lmserve.router.policy import POLICIES
+from lmserve.utils import above, at_least
 
 
 def add_parser(sub: Any) -> None:
@@ -32,8 +33,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="prefix", choices=POLICIES,
                    help="prefix: the replica that saw the longest prefix of this prompt, unless busier than the "
                         "least-loaded one by more than --balance; least-load; round-robin (default prefix)")
-    p.add_argument("--balance", type=int, default=4, help="prefix: requests of extra load a prefix match may cost")
-    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    p.add_argument("--balance", type=at_least(0), default=4, help="prefix: requests of extra load a prefix match may cost")
+    p.add_argument("--health-interval", type=above(0), default=1.0, help="seconds between health checks")
 
 
 def serve_router(replicas: list[str], a: argparse.Namespace, prefill: list[str] = ()) -> int:  # type: ignore[assignment]
@@ -86,7 +87,8 @@ def run_data_parallel(a: argparse.Namespace, argv: list[str]) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     ports = [_free_port() for _ in range(n)]
     procs = [subprocess.Popen([sys.executable, "-m", "lmserve.cli", *replica_argv(argv), "--host", "127.0.0.1",
-                               "--port", str(p), "--data-parallel", "1"], env=env) for p in ports]  # last wins
+                               "--port", str(p), "--data-parallel", "1"], env=env,  # last wins
+                              start_new_session=True) for p in ports]  # a terminal's Ctrl-C reaches the front only
     stop, died = threading.Event(), []
 
     def watch() -> None:  # a replica that exits (a bad model, a crash) stops the whole front, non-zero

@@ -197,6 +197,10 @@ class OpenAIServer:
         async def one(rid: str, req: EngineRequest) -> RequestOutput:
             last = None
             async for out in self.ae.generate(rid, req):
+                failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+                if failed is not None:  # the response is this error: none of the rest need run (closing
+                    self.metrics.observe(out)  # this stream aborts the request's other outputs)
+                    raise ApiError.engine_failure(failed.error, failed.error_status)
                 last = out
             assert last is not None
             self.metrics.observe(last)
@@ -209,6 +213,7 @@ class OpenAIServer:
                 done, running = await asyncio.wait(tasks, timeout=0.2, return_when=asyncio.FIRST_EXCEPTION)
                 failed = next((t for t in done if t.exception() is not None), None)
                 if failed is not None:
+                    self.metrics.aborted(len(running))  # the rest end with it
                     raise failed.exception()  # type: ignore[misc]
                 if not running:
                     return [t.result() for t in tasks]
@@ -225,6 +230,8 @@ class OpenAIServer:
         finally:
             for t in tasks:  # cancelled in its generator: AsyncEngine.generate aborts the engine request
                 t.cancel()
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved (a second failure beside the one answered is no log noise)
 
     async def stream_all(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
         """Merge the output streams of several requests: (job index, output or error). The merge holds

@@ -53,9 +53,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from lmserve.router.cli import run_data_parallel
         return run_data_parallel(a, a.argv)
     given = {x.split("=", 1)[0] for x in a.argv}
-    idle = [f for f in ("--policy", "--balance", "--health-interval") if f in given]
+    router = {"policy": "prefix", "balance": 4, "health_interval": 1.0}  # (their defaults)
+    idle = [k for k, d in router.items() if getattr(a, k) != d or "--" + k.replace("_", "-") in given]
     if idle:  # (the replicas of --data-parallel get 1 and no router flags)
-        raise ValueError(f"{idle[0].lstrip('-').replace('-', '_')}: a router flag; it needs --data-parallel > 1")
+        raise ValueError(f"{idle[0]}: a router flag; it needs --data-parallel > 1")
     if a.kv_peer and a.role != "prefill":
         raise ValueError("kv_peer: only a prefill instance (--role prefill) pushes KV to peers")
     import uvicorn

@@ -46,10 +46,11 @@ def register(app: FastAPI, srv: Any, role: str = "both", peers: tuple[str, ...] 
             raise ValueError(f"role {role}: give both instances the same --kv-secret (or LMSERVE_KV_SECRET)")
         if engine is None:
             raise ValueError(f"role {role}: the engine is needed to check it can move KV")
-        from lmserve.kv.transfer import check_engine
+        from lmserve.kv.transfer import check_engine, fingerprint
         check_engine(engine)
+        srv.kv_model = fingerprint(engine)  # once: the weights never change (a walk over every tensor)
     srv.role, srv.kv_peers, srv.kv_secret = role, tuple(p.rstrip("/") for p in peers), secret
-    srv.kv_engine = engine  # parse() reads its static shapes only, from a worker thread
+    srv.kv_engine = engine  # parse() reads its static shapes (and the fingerprint given) only, from a worker thread
     if role == "decode":
         app.add_api_route("/v1/internal/kv", functools.partial(receive_kv, srv), methods=["POST"],
                           include_in_schema=False)
@@ -67,7 +68,7 @@ async def receive_kv(srv: Any, request: Request) -> Response:
             raise ApiError(413, f"KV transfer over {MAX_KV_BYTES} bytes")
         chunks.append(chunk)
     try:
-        parsed = await asyncio.to_thread(parse, srv.kv_engine, b"".join(chunks))  # reads only what never changes
+        parsed = await asyncio.to_thread(parse, srv.kv_engine, b"".join(chunks), srv.kv_model)  # what never changes
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     n = await srv.ae.call(lambda e: import_prefix(e, parsed))
@@ -91,7 +92,7 @@ async def prefill_and_push(srv: Any, request: Request, jobs: list, target: str) 
     pushed = 0
     async with httpx.AsyncClient(timeout=600) as client:
         for _, req in one:
-            payload = await srv.ae.call(lambda engine, ids=req.prompt_token_ids: export_prefix(engine, ids))
+            payload = await srv.ae.call(lambda engine, ids=req.prompt_token_ids: export_prefix(engine, ids, srv.kv_model))
             try:
                 r = await client.post(target + "/v1/internal/kv", content=payload,
                                       headers={**auth, SECRET_HEADER: srv.kv_secret,
