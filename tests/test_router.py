@@ -333,3 +333,40 @@ def test_a_health_check_does_not_revive_a_replica_that_failed_while_it_ran():  #
 
     asyncio.run(check(Quiet(), rep))  # type: ignore[arg-type]
     assert rep.healthy and rep.reported == 2  # a clean check brings it back
+
+
+def test_a_killed_front_takes_its_replicas_along(tiny_models):  # type: ignore[no-untyped-def]
+    """serve --data-parallel 2, the front SIGKILLed (no finally runs): its replicas exit too (they run in
+    their own session, so a terminal's Ctrl-C reaches the front alone, and die with their parent)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--data-parallel", "2", "--model",
+                             str(tiny_models["llama"][0]), "--port", str(port), "--kv-cache-memory", "16MiB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        replicas = []
+        for _ in range(600):  # both replicas up: their URLs from the router's metrics
+            up = [x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("lmserve_router_replica_up{")]
+            if len(up) == 2 and all(x.endswith(" 1.0") for x in up):
+                replicas = [x.split('"')[1] for x in up]
+                break
+            time.sleep(0.1)
+        assert len(replicas) == 2
+        proc.kill()
+        proc.wait(30)
+        for _ in range(200):
+            alive = []
+            for r in replicas:
+                try:
+                    httpx.get(r + "/health", timeout=1)
+                    alive.append(r)
+                except httpx.HTTPError:
+                    pass
+            if not alive:
+                break
+            time.sleep(0.1)
+        assert not alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -79,6 +79,16 @@ def replica_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In a replica, before it runs: SIGTERM when the front exits, however it exits (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_data_parallel(a: argparse.Namespace, argv: list[str]) -> int:
     """N `lmserve serve` processes on free local ports (the host's CPU threads split between them), then
     the router on --host / --port until it stops; the replicas stop with it."""
@@ -88,7 +98,8 @@ def run_data_parallel(a: argparse.Namespace, argv: list[str]) -> int:
     ports = [_free_port() for _ in range(n)]
     procs = [subprocess.Popen([sys.executable, "-m", "lmserve.cli", *replica_argv(argv), "--host", "127.0.0.1",
                                "--port", str(p), "--data-parallel", "1"], env=env,  # last wins
-                              start_new_session=True) for p in ports]  # a terminal's Ctrl-C reaches the front only
+                              start_new_session=True,  # a terminal's Ctrl-C reaches the front only,
+                              preexec_fn=_die_with_parent) for p in ports]  # and a killed front takes them along
     stop, died = threading.Event(), []
 
     def watch() -> None:  # a replica that exits (a bad model, a crash) stops the whole front, non-zero
