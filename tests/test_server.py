@@ -521,6 +521,9 @@ def test_streamed_scoring_and_logprob_offsets_equal_the_response(server):  # typ
     score = {"prompt": "The capital of France is", "max_tokens": 0, "echo": True}
     assert run(score, True) == run(score, False)
     assert run(score, True)[2]["completion_tokens"] == 0 and run(score, True)[0] == score["prompt"]
+    for body in ({**score, "logprobs": 1}, {**score, "max_tokens": 6, "temperature": 0, "logprobs": 1}):
+        plain, streamed = run(body, False), run(body, True)  # the prompt's logprobs streamed too
+        assert streamed == plain and len(plain[1]) == 5 + body["max_tokens"], body
     gen = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 1}
     plain, streamed = run(gen, False), run(gen, True)
     assert streamed[:2] == plain[:2] and len(set(plain[1])) == 8

@@ -94,6 +94,10 @@ class Formatter:
         """What output c of job i added in this stream step as a choice; None when there is nothing to send."""
         raise NotImplementedError
 
+    def seen(self, i: int, out: RequestOutput) -> None:
+        """Job i's output of this stream step, before its choices' deltas (what a delta needs beyond its
+        choice: the prompt's logprobs)."""
+
     def deltas(self, i: int, c: CompletionOutput) -> list[dict[str, Any]]:
         """The stream step as one or more choices, each its own chunk (a chat step may add content and
         tool-call deltas)."""
@@ -117,6 +121,7 @@ class CompletionFormatter(Formatter):
         self.body, self.prompts = body, prompts
         self.echoed: set[tuple[int, int]] = set()  # (job, choice) whose prompt the stream has sent
         self.offset: dict[tuple[int, int], int] = {}  # (job, choice): the stream's next text_offset
+        self.prompts_seen: dict[int, RequestOutput] = {}  # job -> an output of it (its prompt's logprobs)
 
     def prompt_text(self, i: int) -> str:
         """Job i's prompt as text (echo)."""
@@ -151,17 +156,24 @@ class CompletionFormatter(Formatter):
         return {"index": i * body.n + c.index, "text": text, "logprobs": lp_obj,
                 "finish_reason": "length" if body.echo_only else c.finish_reason, "stop_reason": c.stop_reason}
 
+    def seen(self, i: int, out: RequestOutput) -> None:
+        self.prompts_seen[i] = out
+
     def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
         key, body = (i, c.index), self.body
         text = "" if body.echo_only else c.delta_text  # scoring streams the prompt alone, as its response has it
-        if body.echo and key not in self.echoed:
+        ids, lps = ([], []) if body.echo_only else (c.delta_token_ids, new_logprobs(c))
+        if body.echo and key not in self.echoed and (c.token_ids or c.finished):  # the prompt first (once it
+            # is computed: its logprobs whole), with its logprobs, as the response has it
             self.echoed.add(key)
-            self.offset[key] = len(echo := self.prompt_text(i))
-            text = echo + text
+            text = self.prompt_text(i) + text
+            out = self.prompts_seen.get(i)
+            if out is not None:
+                ids, lps = out.prompt_token_ids + ids, list(out.prompt_logprobs or []) + lps
         lp_obj = None
-        if body.logprobs is not None and c.delta_token_ids and not body.echo_only:
+        if body.logprobs is not None and ids:
             start = self.offset.get(key, 0)  # offsets run on over the whole choice, as in the response
-            lp_obj = self.logprobs(c.delta_token_ids, new_logprobs(c), start)
+            lp_obj = self.logprobs(ids, lps, start)
             self.offset[key] = start + sum(map(len, lp_obj["tokens"]))
         if not text and not c.finished and lp_obj is None:
             return None
@@ -292,6 +304,7 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
             yield sse(ApiError.of(item).body())
             break
         last[i] = item
+        fmt.seen(i, item)
         for c in item.outputs:
             if c.finish_reason == "error":
                 yield sse(ApiError.engine_failure(c.error, c.error_status).body())
