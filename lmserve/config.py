@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lmserve.utils import parse_bytes  # noqa: F401 - part of this module's API
+from lmserve.utils import is_whole, parse_bytes  # noqa: F401 - parse_bytes: part of this module's API
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -247,7 +247,7 @@ class EngineConfig:
                          ("ngram_min", 1), ("ngram_max", self.ngram_min), ("spec_max_batch", 0),
                          ("tensor_parallel_size", 1), ("seed", 0)):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not hasattr(v, "__index__") or v < lo):  # numpy ints too
+            if v is not None and (not is_whole(v) or v < lo):
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")

@@ -111,8 +111,6 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """ModelConfig's MLA and DeepSeek-MoE fields from a DeepseekV2 / V3 config.json (absent keys take
     transformers' defaults for the architecture; V2's router never renormalises, as transformers' does not)."""
     v3 = arch == "DeepseekV3ForCausalLM"
-    if cfg.get("mlp_bias"):
-        raise ValueError("mlp_bias is not supported (DeepSeek MLPs without biases only)")
     if not v3 and cfg.get("norm_topk_prob"):  # DeepSeek's code would renormalise, transformers' never does
         raise ValueError("norm_topk_prob: true is not supported for DeepSeek-V2 (transformers' router ignores it)")
     return dict(

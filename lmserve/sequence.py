@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmserve.utils import is_whole
 
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex, grammar or the choices, serialized
@@ -119,8 +120,8 @@ class SamplingParams:
             return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
         def whole(name: str, lo: int, hi: int | None = None) -> bool:  # an int (not a bool) in [lo, hi]
-            v = getattr(self, name)  # (numpy ints too: an index, not a bool)
-            return hasattr(v, "__index__") and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+            v = getattr(self, name)
+            return is_whole(v) and v >= lo and (hi is None or v <= hi)
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -225,11 +225,11 @@ SPM_BUILD = "1"  # bump when _sentencepiece_bpe changes: cached tokenizers of ol
 
 def _byte_alphabet() -> dict[str, int]:
     """Byte-level BPE's alphabet (GPT-2's): each byte as a printable character -> the byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    chars = dict(zip(keep, keep))
-    for b in range(256):
-        if b not in chars:
-            chars[b] = 256 + sum(1 for x in range(b) if x not in keep)
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    chars, moved = {}, 0
+    for b in range(256):  # a byte without a printable character of its own takes 256, 257, ... in order
+        chars[b] = b if b in keep else 256 + moved
+        moved += b not in keep
     return {chr(c): b for b, c in chars.items()}
 
 

@@ -72,6 +72,16 @@ class EngineFatalError(RuntimeError):
     through instead of failing only the step's requests, and the server stops."""
 
 
+def is_whole(v: Any) -> bool:
+    """An integer (numpy's too: it has __index__), not a bool."""
+    return hasattr(v, "__index__") and not isinstance(v, bool)
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The flags a command line names (`--flag value` or `--flag=value`)."""
+    return {x.split("=", 1)[0] for x in argv}
+
+
 def at_least(lo: float, kind: type = int) -> Any:
     """An argparse type: `kind` (int or float) >= lo, else the flag's usage error (exit status 2)."""
     def parse(text: str) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.spec.prompts import CHAT
-from lmserve.utils import at_least
+from lmserve.utils import at_least, given_flags
 
 TEXTS = [
     "The library opens at nine in the morning and closes at six in the evening. Visitors may borrow up to "
@@ -108,7 +108,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
     from lmserve import LLM, SamplingParams
     from lmserve.bench.common import run_metadata, write_json
     rows: list[dict[str, Any]] = []
-    given = {x.split("=", 1)[0] for x in getattr(a, "argv", [])}
+    given = given_flags(getattr(a, "argv", []))
     for flag in ("--speculative-method", "--spec-max-batch"):  # each row sets them: refused, not ignored
         if flag in given:
             raise ValueError(f"{flag.lstrip('-').replace('-', '_')}: bench spec sets it for each row "

@@ -33,7 +33,7 @@ from torch import nn
 
 from lmserve.config import EngineConfig, ModelConfig
 from lmserve.parallel import step
-from lmserve.parallel.group import RankLost, TPGroup, init_group
+from lmserve.parallel.group import RankLost, TPGroup, init_group, refuse_a_running_group
 from lmserve.parallel.shard import shard_model
 
 log = logging.getLogger("lmserve")
@@ -185,9 +185,7 @@ def load_tensor_parallel(config: EngineConfig) -> tuple[ModelConfig, TPModel, An
     from lmserve.models.loader import load_model  # the loader imports the models; kept off this module's import
 
     size = config.tensor_parallel_size
-    if dist.is_initialized():  # before anything starts: the failure path below destroys the group it finds
-        raise RuntimeError("a tensor-parallel group is already running in this process: close its engine "
-                           "(LLM.close) before starting another")
+    refuse_a_running_group()  # before anything starts: the failure path below destroys the group it finds
     workers: list[subprocess.Popen] = []
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun started every rank
         if int(os.environ.get("RANK", "0")) != 0 or int(os.environ["WORLD_SIZE"]) != size:

@@ -122,6 +122,13 @@ def head_split(num_heads: int, num_kv_heads: int, parts: int, rank: int) -> tupl
     return slice(kv * group + part * q, kv * group + (part + 1) * q), slice(kv, kv + 1)
 
 
+def refuse_a_running_group() -> None:
+    """A process holds one group: joining a running one would talk to another engine's ranks and shards."""
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel group is already running in this process: close its engine "
+                           "(LLM.close) before starting another")
+
+
 def init_group(size: int, rank: int, device: str, timeout_s: float, interface: str | None,
                init_method: str = "env://") -> TPGroup:
     """Join the group: gloo on CPUs, NCCL on GPUs. init_method: env:// (MASTER_ADDR / MASTER_PORT, as
@@ -133,9 +140,7 @@ def init_group(size: int, rank: int, device: str, timeout_s: float, interface: s
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    if dist.is_initialized():  # joining it would talk to another engine's ranks and their shards
-        raise RuntimeError("a tensor-parallel group is already running in this process: close its engine "
-                           "(LLM.close) before starting another")
+    refuse_a_running_group()
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return TPGroup(rank, size, None, dev, gather_sum=not cuda)

@@ -29,12 +29,17 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_router)
 
 
+ROUTER_DEFAULTS = {"policy": "prefix", "balance": 4, "health_interval": 1.0}  # the router's own flags
+
+
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="prefix", choices=POLICIES,
+    p.add_argument("--policy", default=ROUTER_DEFAULTS["policy"], choices=POLICIES,
                    help="prefix: the replica that saw the longest prefix of this prompt, unless busier than the "
                         "least-loaded one by more than --balance; least-load; round-robin (default prefix)")
-    p.add_argument("--balance", type=at_least(0), default=4, help="prefix: requests of extra load a prefix match may cost")
-    p.add_argument("--health-interval", type=above(0), default=1.0, help="seconds between health checks")
+    p.add_argument("--balance", type=at_least(0), default=ROUTER_DEFAULTS["balance"],
+                   help="prefix: requests of extra load a prefix match may cost")
+    p.add_argument("--health-interval", type=above(0), default=ROUTER_DEFAULTS["health_interval"],
+                   help="seconds between health checks")
 
 
 def serve_router(replicas: list[str], a: argparse.Namespace, prefill: list[str] = ()) -> int:  # type: ignore[assignment]

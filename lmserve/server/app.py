@@ -177,10 +177,7 @@ class OpenAIServer:
         if body.stream:
             merged = self.stream_all(jobs)
             return ClosingStream(fmt.events(merged, *body.usage_flags()), merged, media_type="text/event-stream")
-        outs = await self.run_all(request, jobs)
-        failed = next((c for o in outs for c in o.outputs if c.finish_reason == "error"), None)
-        if failed is not None:
-            raise ApiError.engine_failure(failed.error, failed.error_status)
+        outs = await self.run_all(request, jobs)  # (an output with an error raised its ApiError there)
         return JSONResponse(fmt.response(outs))
 
     def deadline(self) -> float | None:

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
-from lmserve.utils import above, at_least
+from lmserve.utils import above, at_least, given_flags
 
 
 def add_parser(sub: Any) -> None:
@@ -52,9 +52,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.data_parallel > 1:
         from lmserve.router.cli import run_data_parallel
         return run_data_parallel(a, a.argv)
-    given = {x.split("=", 1)[0] for x in a.argv}
-    router = {"policy": "prefix", "balance": 4, "health_interval": 1.0}  # (their defaults)
-    idle = [k for k, d in router.items() if getattr(a, k) != d or "--" + k.replace("_", "-") in given]
+    from lmserve.router.cli import ROUTER_DEFAULTS
+    given = given_flags(a.argv)
+    idle = [k for k, d in ROUTER_DEFAULTS.items() if getattr(a, k) != d or "--" + k.replace("_", "-") in given]
     if idle:  # (the replicas of --data-parallel get 1 and no router flags)
         raise ValueError(f"{idle[0]}: a router flag; it needs --data-parallel > 1")
     if a.kv_peer and a.role != "prefill":
