@@ -73,7 +73,7 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 
 def _token_id(key: object) -> int:
     """A logit_bias key: an int, or a string of one (JSON object keys are strings)."""
-    if isinstance(key, bool) or not isinstance(key, (int, str)):
+    if not (is_whole(key) or isinstance(key, str)):  # numpy's integers too; never a bool or a float
         raise TypeError(key)
     return int(key)
 
@@ -130,9 +130,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if not isinstance(self.stop_token_ids or [], (list, tuple)):
             raise bad("stop_token_ids", "must be a list of token ids")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not is_whole(t) or t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]  # numpy's integers become ints
         if self.top_k == 0:
             self.top_k = -1
         if not whole("n", 1):

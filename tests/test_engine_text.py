@@ -72,6 +72,14 @@ def test_sampling_params_name_the_bad_field(field, kw):  # type: ignore[no-untyp
         SP(**kw)
 
 
+def test_numpy_integers_are_token_ids():  # type: ignore[no-untyped-def]
+    """numpy's integers pass for counts and seeds; they pass for token ids too, stored as ints."""
+    np = pytest.importorskip("numpy")
+    p = SP(stop_token_ids=[np.int64(7)], logit_bias={np.int32(3): 1.0}, max_tokens=np.int64(4))
+    assert p.stop_token_ids == [7] and type(p.stop_token_ids[0]) is int
+    assert p.logit_bias == {3: 1.0} and type(next(iter(p.logit_bias))) is int
+
+
 def test_bad_request_in_a_batch_runs_nothing(smol):  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="prompt_token_ids"):
         smol.generate(["fine", [1, 10**9]], GOOD)
