@@ -377,3 +377,24 @@ def test_a_finished_sample_lets_its_draft_state_go_at_once(tiny_models):  # type
                         early += id(s) in had
     assert early > 0  # some child with a mirror ended before its sibling
     assert not prop.mirrors and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_a_draft_catches_up_in_forwards_of_the_token_budget(tiny_models):  # type: ignore[no-untyped-def]
+    """Four 60-token prompts under a budget of 16 tokens a step: the target prefills them in chunks of
+    16, and the draft's first catch-up now does too (before, all 4 x 60 tokens went through the draft
+    in one forward, whatever the budget: a memory spike on long prompts). Output is plain decoding's."""
+    path, _ = tiny_models["llama"]
+    prompts = [[(7 * j + i) % 50 + 3 for i in range(60)] for j in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm = spec_llm(path, "draft", max_num_batched_tokens=16, max_num_seqs=4)
+    prop = llm.engine.spec.proposer
+    sizes: list[int] = []
+    real = prop.model.forward
+    prop.model.forward = lambda ids, *a: sizes.append(ids.numel()) or real(ids, *a)  # type: ignore[method-assign]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    ref = LLM(str(path), max_num_batched_tokens=16, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert llm.stats().spec["proposed"] > 0
+    assert sizes and max(sizes) <= 16 + 4, sizes  # a catch-up's budget, then a round's one row a mirror
+    bm = prop.bm
+    assert bm.num_free_blocks == bm.num_blocks

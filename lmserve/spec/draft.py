@@ -37,6 +37,7 @@ class DraftModelProposer:
         self.bm = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False,
                                windows=self.kv.groups.windows, max_step_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv, config.device)
+        self.max_step_tokens = config.max_num_batched_tokens  # a catch-up forward's tokens, at most
         self.sampler = Sampler()
         self.mirrors: dict[int, Sequence] = {}
 
@@ -64,7 +65,7 @@ class DraftModelProposer:
         committed = {i: m.num_tokens for i, m in mirrors.items()}
         drafts: dict[int, list[int]] = {i: [] for i in mirrors}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in mirrors}
-        active = dict(mirrors)
+        active = self._catch_up(mirrors, committed)
         for r in range(max(ks, default=0)):
             batch = []
             for i, m in list(active.items()):
@@ -93,6 +94,31 @@ class DraftModelProposer:
                 probs[i].append(row)
         return [Proposal(drafts[i], torch.stack(probs[i])) if i in drafts and drafts[i] else Proposal([])
                 for i in range(len(seqs))]
+
+    def _catch_up(self, mirrors: dict[int, Sequence], committed: dict[int, int]) -> dict[int, Sequence]:
+        """Feed the mirrors the tokens they have not seen but the last, in forwards of at most the
+        engine's token budget (a long prompt's first catch-up is a chunked prefill, as the target's
+        was, never the whole of every new prompt in one forward). Returns the mirrors that caught
+        up; one the draft cache cannot hold proposes nothing this step."""
+        active = dict(mirrors)
+        while True:
+            batch, room = [], self.max_step_tokens
+            for i, m in list(active.items()):
+                n = min(m.num_tokens - m.num_computed_tokens - 1, room)  # the last token: drafting's round 0
+                if n <= 0:
+                    continue
+                if self.bm.reserve(m.block_tables, m.num_computed_tokens, m.num_computed_tokens + n,
+                                   keep_from=min(committed[i], m.num_computed_tokens)) is None:
+                    del active[i]
+                    continue
+                batch.append((m, n))
+                room -= n
+            if not batch:
+                return active
+            ids, pos, meta = self.runner.build_inputs(SchedulerOutput(batch))
+            self.model(ids, pos, self.kv.layers, meta)  # (N, hidden): only the KV it writes is wanted
+            for m, n in batch:
+                m.num_computed_tokens += n
 
     def release(self, seq: Sequence) -> None:
         m = self.mirrors.pop(id(seq), None)
