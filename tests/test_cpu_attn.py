@@ -70,6 +70,22 @@ def test_int8_cache_is_stored_and_read_in_place(idx, isa, d, monkeypatch):  # ty
     assert (got.double() - exact).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("idx", [1, 3])  # decode rows, and rows of a few tokens: the kernel's steps
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_models_kv_goes_into_an_int8_cache(idx, dtype):  # type: ignore[no-untyped-def]
+    """A bf16 / fp16 model with kv_cache_dtype int8: the step's K / V reach the kernel in the model's
+    dtype and are stored as QuantizedKV.store stores them (before, the kernel refused them: every
+    request of that configuration ended after its first token with finish_reason error)."""
+    meta, cache, tables, q, k, v = case_inputs(idx, hkv=2, d=64, device="cpu", dtype=torch.float32, seed=5)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    ref_cache, cpu_cache = QuantizedKV.from_float(cache, torch.int8), QuantizedKV.from_float(cache, torch.int8)
+    want = TorchAttention().forward(q, k, v, ref_cache, meta, 0.125, None)
+    got = CpuAttention().forward(q, k, v, cpu_cache, meta, 0.125, None)
+    assert got.dtype == dtype
+    assert torch.equal(cpu_cache.data, ref_cache.data) and torch.equal(cpu_cache.scale, ref_cache.scale)
+    assert (got.float() - want.float()).abs().max() < 2e-2  # both in the model's dtype
+
+
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "c"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(isa, dtype, monkeypatch):  # type: ignore[no-untyped-def]

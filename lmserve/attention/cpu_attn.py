@@ -34,8 +34,10 @@ class CpuAttention(TorchAttention):
         if _reads(q, kv_cache) and not meta.static_decode and (self.rows_per_seq is None
                                                                  or meta.max_query_len <= self.rows_per_seq):
             tables, lens = meta.token_rows()  # (N, M), (N,)
+            want = torch.float32 if isinstance(kv_cache, QuantizedKV) else kv_cache.dtype  # what the store reads
+            new_kv = (k.to(want), v.to(want), meta.slot_mapping)  # a bf16 model's K/V into an int8 cache: float32
             o = cpu_native.paged_decode_attention(q, kv_cache, tables, lens, meta.block_size,
-                                                  scale, window, new_kv=(k, v, meta.slot_mapping))  # (N, H, d)
+                                                  scale, window, new_kv=new_kv)  # (N, H, d)
             return o if o.dtype == q.dtype else o.to(q.dtype)
         return super().forward(q, k, v, kv_cache, meta, scale, window)
 
