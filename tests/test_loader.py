@@ -30,6 +30,21 @@ def _stray_consolidated(path) -> None:  # type: ignore[no-untyped-def]
               str(path / "consolidated.safetensors"))
 
 
+@pytest.mark.parametrize("rows", [1, 100])
+def test_an_embedding_of_the_wrong_shape_is_refused_by_name(tmp_path, rows):  # type: ignore[no-untyped-def]
+    """(1, hidden) against a vocabulary of 128 loaded silently before (broadcast: every token the same
+    embedding), (100, hidden) was a bare torch RuntimeError naming no tensor; both name it now, as every
+    other tensor's mismatch does."""
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "m"
+    make_tiny("llama", path, seed=0)
+    sd = load_file(str(path / "model.safetensors"))
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"][:rows].contiguous()
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"embed_tokens.weight: checkpoint \(%d, 64\)" % rows):
+        LLM(str(path), kv_cache_memory="16MiB")
+
+
 @pytest.mark.parametrize("sharded", [True, False], ids=["index", "single"])
 def test_hf_folder_reads_only_the_model_files(tmp_path, sharded):  # type: ignore[no-untyped-def]
     hf = make_tiny("mistral", tmp_path / "scratch", seed=3)

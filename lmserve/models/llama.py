@@ -15,7 +15,7 @@ from torch import nn
 from lmserve.attention import AttentionBackend, AttentionMetadata
 from lmserve.config import ModelConfig
 from lmserve.layers import dispatch
-from lmserve.layers.linear import Linear, LinearBase, MergedLinear, row_blocks
+from lmserve.layers.linear import Linear, LinearBase, MergedLinear, check_shape, row_blocks
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.cpu_decode import CpuDecodePlan
@@ -186,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
             if name == "embed_tokens.weight":
                 if isinstance(self.embed_tokens, nn.Embedding):
+                    check_shape(tensor, tuple(self.embed_tokens.weight.shape), "embed_tokens.weight", None)
                     self.embed_tokens.weight.data.copy_(tensor)
                 else:  # a quantized table
                     self.embed_tokens.load(tensor)
