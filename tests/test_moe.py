@@ -84,3 +84,19 @@ def test_int8_keeps_the_router_float(moe_model):  # type: ignore[no-untyped-def]
         ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
     rel = ((llm.score(PROMPTS[1]) - ref).norm() / ref.norm()).item()
     assert rel < 0.05, rel
+
+
+def test_awq_refuses_a_mixture_of_experts_model_before_any_work(moe_model, tmp_path):  # type: ignore[no-untyped-def]
+    """AWQ's scale groups are the dense Llama layer's: on an MoE model calibration failed with an
+    IndexError (an expert sees only its routed tokens), and a checkpoint saved without it wrote the
+    routers as int4, a folder that did not load. Both refuse now, naming the layer, writing nothing."""
+    from lmserve.quant.awq import awq_calibrate
+    from lmserve.quant.checkpoint import save_awq_checkpoint
+    _, path, _ = moe_model
+    llm = LLM(str(path), kv_cache_memory="32MiB")
+    seqs = [[(i * 7 + j) % 120 + 3 for j in range(32)] for i in range(4)]
+    with pytest.raises(ValueError, match="AWQ: layer 0's mlp is not dense"):
+        awq_calibrate(llm.engine.model, lambda s: llm.score(s, last_only=True), seqs, group=32, n_grid=4)
+    with pytest.raises(ValueError, match="AWQ: layer 0's mlp is not dense"):
+        save_awq_checkpoint(llm.engine.model, llm.engine.model_config, tmp_path / "awq", 32, source=path)
+    assert not (tmp_path / "awq").exists()

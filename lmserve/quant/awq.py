@@ -258,6 +258,19 @@ class AwqResult:
                 for name, s in self.searches.items()]
 
 
+def check_dense(model: nn.Module) -> None:
+    """ValueError unless every decoder layer is dense attention (one qkv_proj, o_proj) and a dense MLP
+    (gate_up_proj, down_proj): the layers AutoAWQ's Llama rules (scale_groups) and the HF AWQ layout
+    describe. A mixture-of-experts layer (an expert sees only its routed tokens; the router stays
+    float) or an MLA one is refused before any work."""
+    for i, layer in enumerate(model.layers):
+        parts = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
+        for owner, names in parts.items():
+            if not all(isinstance(getattr(getattr(layer, owner), n, None), Linear) for n in names):
+                raise ValueError(f"AWQ: layer {i}'s {owner} is not dense ({type(getattr(layer, owner)).__name__}): "
+                                 f"mixture-of-experts and MLA models are not supported")
+
+
 def check_group_size(model: nn.Module, group: int) -> None:
     bad = sorted({m.in_features for m in decoder_linears(model).values() if m.in_features % group})
     if group <= 0 or bad:
@@ -277,6 +290,7 @@ def awq_calibrate(model: nn.Module, run: Callable[[list[int]], object], sequence
                   group: int, n_grid: int = N_GRID, max_rows: int = 4096, seed: int = 0) -> AwqResult:
     """Capture, search every scale group on the original weights, then fold every chosen scale into
     `model` (in place; the float model's outputs are unchanged). Quantize afterwards."""
+    check_dense(model)
     check_group_size(model, group)
     caps = capture_inputs(model, run, sequences, max_rows, seed)
     modules = dict(model.named_modules())

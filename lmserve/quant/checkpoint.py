@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from lmserve.config import ModelConfig
-from lmserve.quant.awq import dequantize_int4, quantize_int4
+from lmserve.quant.awq import check_dense, dequantize_int4, quantize_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an int32 holds column AWQ_ORDER[i] of its eight
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_REVERSE_ORDER[j]
@@ -213,6 +213,8 @@ def save_awq_checkpoint(model: nn.Module, cfg: ModelConfig, out: str | Path, gro
     with the quantization config, model.safetensors, and the tokenizer files (copied from an HF
     source; written from our tokenizer for a GGUF one). Returns what was saved, in canonical form."""
     from safetensors.torch import save_file
+
+    check_dense(model)  # before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
