@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from lmserve.sampling.beam import BeamState
 from lmserve.sequence import Logprob, Sequence
-from lmserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from lmserve.detokenizer import IncrementalDetokenizer
+from lmserve.tokenizer import Tokenizer
 
 log = logging.getLogger("lmserve")
 

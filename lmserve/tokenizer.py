@@ -360,37 +360,3 @@ def _compile_template(source: str) -> Any:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
-
-    Keeps two offsets into the token list (as TGI and vLLM do): `prefix` marks tokens already fully
-    emitted whose text is only decoded again as left context (byte-level BPE merges depend on it),
-    `read` marks where new tokens start. A delta ending in U+FFFD means an incomplete byte sequence,
-    so it is held back until the next token completes it.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
-        self.tok = tokenizer
-        self.skip = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-6:])
-        self.prefix = 0
-        self.read = len(self.ids)
-        # A prompt given as token ids may end inside a UTF-8 character (its text ends in U+FFFD): its
-        # last tokens count as not yet emitted, so that `read` (and later `prefix`) sits on a
-        # character boundary and the character, once an output token completes it, is output text.
-        while self.read > 0 and len(self.ids) - self.read < 3 and \
-                self.tok.decode(self.ids[:self.read], self.skip).endswith("\ufffd"):
-            self.read -= 1
-
-    def step(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        # Emitted text still ending in U+FFFD (a prompt ending in bytes that are no character at all)
-        # must not stop every later delta: compare without it.
-        prev = self.tok.decode(self.ids[self.prefix:self.read], self.skip).rstrip("\ufffd")
-        full = self.tok.decode(self.ids[self.prefix:], self.skip)
-        if full.endswith("\ufffd") or not full.startswith(prev):
-            return ""  # an unfinished UTF-8 character, or a merge that rewrote the earlier text: wait
-        self.prefix, self.read = self.read, len(self.ids)
-        return full[len(prev):]

@@ -6,7 +6,7 @@ import pytest
 
 from lmserve import LLM, SamplingParams
 from lmserve.sequence import SamplingParams as SP
-from lmserve.tokenizer import IncrementalDetokenizer
+from lmserve.detokenizer import IncrementalDetokenizer
 
 GOOD = SamplingParams(max_tokens=4, temperature=0)
 

@@ -1,0 +1,60 @@
+"""Incremental detokenization: a request's output tokens as text deltas, as they are sampled."""
+
+from __future__ import annotations
+
+from lmserve.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    Keeps two offsets into the token list (as TGI and vLLM do): `prefix` marks tokens already fully
+    emitted whose text is only decoded again as left context (byte-level BPE merges depend on it),
+    `read` marks where new tokens start. A delta ending in U+FFFD means an incomplete byte sequence,
+    so it is held back until the next token completes it: at most three tokens, since a character
+    is at most four bytes; bytes still no character after that are text (U+FFFD), as a decode of
+    all the tokens shows them. Byte-fallback decoders (SentencePiece: Llama 2, Gemma) turn a whole
+    run of byte tokens into U+FFFD once part of it is no character, so the text of emitted tokens
+    can change afterwards: the delta is then what lies past the emitted text's length (vLLM's rule),
+    never a stall.
+    """
+
+    HOLD = 3  # tokens an unfinished character can span (its first three of at most four bytes)
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        # The prompt's last 6 tokens as left context, widened (by up to HOLD tokens) so that it does
+        # not start inside a character: a window that cut a run of byte tokens decodes as U+FFFD.
+        start = max(0, len(prompt_ids) - 6)
+        lo = max(0, start - self.HOLD)
+        while start > lo and self.tok.decode(list(prompt_ids[start:]), self.skip).startswith("\ufffd"):
+            start -= 1
+        self.ids: list[int] = list(prompt_ids[start:])
+        self.prefix = 0
+        self.read = len(self.ids)
+        # A prompt given as token ids may end inside a UTF-8 character (its text ends in U+FFFD): its
+        # last tokens count as not yet emitted, so that `read` (and later `prefix`) sits on a
+        # character boundary and the character, once an output token completes it, is output text.
+        while self.read > 0 and len(self.ids) - self.read < self.HOLD and \
+                self.tok.decode(self.ids[:self.read], self.skip).endswith("\ufffd"):
+            self.read -= 1
+
+    def step(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        end = len(self.ids)
+        full = self.tok.decode(self.ids[self.prefix:end], self.skip)
+        if full.endswith("\ufffd"):
+            if end - self.read <= self.HOLD:
+                return ""  # an unfinished UTF-8 character: wait for the tokens that complete it
+            end -= self.HOLD  # those bytes are no character: emit up to the tokens that may still be one
+            full = self.tok.decode(self.ids[self.prefix:end], self.skip)
+        prev = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        if full.startswith(prev):
+            delta = full[len(prev):]
+        elif len(full) > len(prev) or end - self.read > self.HOLD:
+            delta = full[len(prev):]  # the emitted text was rewritten (a byte run turned U+FFFD): go on past it
+        else:
+            return ""  # a merge rewrote the earlier text: wait for more
+        self.prefix, self.read = self.read, end
+        return delta

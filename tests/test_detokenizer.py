@@ -1,0 +1,86 @@
+"""Incremental detokenization with a byte-fallback tokenizer (SentencePiece's shape: Llama 2, Gemma), whose
+decoder turns a whole run of byte tokens into U+FFFD once part of the run is no character."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lmserve.detokenizer import IncrementalDetokenizer
+from lmserve.tokenizer import Tokenizer
+
+WORDS = ["ousands", "\u2581Stimmung", "\u2581Dye", "\u2581Juggling", "\u2581emoji:", "\n", "\u2581ok"]
+
+
+@pytest.fixture(scope="module")
+def bf():  # type: ignore[no-untyped-def]
+    """A byte-fallback BPE tokenizer (a few words, every byte as <0xNN>), decoded as Gemma's is."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + WORDS)}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    raw.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return Tokenizer(raw, eos_token="</s>"), vocab
+
+
+def _ids(vocab, *tokens: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return [vocab[t] for t in tokens]
+
+
+def _bytes(vocab, data: bytes) -> list[int]:  # type: ignore[no-untyped-def]
+    return [vocab[f"<0x{b:02X}>"] for b in data]
+
+
+def test_a_byte_run_that_turns_invalid_does_not_stop_the_text(bf):  # type: ignore[no-untyped-def]
+    """'7' is emitted, then <0xE4> starts a character that never comes: the decoder renders the run
+    '7\\xe4' as two U+FFFD, so the emitted '7' is no longer a prefix of the text. Before, every later
+    delta was empty (the output text stopped for good and each step re-decoded a growing window)."""
+    tok, vocab = bf
+    out = _ids(vocab, "ousands") + _bytes(vocab, b"7\xe4") + _ids(vocab, "\u2581Stimmung", "\u2581Dye") * 20
+    d = IncrementalDetokenizer(tok, [])
+    text = "".join(d.step([i]) for i in out)
+    assert text == "ousands7\ufffd" + " Stimmung Dye" * 20  # vLLM's rule: what lies past the emitted length
+    assert len(text) == len(tok.decode(out))
+    assert len(d.ids) - d.prefix <= 2  # the window stays short
+
+
+def test_a_prompt_ending_in_byte_characters_gives_none_of_them_as_output(bf):  # type: ignore[no-untyped-def]
+    """The prompt's last 6 tokens are the detokenizer's left context; 🤹🤹 is 8 byte tokens, so the window
+    started inside a character and decoded as six U+FFFD, which came out as output text."""
+    tok, vocab = bf
+    prompt = _ids(vocab, "\u2581Juggling", "\u2581emoji:") + _bytes(vocab, "🤹🤹".encode())
+    out = _ids(vocab, "\n", "\n", "\u2581ok")
+    d = IncrementalDetokenizer(tok, prompt)
+    assert "".join(d.step([i]) for i in out) == "\n\n ok" == tok.decode(prompt + out)[len(tok.decode(prompt)):]
+
+
+def test_bytes_that_are_no_character_are_text_after_three_tokens(bf):  # type: ignore[no-untyped-def]
+    """A character is at most 4 bytes: a U+FFFD still at the end with more than three tokens held is
+    bytes that are no character; they come out (as a decode of all shows them) instead of holding every
+    later token back. A real character split over three tokens is still held whole."""
+    tok, vocab = bf
+    d = IncrementalDetokenizer(tok, [])
+    pieces = [d.step([i]) for i in _bytes(vocab, b"\xff" * 8)]
+    assert "".join(pieces) == "\ufffd" * 5 and len(d.ids) - d.read == 3
+    d = IncrementalDetokenizer(tok, _ids(vocab, "\u2581ok"))
+    pieces = [d.step([i]) for i in _bytes(vocab, "🤹".encode()) + _ids(vocab, "\u2581Dye")]
+    assert pieces == ["", "", "", "🤹", " Dye"]
+
+
+def test_random_mixes_of_bytes_and_words_never_stall(bf):  # type: ignore[no-untyped-def]
+    """Whatever bytes come first, the words after them are all output text."""
+    tok, vocab = bf
+    pieces = ["é".encode(), "🤹".encode(), b"\xe4", b"\xff", b"7", "日".encode()[:2]]
+    tail = _ids(vocab, "\u2581Dye", "\u2581ok") * 2
+    for trial in range(400):
+        r = random.Random(trial)
+        seq: list[int] = []
+        for _ in range(r.randint(1, 12)):
+            seq += _bytes(vocab, r.choice(pieces)) if r.random() < 0.5 else _ids(vocab, r.choice(WORDS))
+        d = IncrementalDetokenizer(tok, [])
+        text = "".join(d.step([i]) for i in seq + tail)
+        assert text.endswith(" Dye ok Dye ok"), (trial, text)
+        valid = tok.decode(seq + tail)
+        if "\ufffd" not in valid:  # all characters whole: exactly the decode
+            assert text == valid, trial
