@@ -123,7 +123,8 @@ class OutputProcessor:
 
     def _text(self, seq: Sequence, new_tokens: list[int]) -> int:
         """Detokenize the new tokens one by one and apply stop strings (the stop string itself is not
-        emitted). Tokens after a stop string (possible when several arrive at once) are dropped.
+        emitted, nor the text of an EOS or stop token that ended the sequence, unless
+        include_stop_str_in_output). Tokens after a stop string (possible when several arrive at once) are dropped.
         Returns how many of new_tokens the sequence keeps.
 
         Several tokens arrive at once from speculation; they are checked in order, exactly as if each
@@ -139,6 +140,8 @@ class OutputProcessor:
         last = len(new_tokens) - 1
         for i, tok in enumerate(new_tokens):
             before = len(out.text)
+            if i == last and seq.finish_reason == "stop" and not p.include_stop_str_in_output:
+                break  # the EOS / stop token that ended it: its id stays, its text does not (vLLM's rule)
             out.text += out.detok.step([tok])
             if not p.stop or (i == last and seq.finish_reason not in (None, "length")):
                 continue

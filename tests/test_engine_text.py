@@ -105,6 +105,28 @@ def test_unknown_model_path():
         LLM("/nonexistent/model/dir")
 
 
+def test_the_token_that_ends_a_sequence_gives_no_text(smol):  # type: ignore[no-untyped-def]
+    """As vLLM: the EOS or stop_token_ids token that ended a sequence stays in token_ids but its text is
+    not output text unless include_stop_str_in_output (before, a stop token's text and, with
+    skip_special_tokens false, '<|im_end|>' ended the text)."""
+    tok = smol.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Count from 1 to 5."}]),
+                        add_special_tokens=False)
+    free = smol.generate([prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0]
+    k = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])  # its first appearance
+    stop_id = free.token_ids[k]
+    for keep in (False, True):
+        out = smol.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id],
+                                                     include_stop_str_in_output=keep), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop_id and out.token_ids == free.token_ids[:k + 1]
+        assert out.text == tok.decode(out.token_ids if keep else out.token_ids[:-1])
+    chat = smol.generate([prompt], SamplingParams(max_tokens=200, temperature=0, skip_special_tokens=False),
+                         use_tqdm=False)[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in tok.eos_token_ids
+    assert chat.text == tok.decode(chat.token_ids[:-1], skip_special_tokens=False)
+    assert tok.eos_token not in chat.text
+
+
 def test_stop_string_is_not_emitted(smol):  # type: ignore[no-untyped-def]
     free = smol.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0),
                          use_tqdm=False)[0].outputs[0].text
