@@ -735,3 +735,21 @@ def test_the_default_tokenizers_vocabulary_gives_thousands_of_topics():
     assert len(topics) > 10 * len(TOPICS) and len(set(topics)) == len(topics)
     assert not [t for t in topics if names_a_held_out_subject(t)]
     assert {"castle", "harvest", "membrane"} <= set(topics)
+
+
+def test_deterministic_mode_a_seeded_sample_keeps_its_tokens_beside_eagle(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    """deterministic=True: a seeded request sampled at temperature 1 never drafts, and its tokens are the
+    same alone and behind a request that splits its prompt into two chunks, and equal to plain decoding's
+    (before, the head's state for it drew from the request's generator at its first observed step,
+    which came before or after its first token as the chunking fell)."""
+    path, _ = tiny_models["llama"]
+    needle = [5, 6, 7, 8] * 3
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    other = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    plain = LLM(str(path), deterministic=True, max_num_batched_tokens=16)
+    want = plain.generate([needle], p, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(str(path), deterministic=True, max_num_batched_tokens=16, draft_model=str(head_dir), **EAGLE)
+    alone = llm.generate([needle], p, use_tqdm=False)[0].outputs[0].token_ids
+    batched = llm.generate([[9, 10, 11] * 3 + [12], needle], [other, p], use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == batched == want
+    assert llm.stats().spec["proposed"] > 0  # the greedy request drafted

@@ -68,6 +68,21 @@ def test_greedy_matches_hf_past_the_window(gemma, mode):  # type: ignore[no-unty
     greedy_matches_hf(*gemma, mode, n_new=30)  # every sequence ends several windows past its start
 
 
+def test_a_truncated_copy_drafts_for_it(gemma):  # type: ignore[no-untyped-def]
+    """The default draft (the target, its first N layers) of a model with layer kinds: its layer_types
+    are cut with its layers (before: 'layer_types has 3 entries for 1 layers', no draft at all)."""
+    path, _ = gemma
+    llm = LLM(str(path), speculative_method="draft", draft_num_layers=2, num_speculative_tokens=3,
+              spec_max_batch=1000, spec_min_acceptance=0.0)
+    assert llm.engine.spec.proposer.cfg.layer_types == ("sliding_attention", "full_attention")
+    prompts = [[(5 * i + j) % 100 + 3 for j in range(20)] for i in range(3)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = LLM(str(path)).generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert llm.stats().spec["proposed"] > 0
+
+
 def _run_long(llm, prompts, n_new, on_step=None):  # type: ignore[no-untyped-def]
     """Greedy requests stepped by hand: (token ids per request, the most sequences running at once)."""
     eng = llm.engine

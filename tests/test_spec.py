@@ -398,3 +398,25 @@ def test_a_draft_catches_up_in_forwards_of_the_token_budget(tiny_models):  # typ
     assert sizes and max(sizes) <= 16 + 4, sizes  # a catch-up's budget, then a round's one row a mirror
     bm = prop.bm
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_draft_always_feeds_the_last_committed_token(tiny_models):  # type: ignore[no-untyped-def]
+    """The target as its own draft, two requests under a budget of 6 tokens: drafts are cut by the
+    budget, and when the next committed token equals the mirror's draft the mirror had computed every
+    committed token: its first draft round fed 0 tokens and read another row's logits, or raised
+    IndexError (that step's drafting dropped). Every draft of the target itself is accepted now."""
+    path, _ = tiny_models["llama"]
+    prompts = [[5, 6], [9, 10]]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    llm = LLM(str(path), speculative_method="draft", num_speculative_tokens=4, spec_max_batch=1000,
+              spec_min_acceptance=0.0, max_num_batched_tokens=6, max_num_seqs=2)
+    prop = llm.engine.spec.proposer
+    rows: list[int] = []
+    real = prop.runner.build_inputs
+    prop.runner.build_inputs = lambda out: rows.extend(n for _, n in out.scheduled) or real(out)  # type: ignore[method-assign]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    ref = LLM(str(path), max_num_batched_tokens=6, max_num_seqs=2).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert rows and min(rows) >= 1
+    st = llm.stats().spec
+    assert st["proposed"] == st["accepted"] > 0

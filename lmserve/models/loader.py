@@ -194,7 +194,8 @@ def load_model(config: EngineConfig, num_layers: int | None = None, shard: Any =
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"draft_num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
-        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+        types = None if cfg.layer_types is None else cfg.layer_types[:num_layers]  # Gemma 3's local / global
+        cfg = dataclasses.replace(cfg, num_layers=num_layers, layer_types=types)
     model = build_model(cfg, backend)
     weights = _quantize(model, cfg, config, src, g)
     if num_layers is not None:

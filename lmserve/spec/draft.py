@@ -49,7 +49,9 @@ class DraftModelProposer:
             self.mirrors[id(seq)] = m
         target = seq.token_ids
         lcp = 0
-        limit = min(len(m.token_ids), len(target), m.num_computed_tokens)
+        # the last committed token is always fed again: its logits give draft 1 (a mirror that computed
+        # every committed token, its draft cut and then matched, had no row for them)
+        limit = min(len(m.token_ids), len(target) - 1, m.num_computed_tokens)
         while lcp < limit and m.token_ids[lcp] == target[lcp]:
             lcp += 1
         m.num_computed_tokens = lcp

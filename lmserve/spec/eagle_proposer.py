@@ -59,7 +59,7 @@ class _State(HasBlocks):
     request_id: str = ""
     next_pos: int = 0  # positions below were fed (or had no feature: prefix-cache hits)
     pending: tuple[int, torch.Tensor] | None = None  # (position, feature (H,)) waiting for its next token
-    rng: random.Random = field(default_factory=random.Random)
+    rng: random.Random | None = None  # drafts' draws: seeded from the request's generator when it first drafts
     # committed rows not yet fed to the KV: (feature (H,), next token, position), in order
     backlog: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
 
@@ -107,8 +107,9 @@ class EagleProposer:
         if st is None or st.request_id != seq.request_id:
             if st is not None:
                 self.kv.release(st)
-            st = self.states[id(seq)] = _State([], request_id=seq.request_id,
-                                               rng=random.Random(seq.generator.getrandbits(62)))
+            # no draw from seq.generator here: a request that never drafts (deterministic mode's seeded
+            # sampling) keeps its random stream whatever its neighbours or chunking
+            st = self.states[id(seq)] = _State([], request_id=seq.request_id)
             # an n > 1 child (forked after its parent's prefill): start from the parent's head KV over
             # the shared prompt, when it holds nothing past where the child starts
             if any(o.request_id == seq.request_id for o in self.states.values() if o is not st):
@@ -240,6 +241,8 @@ class EagleProposer:
             if k <= 0 or st is None or st.request_id != seq.request_id or st.pending is None \
                     or st.pending[0] != last:
                 continue
+            if st.rng is None:
+                st.rng = random.Random(seq.generator.getrandbits(62))
             feats.append(st.pending[1][None]), toks.append(seq.token_ids[-1]), pos.append(last)
             st.pending, st.next_pos = None, last + 1  # fed now, for good: its next token is committed
             active.append((i, st, st.length + 1))
