@@ -119,6 +119,26 @@ def test_chat_templates_are_bounded_in_output_and_time():
         msgs) == "hi"
 
 
+def test_a_template_with_transformers_generation_block_renders_as_transformers_does():
+    """{% generation %} ... {% endgeneration %} (transformers' tag marking the assistant's text; TRL saves
+    templates with it) did not compile: every chat request to such a model was a 400."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from lmserve.tokenizer import Tokenizer
+    tpl = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<A>{% generation %}{{ m['content'] }}</A>"
+           "{% endgeneration %}\n{% else %}<{{ m['role'] }}>{{ m['content'] }}\n{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}<A>{% endif %}")
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    raw = Raw(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
+    hf.chat_template = tpl
+    want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert Tokenizer(raw, chat_template=tpl).apply_chat_template(msgs) == want
+    assert want.startswith("<user>Hi\n<A>Hello</A>") and want.endswith("<A>")
+
+
 def test_one_operation_cannot_build_a_huge_value_in_a_template():
     """`*` and `**` make a huge value with no call for the clock check to see ({{ 'x' * 10**9 }},
     {{ 9 ** (9 ** 9) }}, which jinja would even fold while compiling): their operands are bounded, so such a
