@@ -114,9 +114,10 @@ class Tokenizer:
             raw = _byte_level_bpe(g, tokens) if kind == "gpt2" else _sentencepiece_bpe(g, tokens)
             raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                     for t, ty in zip(tokens, types) if ty == 3])  # 3 = CONTROL
-            if kind == "llama":  # 4 = USER_DEFINED: matched whole in text, as llama.cpp does, but not special
-                raw.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
-                                if ty == 4 and raw.token_to_id(t) is not None])  # (not the respelled space runs)
+            # 4 = USER_DEFINED (llama.cpp's converter writes every added token that is not special so: Qwen's
+            # <think>, <tool_call>): matched whole in text, as llama.cpp and HF do, but not special
+            raw.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+                            if ty == 4 and raw.token_to_id(t) is not None])  # (not SentencePiece's respelled space runs)
             if cached is not None:
                 _save(raw, cached)
         name = lambda key: tokens[g.field(key)] if g.field(key) is not None else None  # noqa: E731

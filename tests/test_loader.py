@@ -198,3 +198,34 @@ def test_gguf_unsupported_rope_scaling_raises(tmp_path):  # type: ignore[no-unty
                                          "rope.scaling.original_context_length": 64})
     with pytest.raises(ValueError, match="yarn"):
         LLM(str(path), kv_cache_memory="64MiB")
+
+
+def test_a_byte_level_gguf_matches_its_user_defined_tokens_whole():
+    """llama.cpp's converter writes every added token that is not special as USER_DEFINED (type 4): Qwen
+    2.5's <tool_call>, Qwen 3's <think>. Only SentencePiece files added them; in a byte-level ('gpt2')
+    file text holding them was split by BPE ('<', 'think', '>'), ids the model never saw there."""
+    from lmserve.models.gguf_file import GGUFFile
+    from lmserve.models.loader import resolve_model
+    from lmserve.tokenizer import Tokenizer
+    real = GGUFFile(resolve_model("smollm2-135m").path)
+    extra = ["<think>", "</think>", "<tool_call>"]
+
+    class WithUserTokens:  # the default model's metadata, three user-defined tokens appended
+        path = None
+
+        def field(self, key, default=None):  # type: ignore[no-untyped-def]
+            v = real.field(key, default)
+            if key == "tokenizer.ggml.tokens":
+                return list(v) + extra
+            if key == "tokenizer.ggml.token_type":
+                return list(v) + [4] * len(extra)
+            return v
+
+    tok = Tokenizer.from_gguf(WithUserTokens())
+    ids = [tok.raw.token_to_id(t) for t in extra]
+    assert ids == [49152, 49153, 49154]
+    text = "<think>\n\n</think>\n\n<tool_call>"
+    got = tok.encode(text, add_special_tokens=False)
+    nl = tok.encode("\n\n", add_special_tokens=False)
+    assert got == [ids[0], *nl, ids[1], *nl, ids[2]]
+    assert tok.decode(got) == text  # not special: kept by skip_special_tokens
