@@ -114,8 +114,8 @@ class Scheduler:
         for seq in decoding + prefilling:
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not Status.RUNNING or todo[seq] == 0:
+                continue  # preempted earlier in this loop; or a beam with its log-probs, waiting for its siblings
             n = min(todo[seq], budget)
             while (cow := self.bm.reserve(seq.block_tables, seq.num_computed_tokens,
                                           seq.num_computed_tokens + n)) is None:

@@ -65,6 +65,19 @@ def test_beam_shares_blocks(tiny_models):  # type: ignore[no-untyped-def]
     assert shared.stats().used_blocks == 0
 
 
+@pytest.mark.parametrize("budget", [2, 3, 5])
+def test_a_beam_search_under_a_small_token_budget_matches_hf(tiny_models, budget):  # type: ignore[no-untyped-def]
+    """Width 4 with fewer tokens a step than beams: beams that computed their token wait for their
+    siblings with nothing to run. They were scheduled for 0 tokens, and the runner read the row before
+    theirs (another sequence's hidden state) as their log-probs: a different search."""
+    path, hf = tiny_models["llama"]
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=budget)
+    prompt = [5, 17, 33, 9, 100, 3]
+    params = SamplingParams(use_beam_search=True, n=4, max_tokens=8, ignore_eos=True, temperature=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == hf_beam(hf, prompt, 4, 4, 8)
+
+
 @pytest.mark.parametrize("width", [2, 3, 4])
 def test_beam_under_kv_pressure(tiny_models, width):  # type: ignore[no-untyped-def]
     """Defect 1: one beam request (prompt 8, block size 4, pools of 8-16 blocks) whose max_tokens
