@@ -83,6 +83,7 @@ class FanOut:
 
     def forget(self, request_id: str) -> None:
         self.beams.pop(request_id, None)
+        self._forking = [s for s in self._forking if s.request_id != request_id]  # an aborted parent goes now
 
     def _new_child(self, parent: Sequence, index: int) -> Sequence:
         child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, prompt=parent.prompt,

@@ -105,7 +105,10 @@ class LLM:
         """Logits (T, V) float32 at every position of the prompt (or (1, V) for the last), teacher-
         forced through the paged cache: one prefill, or with decode_from=P a prefill of P tokens and
         one decode step per later token. For checks against a reference and the no-cache baseline."""
-        seq = Sequence("__score__", self.engine.tokenize_prompt(prompt), SamplingParams(max_tokens=1))
+        ids = self.engine.tokenize_prompt(prompt)
+        if len(ids) > self.engine.max_model_len:  # (past the rotary table: an IndexError, on CUDA a device assert)
+            raise ValueError(f"prompt: {len(ids)} tokens, past max_model_len ({self.engine.max_model_len})")
+        seq = Sequence("__score__", ids, SamplingParams(max_tokens=1))
         return self.engine.runner.score(seq, self.engine.block_manager, last_only, decode_from)
 
     def stats(self) -> EngineStats:

@@ -80,6 +80,16 @@ def test_numpy_integers_are_token_ids():  # type: ignore[no-untyped-def]
     assert p.logit_bias == {3: 1.0} and type(next(iter(p.logit_bias))) is int
 
 
+def test_score_refuses_a_prompt_past_max_model_len(tiny_models):  # type: ignore[no-untyped-def]
+    """LLM.score checked no length: past max_model_len it scored anyway, past the rotary table it was an
+    IndexError (on CUDA a device-side assert that poisons the context)."""
+    llm = LLM(str(tiny_models["llama"][0]), max_model_len=64)
+    assert llm.score(list(range(3, 67))).shape == (64, 128)
+    for n in (65, 3000):
+        with pytest.raises(ValueError, match=f"prompt: {n} tokens, past max_model_len \\(64\\)"):
+            llm.score([5] * n)
+
+
 def test_bad_request_in_a_batch_runs_nothing(smol):  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="prompt_token_ids"):
         smol.generate(["fine", [1, 10**9]], GOOD)

@@ -161,3 +161,16 @@ def test_tpot_of_n_samples_is_one_outputs(tiny_models):  # type: ignore[no-untyp
     m = out.metrics
     assert m.num_output_tokens == 80
     assert m.tpot == pytest.approx((m.finished_time - m.first_token_time) / 19, rel=1e-9)
+
+
+def test_an_aborted_parent_is_let_go_at_once(tiny_models):  # type: ignore[no-untyped-def]
+    """A request of n = 3 aborted mid-prefill, children still to fork: FanOut held the finished parent
+    (its tokens, detokenizer, grammar) until some later request made the engine step."""
+    path, _ = tiny_models["llama"]
+    eng = LLM(str(path), block_size=4, max_num_batched_tokens=4).engine
+    eng.add_request("a", list(range(3, 30)), SamplingParams(n=3, max_tokens=4))
+    eng.step()  # the parent mid-prefill, two forks pending
+    assert [s.request_id for s in eng.fanout._forking] == ["a"]
+    assert eng.abort_request("a")
+    assert eng.fanout._forking == [] and not eng.requests
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
