@@ -83,6 +83,42 @@ def test_a_truncated_copy_drafts_for_it(gemma):  # type: ignore[no-untyped-def]
     assert llm.stats().spec["proposed"] > 0
 
 
+def test_awq_keeps_the_float_model_and_saves_what_hf_reads(gemma, tmp_path):  # type: ignore[no-untyped-def]
+    """AWQ on Gemma 3: the gate/up scale folds into pre_feedforward_layernorm, the norm the MLP reads
+    (it went into post_attention_layernorm, which norms the attention's output: logits moved by half
+    their size), and norms are saved as HF's w, not our 1 + w (loading added 1 twice: 12% top-1)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from lmserve.quant.awq import awq_calibrate, fake_quantize_model
+    from lmserve.quant.checkpoint import dequantized_weights, save_awq_checkpoint
+    from tests.test_awq import calib_sequences
+    path, hf = gemma
+    llm = LLM(str(path), kv_cache_memory="16MiB")
+    model = llm.engine.model
+    probe = calib_sequences(128, 1, 40, seed=9)[0]
+    before = llm.score(probe)
+    awq_calibrate(model, lambda s: llm.score(s, last_only=True), calib_sequences(128), group=32, n_grid=10)
+    assert (llm.score(probe) - before).abs().max() < 1e-4 * before.abs().max()
+    out = tmp_path / "awq"
+    save_awq_checkpoint(model, llm.engine.model_config, out, 32, source=path)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert torch.allclose(tensors["model.norm.weight"], hf.state_dict()["model.norm.weight"])  # HF's w, no fold
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    save_file({n: t.contiguous() for n, t in dequantized_weights(tensors.items())}, str(flat / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config")
+    (flat / "config.json").write_text(json.dumps(config))
+    fake_quantize_model(model, 32)
+    ref = llm.score(probe)
+    got = LLM(str(flat), kv_cache_memory="16MiB").score(probe)
+    assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
 def _run_long(llm, prompts, n_new, on_step=None):  # type: ignore[no-untyped-def]
     """Greedy requests stepped by hand: (token ids per request, the most sequences running at once)."""
     eng = llm.engine

@@ -57,6 +57,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3 text model (Gemma3ForCausalLM), weights named as HF names them."""
 
     plan_class = GemmaDecodePlan
+    offset_norms, norm_offset = NORMS, 1.0  # HF's w is our weight - 1 (quant/checkpoint.model_state writes w)
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         if cfg.layer_types is None:

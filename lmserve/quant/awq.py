@@ -217,7 +217,8 @@ def scale_groups(model: nn.Module) -> list[ScaleGroup]:
         out.append(ScaleGroup(f"{p}.input_layernorm", [f"{p}.self_attn.qkv_proj"], f"{p}.self_attn.qkv_proj"))
         if attn.h == attn.hkv:  # one v row per o column: the o_proj scale folds into v_proj's rows
             out.append(ScaleGroup(f"{p}.self_attn.qkv_proj[2]", [f"{p}.self_attn.o_proj"], f"{p}.self_attn.o_proj"))
-        out.append(ScaleGroup(f"{p}.post_attention_layernorm", [f"{p}.mlp.gate_up_proj"], f"{p}.mlp.gate_up_proj"))
+        mlp_norm = "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
+        out.append(ScaleGroup(f"{p}.{mlp_norm}", [f"{p}.mlp.gate_up_proj"], f"{p}.mlp.gate_up_proj"))  # (Gemma: sandwich)
         out.append(ScaleGroup(f"{p}.mlp.gate_up_proj[1]", [f"{p}.mlp.down_proj"], f"{p}.mlp.down_proj"))
     return out
 

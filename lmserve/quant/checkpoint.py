@@ -184,6 +184,11 @@ def model_state(model: nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, torch
     """(HF name, float tensor [out, in] or vector, is a quantized linear) for every tensor of our model,
     the fused q/k/v and gate/up split back into their HF projections."""
     split = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    norms, offset = getattr(model, "offset_norms", ()), getattr(model, "norm_offset", 0.0)  # Gemma: 1 + w
+
+    def hf(leaf: str, kind: str, t: torch.Tensor) -> torch.Tensor:  # a norm's weight as HF holds it
+        return t.float() - offset if offset and kind == "weight" and leaf in norms else t
+
     yield "model.embed_tokens.weight", model.embed_tokens.weight, False
     for i, layer in enumerate(model.layers):
         for name, m in layer.named_modules():
@@ -198,8 +203,8 @@ def model_state(model: nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, torch
                     for part, chunk in zip(split[leaf], t.split(m.sizes, dim=0)):
                         yield f"{parent}.{part}.{kind}", chunk, quantized and kind == "weight"
                 else:
-                    yield f"{base}.{kind}", t, quantized and kind == "weight"
-    yield "model.norm.weight", model.norm.weight, False
+                    yield f"{base}.{kind}", hf(leaf, kind, t), quantized and kind == "weight"
+    yield "model.norm.weight", hf("norm", "weight", model.norm.weight), False
     if model.lm_head is not None:
         yield "lm_head.weight", model.lm_head.weight, False
 
