@@ -273,13 +273,19 @@ def losses(head: EagleHead, ex: Example, lm_head: torch.Tensor, steps: int = 1
 @torch.no_grad()
 def agreement(head: EagleHead, examples: list[Example], lm_head: torch.Tensor) -> float:
     """How often the head's next token (from the target's true feature and token) is the target's own:
-    the acceptance rate of a one-token greedy draft, over held-out sequences."""
-    hits = n = 0.0
+    the acceptance rate of a one-token greedy draft, over held-out sequences. lm_head: the whole (V, H);
+    the head drafts from its draft_vocab rows when it has one, as in serving."""
+    vocab = head.draft_vocab
+    rows = lm_head if vocab is None else lm_head[vocab]  # (V', H)
+    hits = n = 0
     for ex in examples:
-        _, _, a = losses(head, ex, lm_head)
-        k = ex.feats.shape[0] - 1
-        hits, n = hits + a.item() * k, n + k
-    return hits / max(1.0, n)
+        pred = chain_forward(head, ex.feats, ex.embeds, 1)[0]  # (T - 1, H) predicted features, positions 1..T-1
+        tok = (pred @ rows.T).argmax(-1)  # (T - 1,) into rows
+        if vocab is not None:
+            tok = vocab[tok]
+        want = (ex.feats[1:] @ lm_head.T).argmax(-1)  # (T - 1,) the target's own next tokens
+        hits, n = hits + int((tok == want).sum()), n + want.numel()
+    return hits / max(1, n)
 
 
 @torch.no_grad()
