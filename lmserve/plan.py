@@ -30,6 +30,7 @@ from lmserve.utils import above, at_least
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "fp8": 1, "int8": 1, "int4": 0.5}
+KV_DTYPES = {k: v for k, v in DTYPE_BYTES.items() if k != "int4"}  # the caches lmserve has (kv_cache_dtype)
 KV_SCALE_BYTES = 4  # a quantized KV cache's float32 scale per token, head, group of channels and K/V (absmax)
 KV_SCALE_GROUP = 32  # channels per scale (lmserve.kv.cache.KV_GROUP)
 
@@ -163,7 +164,11 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
     an activation's bytes (default 4 with fp32 weights, else 2; lmserve on a CPU computes in fp32)."""
     mem_gb, bw_tbs, tflops = device
     wb = DTYPE_BYTES[dtype]
-    kb = DTYPE_BYTES[kv_dtype or dtype]
+    if kv_dtype is None:  # the cache follows the compute dtype: quantized weights keep a float cache
+        kv_dtype = dtype if wb >= 2 else ("fp32" if act_bytes == 4 else "bf16")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: {kv_dtype!r} is no KV cache lmserve has ({', '.join(sorted(KV_DTYPES))})")
+    kb = DTYPE_BYTES[kv_dtype]
     bw, peak = bw_tbs * 1e12, tflops * 1e12
     weight_bytes = m.params * wb
     kv_scales = m.kv_scales_per_token * KV_SCALE_BYTES if kb < 2 else 0  # quantized KV: its scales
@@ -195,7 +200,7 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
         wb * (m.hidden * m.intermediate + batch * (m.hidden + m.intermediate))) if m.intermediate else None
     return {
         "model": m.name, "params": m.params, "active_params": m.active_params,
-        "dtype": dtype, "kv_dtype": kv_dtype or dtype,
+        "dtype": dtype, "kv_dtype": kv_dtype,
         "device": {"mem_gb": mem_gb, "bandwidth_tbs": bw_tbs, "tflops": tflops},
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_tok,
@@ -316,10 +321,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="a known shape (e.g. qwen3-0.6b, llama-3.1-8b, deepseek-v3), config.json, GGUF or HF folder")
     for name in ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab"):
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None)
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=at_least(1), default=None)
     p.add_argument("--params", type=float, default=None, help="parameter count (with explicit shape)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES))
+    p.add_argument("--kv-dtype", default=None, choices=sorted(KV_DTYPES),
+                   help="the KV cache's (default: the weights' dtype; a quantized model's cache is bf16, fp32 on cpu)")
     p.add_argument("--device", default="h100", choices=sorted(DEVICES))
     p.add_argument("--mem-gb", type=above(0), default=None)
     p.add_argument("--bandwidth-tbs", type=above(0), default=None)
@@ -328,8 +334,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=at_least(1), default=1)
     p.add_argument("--seq-len", type=at_least(1), default=1024)
     p.add_argument("--tensor-parallel-size", type=at_least(1), default=1, help="ranks sharing every layer")
-    p.add_argument("--link-gbs", type=float, default=None, help="link GB/s between ranks (default: by device)")
-    p.add_argument("--link-latency-us", type=float, default=None, help="us per small collective (default: by device)")
+    p.add_argument("--link-gbs", type=above(0), default=None, help="link GB/s between ranks (default: by device)")
+    p.add_argument("--link-latency-us", type=at_least(0, float), default=None,
+                   help="us per small collective (default: by device)")
     p.add_argument("--json", action="store_true")
 
 
@@ -338,7 +345,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     dev = (a.mem_gb or base[0], a.bandwidth_tbs or base[1], a.tflops or base[2])
     if a.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {a.tensor_parallel_size}")
-    link = (a.link_gbs or LINKS[a.device][0], a.link_latency_us or LINKS[a.device][1])
+    link = (a.link_gbs or LINKS[a.device][0], LINKS[a.device][1] if a.link_latency_us is None else a.link_latency_us)
     r = plan(model_from_args(a), dev, a.dtype, a.kv_dtype, a.batch, a.seq_len, a.gpu_memory_utilization,
              tp=a.tensor_parallel_size, link=link, act_bytes=4 if a.device == "cpu" else None)
     print(json.dumps(r, indent=2) if a.json else render(r))

@@ -138,3 +138,44 @@ def test_bench_serve_wall_ends_with_the_run_and_itl_is_per_choice(monkeypatch): 
     monkeypatch.undo()
     res = asyncio.run(serve._one(Client(), "http://x", "m", serve.ServeRequest([5, 6], 4, n=2), {}))
     assert res.ok and len(res.itl) == 6 and min(res.itl) > 0.005  # 3 gaps per choice, each ~10 ms
+
+
+def test_bench_flags_out_of_range_are_the_flags_errors(tiny_models, tmp_path, capsys):  # type: ignore[no-untyped-def]
+    """bench spec --batch-sizes 0 was a ZeroDivisionError, --threads -1 a RuntimeError out of torch, an
+    --output-json under a file a FileExistsError after the whole run: each is exit status 2 naming it."""
+    import pytest
+    path, _ = tiny_models["llama"]
+    assert main(["bench", "spec", "--model", str(path), "--methods", "none", "--batch-sizes", "0,1",
+                 "--num-prompts", "1", "--max-tokens", "4"]) == 2
+    assert "batch_sizes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "throughput", "--model", str(path), "--preset", "tiny", "--threads", "-1"])
+    assert e.value.code == 2 and "--threads" in capsys.readouterr().err
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    assert main(["bench", "throughput", "--model", str(path), "--preset", "tiny", "--no-progress",
+                 "--output-json", str(blocker / "x.json")]) == 2
+    assert "output_json" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(path), "--calib", str(blocker), "--out", str(blocker)]) == 2
+    assert "out: " in capsys.readouterr().err
+
+
+def test_bench_parallel_counts_the_prompt_once_when_shared(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """n = 4 samples of a 40-token prompt: the shared request computes the prompt once (40 tokens; the
+    three forked children each run the fork-point token, the prompt's last, themselves: 43), four separate
+    requests four times (160); a sequence's last output token is never fed, which the count took for
+    prompt tokens not computed (39 and 156 before)."""
+    path, _ = tiny_models["llama"]
+    out = tmp_path / "par.json"
+    assert main(["bench", "parallel", "--model", str(path), "--n", "4", "--prompt-len", "40", "--max-tokens", "6",
+                 "--output-json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["shared"]["prompt_tokens_computed"] == 40 + 3 and rows["separate"]["prompt_tokens_computed"] == 160
+
+
+def test_bench_serve_says_why_its_server_did_not_start(capsys):  # type: ignore[no-untyped-def]
+    """A launched server that exits (a bad --launch-args flag) was 'did not become healthy' with its
+    stderr thrown away; the error now names the flag and shows the server's last lines."""
+    assert main(["bench", "serve", "--launch-args=--bogus-flag", "--num-requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "launch_args" in err and "exited with status 2" in err and "--bogus-flag" in err

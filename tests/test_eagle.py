@@ -292,7 +292,7 @@ def test_train_draft_command_writes_a_head_that_loads(tiny_models, tmp_path):
     meta = json.loads((out / "eagle_config.json").read_text())
     assert meta["trained_tokens"] > 0 and 0 <= meta["heldout_agreement"] <= 1
     assert eagle.load_head(out).cfg.hidden_size == 64
-    assert (out / "data.json").is_file() and (out / "checkpoint.pt").is_file()
+    assert (out / "data.json").is_file() and len(list(out.glob("checkpoint-eagle-*.pt"))) == 1
     seqs = json.loads((out / "data.json").read_text())["seqs"]
     feats = torch.load(out / "features.pt")  # caught while the target wrote them: no second pass
     assert [f.shape[0] for f in feats] == [len(s) - 1 for s in seqs]
@@ -306,6 +306,35 @@ def test_train_draft_command_writes_a_head_that_loads(tiny_models, tmp_path):
     assert rows["eagle"]["proposed"] > 0 and rows["none"]["proposed"] == 0
     assert rows["eagle"]["draft_cost_vs_step"] > 0 and rows["eagle"]["verify_cost_vs_step"] > 0
     assert rows["none"]["decode_step_s"] > 0
+
+
+def test_train_draft_resumes_only_the_same_run_on_the_same_data(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """A rerun in the same --out resumed checkpoint.pt whatever its options (--lr 5e-2 returned the
+    --lr 1e-3 head bit for bit), and data.json was reused when the prompts changed but not their count.
+    The checkpoint is named by the run's options and the data keyed by the prompts themselves now; an
+    --out holding a model (a distilled draft) and a budget too small to hold out a sequence are refused."""
+    from lmserve.cli import main
+    from tests.conftest import char_tokenizer_model
+    folder = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\nwhat is this\nonce upon a time\nabc def\n")
+    out = tmp_path / "head"
+    run = ["train-draft", "--model", str(folder), "--out", str(out), "--tokens", "300", "--steps", "6",
+           "--max-new-tokens", "30", "--prompts-file", str(prompts), "--kv-cache-memory", "16MiB", "--no-progress"]
+    heads = []
+    for lr in ("1e-3", "5e-2", "1e-3"):
+        assert main(run + ["--lr", lr]) == 0
+        heads.append(eagle.load_head(out).state_dict())
+    assert len(list(out.glob("checkpoint-eagle-*.pt"))) == 2
+    differ = lambda a, b: any(not torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    assert differ(heads[0], heads[1]) and not differ(heads[0], heads[2])  # the third: the first run, resumed
+    seqs = json.loads((out / "data.json").read_text())["seqs"]
+    prompts.write_text("zebra crossing\nquiet river\nred kite\nblue moon\n")  # new prompts, as many
+    assert main(run) == 0
+    assert json.loads((out / "data.json").read_text())["seqs"] != seqs
+    assert main(run + ["--tokens", "1"]) == 2  # one sequence: nothing left to train on
+    (out / "config.json").write_text("{}")
+    assert main(run) == 2
 
 
 # ---------------------------------------------------------------- serving: the head as a proposer

@@ -137,3 +137,33 @@ def test_the_tensor_parallel_bound_reads_a_windowed_model_as_one_process_does():
     r = plan(m, DEVICES["h100"], "bf16", batch=64, seq_len=8192, tp=2)
     assert math.isclose(r["tensor_parallel"]["step_ms_tp1"], r["decode"]["step_ms"], rel_tol=1e-9)
     assert r["kv_bytes_per_seq"] < r["kv_bytes_per_seq_window_blind"] / 3
+
+
+def test_quantized_weights_plan_a_float_kv_cache(capsys):  # type: ignore[no-untyped-def]
+    """--dtype is the weights': int4 weights planned an int4 cache (7,200 B/token for SmolLM2), which lmserve
+    has not; LLM(quantization='int4') keeps the compute dtype's cache: fp32 on the CPU (46,080), bf16 on a
+    GPU (23,040). An int4 cache is refused by name."""
+    import pytest
+    m = model_from_name("smollm2-135m")
+    assert plan(m, DEVICES["cpu"], "int4", act_bytes=4)["kv_bytes_per_token"] == 46_080
+    assert plan(m, DEVICES["h100"], "int4")["kv_bytes_per_token"] == 23_040
+    assert plan(m, DEVICES["h100"], "int4", kv_dtype="int8")["kv_dtype"] == "int8"
+    with pytest.raises(ValueError, match="kv_dtype"):
+        plan(m, DEVICES["h100"], "bf16", kv_dtype="int4")
+    assert main(["plan", "--device", "cpu", "--dtype", "int4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 46_080
+
+
+def test_shapes_and_links_out_of_range_are_refused(capsys):  # type: ignore[no-untyped-def]
+    """A zero KV-head count or head size divided by zero, a negative one planned negative bytes, --layers 0
+    planned the default model, a negative collective latency a negative cost: each is the flag's error."""
+    import pytest
+    for bad in (["--layers", "4", "--kv-heads", "0", "--head-dim", "64"], ["--layers", "4", "--head-dim", "0"],
+                ["--layers", "4", "--kv-heads", "-2"], ["--layers", "0", "--kv-heads", "2"],
+                ["--tensor-parallel-size", "2", "--link-latency-us", "-5"], ["--link-gbs", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", *bad])
+        assert e.value.code == 2
+        assert bad[-2] in capsys.readouterr().err
+    assert main(["plan", "--tensor-parallel-size", "2", "--device", "cpu", "--link-latency-us", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensor_parallel"]["collective_latency_us"] == 0

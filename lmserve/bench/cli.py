@@ -21,7 +21,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="also run a baseline in the same process (repeatable); llamacpp: llama-cpp-python "
                         "(optional) on the same GGUF file")
     p.add_argument("--hf-batch-size", type=int, default=None, help="static batch size of the HF baseline")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=at_least(1), default=None,
                    help="CPU threads for lmserve (torch.set_num_threads) and llama.cpp (default: torch's)")
     p.add_argument("--output-json", default=None, help="where to write all figures (default bench_out/...)")
     p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")

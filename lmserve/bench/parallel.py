@@ -48,7 +48,7 @@ def cmd_parallel(a: argparse.Namespace) -> int:
         wall = time.perf_counter() - t0
         st = llm.stats()
         rows.append({"mode": mode, "output_tokens": toks, "wall_s": wall, "output_tokens_per_s": toks / wall,
-                     "peak_kv_blocks": st.peak_used_blocks, "prompt_tokens_computed": st.computed_tokens - warm - toks})
+                     "peak_kv_blocks": st.peak_used_blocks, "prompt_tokens_computed": st.computed_tokens - warm - (toks - a.n)})  # (a sequence's last token is never fed)
         del llm
     saving = 1 - rows[0]["peak_kv_blocks"] / rows[1]["peak_kv_blocks"]
     speed = rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"]

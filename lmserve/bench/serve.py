@@ -14,6 +14,7 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,7 +209,8 @@ def launch_server(model: str, extra: str) -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--model", model, "--port", str(port), *extra.split()]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile()  # the server's stderr: its reason, should it not come up
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         try:
@@ -220,7 +222,12 @@ def launch_server(model: str, extra: str) -> tuple[subprocess.Popen, str]:
             break
         time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("the launched server did not become healthy")
+    proc.wait()
+    log.seek(0)
+    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+    why = f"exited with status {proc.returncode}" if proc.returncode != -9 else "did not become healthy in 120 s"
+    raise ValueError(f"launch_args: the launched `lmserve serve{' ' + extra if extra else ''}` {why}"
+                     + (":\n  " + "\n  ".join(tail) if tail else ""))
 
 
 def cmd_serve_bench(a: argparse.Namespace) -> int:

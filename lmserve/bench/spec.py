@@ -113,6 +113,12 @@ def cmd_spec(a: argparse.Namespace) -> int:
         if flag in given:
             raise ValueError(f"{flag.lstrip('-').replace('-', '_')}: bench spec sets it for each row "
                              f"(--methods, --batch-sizes)")
+    try:
+        sizes = [int(b) for b in a.batch_sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"batch_sizes: a comma-separated list of integers, got {a.batch_sizes!r}") from None
+    if min(sizes) < 1:
+        raise ValueError(f"batch_sizes: every size must be >= 1, got {a.batch_sizes!r}")
     base = engine_kwargs(a)
     for method in a.methods.split(","):
         kw = dict(base)

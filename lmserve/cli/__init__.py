@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,10 +48,24 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1 and int(os.environ.get("RANK", "0")) > 0:
         return torchrun_rank(args)
     try:
+        for flag in ("out", "output_json"):  # an output path that cannot be written: refused before any work
+            if getattr(args, flag, None):
+                unwritable(Path(getattr(args, flag)), folder=flag == "out", name=flag)
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: a file that is missing, exists, or cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def unwritable(path: Path, folder: bool, name: str) -> None:
+    """ValueError naming the flag when `path` (a folder, or a file) cannot be created where it is."""
+    if path.exists() and path.is_dir() != folder:
+        raise ValueError(f"{name}: {path} is a {'file' if folder else 'folder'}")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{name}: {parent} is a file, so {path} cannot be written")
 
 
 def torchrun_rank(args: argparse.Namespace) -> int:

@@ -18,18 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args
-from lmserve.cli.train_draft import add_data_args, plot_curve, target_text
+from lmserve.cli.train_draft import add_data_args, held_out, plot_curve, target_text
+from lmserve.utils import above, at_least
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("distill", help="prune the target and distill it into a small draft model (HF folder)")
     p.add_argument("--out", required=True, help="folder for the model, its data, checkpoint and loss curve")
-    p.add_argument("--num-layers", type=int, default=8, help="layers kept (the most influential, in order)")
-    p.add_argument("--intermediate-size", type=int, default=None, help="MLP channels kept per layer (default: all)")
-    p.add_argument("--num-kv-heads", type=int, default=None, help="KV-head groups kept per layer (default: all)")
-    p.add_argument("--steps", type=int, default=None, help="distillation steps, a sequence each (default: one pass)")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--temperature", type=float, default=2.0, help="softmax temperature of the KL loss")
+    p.add_argument("--num-layers", type=at_least(1), default=8, help="layers kept (the most influential, in order)")
+    p.add_argument("--intermediate-size", type=at_least(1), default=None, help="MLP channels kept per layer (default: all)")
+    p.add_argument("--num-kv-heads", type=at_least(1), default=None, help="KV-head groups kept per layer (default: all)")
+    p.add_argument("--steps", type=at_least(1), default=None, help="distillation steps, a sequence each (default: one pass)")
+    p.add_argument("--lr", type=above(0), default=1e-4)
+    p.add_argument("--temperature", type=above(0), default=2.0, help="softmax temperature of the KL loss")
     add_data_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_distill, quantization="none")
@@ -50,14 +51,15 @@ def cmd_distill(a: argparse.Namespace) -> int:
     progress = not a.no_progress
     llm, seqs, collected, _ = target_text(a, out, "distill")
     random.Random(a.train_seed).shuffle(seqs)
-    held = max(1, len(seqs) // 10)
+    held = held_out(seqs, a.tokens)
     heldout, train_set = seqs[:held], seqs[held:]
     cfg = D.StudentConfig.of(llm.engine.model_config)
     state = D.teacher_state(llm.engine.model, llm.engine.model_config)
     teacher = D.Student(cfg, state)
     t0 = time.perf_counter()
     imp = D.importance(teacher, train_set[:16])
-    small, pruned, kept = D.prune(cfg, state, imp, a.num_layers, a.intermediate_size or cfg.intermediate_size,
+    small, pruned, kept = D.prune(cfg, state, imp, a.num_layers,
+                                  cfg.intermediate_size if a.intermediate_size is None else a.intermediate_size,
                                   a.num_kv_heads or cfg.num_kv_heads)
     del teacher
     student = D.Student(small, pruned)

@@ -6,8 +6,8 @@ greedy by default (what a greedy draft must imitate; --sample-temperature sample
 --tokens tokens, the target's features caught from the steps that write them (spec/target_text.py);
 10% of the sequences are held out (they get a teacher-forced pass, for the target's greedy labels).
 Everything lands in --out: the collected token ids and features (data.json, features.pt, reused on a
-rerun with the same model, budget, seed and prompts), the training checkpoint (resumed from on a rerun
-with that data), the head
+rerun with the same model, engine options, budget, seed and prompts), the training checkpoint
+(checkpoint-eagle-<hash of the run's options>.pt: resumed only by the same run on that data), the head
 (model.safetensors + eagle_config.json) and the loss curve (loss.png, with matplotlib). The head drafts
 from the --draft-vocab most frequent tokens of the training text (its read-out then costs that fraction
 of the LM head; exactness does not depend on it), and is trained as it drafts: --chain tokens ahead from
@@ -19,6 +19,7 @@ time for the default model: BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.utils import above, at_least
 
 PROMPTS = [
     "Explain how a refrigerator keeps food cold.", "Write a short poem about the sea.",
@@ -50,12 +52,12 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("train-draft", help="train a draft for speculative decoding (an EAGLE-style head)")
     p.add_argument("--method", default="eagle", choices=["eagle"])
     p.add_argument("--out", required=True, help="folder for the head, its data, checkpoint and loss curve")
-    p.add_argument("--steps", type=int, default=None, help="training steps, a sequence each (default: one pass)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=at_least(1), default=None, help="training steps, a sequence each (default: one pass)")
+    p.add_argument("--lr", type=above(0), default=1e-3)
     add_data_args(p)
-    p.add_argument("--draft-vocab", type=int, default=4096,
+    p.add_argument("--draft-vocab", type=at_least(0), default=4096,
                    help="draft only from the N most frequent tokens of the collected text (0: the whole vocabulary)")
-    p.add_argument("--chain", type=int, default=3,
+    p.add_argument("--chain", type=at_least(1), default=3,
                    help="train on this many chained drafts from every position (1: EAGLE-1's one-step loss)")
     add_engine_args(p)
     p.set_defaults(func=cmd_train_draft)
@@ -93,8 +95,9 @@ def target_text(a: argparse.Namespace, out: Path, what: str, features: bool = Fa
     data, feats_file = out / "data.json", out / "features.pt"
     t0 = time.perf_counter()
     key = {"model": a.model, "tokens": a.tokens, "seed": a.train_seed, "max_new_tokens": a.max_new_tokens,
-           "prompts": len(prompts), "temperature": a.sample_temperature, "self_prompts": a.self_prompts,
-           "vocab_topics": a.vocab_topics}
+           "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(), "temperature": a.sample_temperature,
+           "self_prompts": a.self_prompts, "vocab_topics": a.vocab_topics,
+           "engine": {k: str(v) for k, v in sorted(engine_kwargs(a).items())}}  # (the dtype, quantization, ...)
     feats = None
     if data.is_file() and json.loads(data.read_text()).get("key") == key:  # a rerun: the same data
         seqs = json.loads(data.read_text())["seqs"]
@@ -117,11 +120,20 @@ def target_text(a: argparse.Namespace, out: Path, what: str, features: bool = Fa
     return llm, seqs, time.perf_counter() - t0, feats
 
 
+def held_out(seqs: list[list[int]], tokens: int) -> int:
+    """How many of the (shuffled) sequences are held out: a tenth, at least one, leaving some to train on."""
+    held = max(1, len(seqs) // 10)
+    if len(seqs) <= held:
+        raise ValueError(f"tokens: {tokens} tokens gave {len(seqs)} sequence(s): too few to hold one out and "
+                         f"train on the rest")
+    return held
+
+
 def add_data_args(p: Any) -> None:
-    p.add_argument("--tokens", type=int, default=50_000,
+    p.add_argument("--tokens", type=at_least(1), default=50_000,
                    help="token budget of the collected text (times of a measured run: BENCHMARKS.md)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="length of each collected continuation")
-    p.add_argument("--sample-temperature", type=float, default=0.0,
+    p.add_argument("--max-new-tokens", type=at_least(1), default=256, help="length of each collected continuation")
+    p.add_argument("--sample-temperature", type=at_least(0, float), default=0.0,
                    help="temperature of the collected answers (0: greedy, each prompt once; > 0: sampled, seeded, "
                         "prompts reused until the budget)")
     p.add_argument("--prompts-file", default=None, help="prompts, one per line (default: a built-in set)")
@@ -142,12 +154,14 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
     if a.chain < 1:
         raise ValueError(f"chain: must be >= 1, got {a.chain}")
     out = Path(a.out)
+    if (out / "config.json").is_file():
+        raise ValueError(f"out: {out} holds a model (a distilled draft?); give the EAGLE head its own folder")
     progress = not a.no_progress
     llm, seqs, collected, feats = target_text(a, out, "train-draft", features=True)
     order = list(range(len(seqs)))
     random.Random(a.train_seed).shuffle(order)
     seqs = [seqs[i] for i in order]
-    held = max(1, len(seqs) // 10)
+    held = held_out(seqs, a.tokens)
     lm_head = eagle.float_head(llm.engine.model)  # (V, H)
     heldout = [eagle.example(llm, s) for s in seqs[:held]]  # teacher-forced: with the target's greedy labels
     if feats is not None:  # the features caught while the target wrote the text
@@ -163,8 +177,11 @@ def cmd_train_draft(a: argparse.Namespace) -> int:
     readout = lm_head if head.draft_vocab is None else lm_head[head.draft_vocab]  # (V', H)
     before = eagle.agreement(head, heldout, lm_head)
     t1 = time.perf_counter()
-    curve = eagle.train(head, train_set, readout, a.steps or len(train_set), a.lr, a.train_seed,
-                        out / "checkpoint.pt", progress, chain=a.chain)
+    # a checkpoint resumes only the same run: its file is named by what shapes the run
+    steps = a.steps or len(train_set)
+    run = dict(steps=steps, lr=a.lr, chain=a.chain, draft_vocab=a.draft_vocab, seed=a.train_seed)
+    ck = out / f"checkpoint-eagle-{hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:12]}.pt"
+    curve = eagle.train(head, train_set, readout, steps, a.lr, a.train_seed, ck, progress, chain=a.chain)
     trained = time.perf_counter() - t1
     after = eagle.agreement(head, heldout, lm_head)
     chained = eagle.chain_acceptance(head, heldout, lm_head, max(4, a.chain))
