@@ -156,6 +156,41 @@ def test_n_and_seed(client):  # type: ignore[no-untyped-def]
     assert a.usage.completion_tokens == 30
 
 
+def test_a_streamed_choice_that_ends_first_finishes_once(client):  # type: ignore[no-untyped-def]
+    """n = 3 streamed: a choice that ended before its siblings was sent again (a finish chunk, and with
+    forced tools the whole call under a new id) on every step until the last one ended. Each choice
+    finishes once now, with the text the response has."""
+    from collections import Counter
+    kw = dict(model="smollm2-135m", n=3, max_tokens=30, temperature=1.0, seed=1)
+    comp = dict(prompt="Q: name a color.\nA:", stop=["\n", "."], **kw)
+    chat = dict(messages=[{"role": "user", "content": "Name a color, one word."}], **kw)
+    for api, body in ((client.completions, comp), (client.chat.completions, chat)):
+        api.create(**body)  # the prompt in the prefix cache: the runs below read it alike
+        plain = api.create(**body)
+        chunks = list(api.create(stream=True, **body))
+        ends = Counter(c.index for ch in chunks for c in ch.choices if c.finish_reason)
+        assert ends == {0: 1, 1: 1, 2: 1}, ends
+        texts = [c.text if api is client.completions else c.message.content for c in plain.choices]
+        assert len(set(map(len, texts))) > 1  # the choices end at different steps
+        for c in plain.choices:
+            got = "".join((x.text if api is client.completions else x.delta.content or "")
+                          for ch in chunks for x in ch.choices if x.index == c.index)
+            assert got == (c.text if api is client.completions else c.message.content)
+
+
+def test_chat_streamed_logprobs_cover_every_token(client):  # type: ignore[no-untyped-def]
+    """Tokens whose text was held back (behind a stop string's look-behind, or part of a character) lost
+    their logprobs in a chat stream: 16 of 20 entries sent. Every token's entry goes out now."""
+    kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Say something nice."}], max_tokens=20,
+              temperature=0, logprobs=True, top_logprobs=2, stop=["Z" * 20])
+    client.chat.completions.create(**kw)  # the prompt in the prefix cache: the runs below read it alike
+    plain = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert len(streamed) == plain.usage.completion_tokens == len(plain.choices[0].logprobs.content)
+    assert [e.token for e in streamed] == [e.token for e in plain.choices[0].logprobs.content]
+
+
 def finished_requests(server) -> float:  # type: ignore[no-untyped-def]
     """lmserve_requests_total over every finish reason, per /metrics."""
     text = httpx.get(server["url"] + "/metrics").text

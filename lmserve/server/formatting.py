@@ -283,9 +283,15 @@ class ChatFormatter(Formatter):
         return out
 
     def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
+        k = c.index
+        if self.body.logprobs and c.delta_token_ids:  # held until a chunk goes out (text may be held back)
+            ids, lps = self.held.setdefault(k, ([], []))
+            ids += c.delta_token_ids
+            lps += new_logprobs(c)
         if not c.delta_text and not c.finished:
             return None
-        lp = self.logprobs(c.delta_token_ids, new_logprobs(c)) if self.body.logprobs and c.delta_token_ids else None
+        held = self.held.pop(k, None)
+        lp = self.logprobs(*held) if held else None
         return {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {}, "logprobs": lp,
                 "finish_reason": c.finish_reason if c.finished else None,
                 "stop_reason": c.stop_reason if c.finished else None}
@@ -299,6 +305,8 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
     for c in fmt.head():
         yield sse(c)
     last: dict[int, RequestOutput] = {}
+    ended: set[tuple[int, int]] = set()  # (job, choice) finished and sent: a request's output holds its
+    # finished choices every step until its last one ends, and each must go out once (OpenAI, vLLM)
     async for i, item in outputs:
         if isinstance(item, BaseException):
             yield sse(ApiError.of(item).body())
@@ -306,6 +314,10 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
         last[i] = item
         fmt.seen(i, item)
         for c in item.outputs:
+            if (i, c.index) in ended:
+                continue
+            if c.finished:
+                ended.add((i, c.index))
             if c.finish_reason == "error":
                 yield sse(ApiError.engine_failure(c.error, c.error_status).body())
                 continue
