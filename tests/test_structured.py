@@ -80,6 +80,22 @@ def test_json_schema_regex_choice_grammar_greedy(smol):  # type: ignore[no-untyp
     assert o.text.lstrip().startswith("{")
 
 
+def test_json_object_is_an_object(smol):  # type: ignore[no-untyped-def]
+    """json_object (OpenAI's JSON mode) took any JSON value: with '[' favoured the answer was '[[[[...',
+    and sampled answers were mostly arrays ('[null]', '[true]'). Every answer is an object now."""
+    bracket = smol.tokenizer.encode("[", add_special_tokens=False)
+    assert len(bracket) == 1
+    favour = SamplingParams(max_tokens=12, temperature=0, logit_bias={bracket[0]: 100.0},
+                            structured_outputs=StructuredOutputsParams(json_object=True))
+    o = smol.generate(["JSON:"], favour, use_tqdm=False)[0]
+    assert o.outputs[0].text.startswith("{"), o.outputs[0].text
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s,
+                             structured_outputs=StructuredOutputsParams(json_object=True)) for s in range(12)]
+    outs = smol.generate(["Some JSON:"] * 12, params, use_tqdm=False)
+    done = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert all(isinstance(json.loads(t), dict) for t in done) and all(o.outputs[0].text.startswith("{") for o in outs)
+
+
 def test_sampled_outputs_always_obey(smol):  # type: ignore[no-untyped-def]
     """Temperature 1.2, eight seeds, n = 2: every sample parses against the schema or the regex."""
     llm = smol
