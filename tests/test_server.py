@@ -436,6 +436,33 @@ def test_queue_full_gives_429(server, client, monkeypatch):  # type: ignore[no-u
     good_request_works(client)
 
 
+def test_a_burst_of_streams_past_the_queue_gets_429s(server, client, monkeypatch):  # type: ignore[no-untyped-def]
+    """Streamed requests were queued only after their 200 and headers went out: a burst passed the queue
+    check together, and those past max_queue got a 200 carrying a server_error event (the openai SDK
+    does not retry that, where it retries a 429). They are queued before the headers now."""
+    monkeypatch.setattr(server["engine"].scheduler, "max_num_seqs", 1)
+    monkeypatch.setattr(server["ae"], "max_queue", 2)
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[int, bool]:
+        body = {"prompt": f"Story {i}:", "max_tokens": 12, "ignore_eos": True, "stream": True}
+        async with c.stream("POST", server["url"] + "/v1/completions", json=body,
+                            headers={"Authorization": f"Bearer {KEY}"}) as r:
+            text = (await r.aread()).decode()
+        return r.status_code, '"error"' in text if r.status_code == 200 else r.json()["error"]["type"] == "rate_limit_error"
+
+    async def burst() -> list[tuple[int, bool]]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(10)))
+
+    got = asyncio.run(burst())
+    assert {s for s, _ in got} == {200, 429}, got
+    assert not any(err for s, err in got if s == 200)  # every stream that started ran to its end
+    assert all(ok for s, ok in got if s == 429)
+    monkeypatch.undo()
+    assert_idle(server)
+    good_request_works(client)
+
+
 def test_exception_in_one_request_is_500_others_unharmed(server, client, monkeypatch):  # type: ignore[no-untyped-def]
     out = server["engine"].output  # the OutputProcessor: text and stop strings of each step's tokens
     original = out._text

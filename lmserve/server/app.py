@@ -174,9 +174,12 @@ class OpenAIServer:
         self.first_check(jobs)
         if disagg.PUSH_HEADER in request.headers:  # a prefill instance: the prompt only, its KV to a decode one
             return await disagg.prefill_and_push(self, request, jobs, request.headers[disagg.PUSH_HEADER])
-        if body.stream:
-            merged = self.stream_all(jobs)
-            return ClosingStream(fmt.events(merged, *body.usage_flags()), merged, media_type="text/event-stream")
+        if body.stream:  # queued now: a full queue is a 429 (and a dead engine a 503) before the headers
+            streams = self.submit_all(jobs)
+            merged = self.stream_all(jobs, streams)
+            return ClosingStream(fmt.events(merged, *body.usage_flags()), merged, media_type="text/event-stream",
+                                 on_close=lambda: [self.ae.abort(rid) for (rid, _), s in zip(jobs, streams)
+                                                   if not s.finished])
         outs = await self.run_all(request, jobs)  # (an output with an error raised its ApiError there)
         return JSONResponse(fmt.response(outs))
 
@@ -230,15 +233,31 @@ class OpenAIServer:
                 if t.done() and not t.cancelled():
                     t.exception()  # retrieved (a second failure beside the one answered is no log noise)
 
-    async def stream_all(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
+    def submit_all(self, jobs: list[Job]) -> list[Any]:
+        """Queue every job's engine request, or none (those queued are aborted): their streams."""
+        streams: list[Any] = []
+        try:
+            for rid, req in jobs:
+                streams.append(self.ae.submit(rid, req))
+        except (QueueFullError, EngineDeadError) as e:
+            for (rid, _), _s in zip(jobs, streams):
+                self.ae.abort(rid)
+            if isinstance(e, QueueFullError):
+                raise ApiError(429, str(e), type_="rate_limit_error", headers={"Retry-After": "1"}) from None
+            raise ApiError(503, str(e), type_="server_error") from None
+        return streams
+
+    async def stream_all(self, jobs: list[Job], streams: list[Any] | None = None
+                         ) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
         """Merge the output streams of several requests: (job index, output or error). The merge holds
         a few outputs per request: when the client stops reading, the rest wait in the requests' own
-        streams, where AsyncEngine cuts a stalled reader off (MAX_UNREAD)."""
+        streams, where AsyncEngine cuts a stalled reader off (MAX_UNREAD). streams: the jobs as submit_all
+        queued them (None: each queued when its pump starts)."""
         q: asyncio.Queue = asyncio.Queue(maxsize=2 * len(jobs) + 2)
 
         async def pump(i: int, rid: str, req: EngineRequest) -> None:
             try:
-                async with contextlib.aclosing(self.ae.generate(rid, req)) as outs:  # closed (aborted) at once
+                async with contextlib.aclosing(self.ae.generate(rid, req, streams and streams[i])) as outs:  # closed (aborted) at once
                     async for out in outs:
                         if out.finished:
                             self.metrics.observe(out)

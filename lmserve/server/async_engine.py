@@ -167,8 +167,9 @@ class AsyncEngine:
         return self._engine.process_request(prompt, params)
 
     # ------------------------------------------------------------ requests
-    async def generate(self, request_id: str, request: Request) -> AsyncIterator[RequestOutput]:
-        """Queue a processed request and yield its outputs step by step; aborts it if the consumer goes away."""
+    def submit(self, request_id: str, request: Request) -> _Stream:
+        """Queue a processed request now (QueueFullError / EngineDeadError at once, before anything is
+        read: a stream's 429 goes out before its headers); `generate(..., stream)` reads its outputs."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
@@ -179,6 +180,14 @@ class AsyncEngine:
                 raise EngineDeadError("the engine loop is not running")
             self._pending.append((request_id, request, stream))
         self._wake.set()
+        return stream
+
+    async def generate(self, request_id: str, request: Request, stream: _Stream | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Queue a processed request (or read one `submit` queued: `stream`) and yield its outputs step by
+        step; aborts it if the consumer goes away."""
+        if stream is None:
+            stream = self.submit(request_id, request)
         try:
             while True:
                 item = await stream.queue.get()
