@@ -372,6 +372,8 @@ BAD = [
      "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop_token_ids": list(range(65))}, None, 400,
      "stop_token_ids"),
+    # 0 was read as "not given" (1.0): no penalty where the client asked for an impossible one
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "repetition_penalty": 0}, None, 400, "repetition_penalty"),
 ]
 
 

@@ -175,7 +175,7 @@ class SamplingRequest(BaseRequest):
         return SamplingParams(
             n=self.n, best_of=self.best_of, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k if self.top_k is not None else -1,
-            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+            min_p=self.min_p or 0.0, repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos,
