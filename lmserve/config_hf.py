@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-QWEN_WINDOWED = ("Qwen2", "Qwen3")  # max_window_layers: only the layers from it on use the window
+QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # max_window_layers: the layers from it on slide
 
 
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if scaling is None and rope_params.get("rope_type", "default") != "default":
         scaling = rope_params
     gemma = arch.startswith("Gemma3")
-    window = cfg.get("sliding_window") if gemma or cfg.get("use_sliding_window", True) else None
+    window = _window(cfg, arch)
     extra: dict[str, Any] = {"layer_types": _layer_types(cfg, arch, window)}
     if gemma:  # local / global layers with their own rope bases (Gemma3TextConfig)
         per_type = rope_params if "full_attention" in rope_params else {}
@@ -45,8 +45,9 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("use_bidirectional_attention is not supported (causal attention only)")
         if local.get("rope_type", "default") != "default":
             raise ValueError("rope_parameters.sliding_attention: rope scaling on the local layers is not supported")
-    if extra["layer_types"] is not None and "sliding_attention" not in extra["layer_types"]:
-        extra["layer_types"], window = None, None  # every layer attends to the whole context
+    if not gemma and extra["layer_types"] is not None and "sliding_attention" not in extra["layer_types"]:
+        extra["layer_types"], window = None, None  # every layer attends to the whole context (Gemma 3's layer
+        # kinds stay: they pick each layer's rope too)
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias is not supported (MLPs without biases only)")
     qkv_bias = cfg.get("attention_bias", arch.startswith("Qwen2"))  # Qwen2: q, k, v biases, o_proj none
@@ -91,10 +92,24 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _window(cfg: dict[str, Any], arch: str) -> int | None:
+    """The attention window as arch's transformers code reads it (None: no layer slides): Mistral and
+    Mixtral on every layer (Mistral's default 4096, Mixtral's none), Qwen2 / Qwen3 / Qwen3-MoE only with
+    use_sliding_window (default false), Gemma 3 its local layers (default 4096); Llama's and DeepSeek's
+    code has none (a sliding_window key there is ignored, as transformers ignores it)."""
+    if arch.startswith(("Gemma3", "Mistral")):
+        return cfg.get("sliding_window", 4096)
+    if arch.startswith("Mixtral"):
+        return cfg.get("sliding_window")
+    if arch.startswith(("Qwen2", "Qwen3")):
+        return cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    return None
+
+
 def _layer_types(cfg: dict[str, Any], arch: str, window: int | None) -> tuple[str, ...] | None:
     """Which layers use the sliding window: config.json's layer_types when it has them; else Gemma 3's
     pattern (every sliding_window_pattern-th layer global), or Qwen2 / Qwen3's (the layers from
-    max_window_layers on, 28 by default); else None (every layer alike)."""
+    max_window_layers on, 28 by default; Qwen3-MoE windows every layer); else None (every layer alike)."""
     n = cfg["num_hidden_layers"]
     if cfg.get("layer_types"):
         return tuple(cfg["layer_types"])

@@ -139,3 +139,42 @@ def test_gemma3_options_our_layers_lack_are_refused(change, key):  # type: ignor
     ModelConfig.from_hf(raw)
     with pytest.raises(ValueError, match=f"^{key}"):
         ModelConfig.from_hf({**raw, **change})
+
+
+LONG_IDS = list(range(3, 40))  # past the window of 8
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe_on", "qwen3_key_missing", "llama_with_a_window_key", "mistral_key_missing",
+                                  "gemma3_all_global"])
+def test_windows_are_where_transformers_code_has_them(tmp_path, case):  # type: ignore[no-untyped-def]
+    """Qwen3-MoE with use_sliding_window windows every layer (we followed Qwen3's max_window_layers: none);
+    a Qwen config without use_sliding_window has no window (its default is false; we windowed from
+    max_window_layers on); Llama's code has no window whatever its config says (we windowed every
+    layer); Mistral without the key takes 4096; a Gemma 3 with no local layer runs (refused before)."""
+    import transformers as tf
+    small = dict(COMMON, num_hidden_layers=3)
+    if case == "qwen3_moe_on":
+        cfg = tf.Qwen3MoeConfig(**small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                use_sliding_window=True, sliding_window=8)
+        drop: tuple[str, ...] = ()
+    elif case == "qwen3_key_missing":
+        cfg, drop = tf.Qwen3Config(**small, sliding_window=8, max_window_layers=1), ("use_sliding_window", "layer_types")
+    elif case == "llama_with_a_window_key":
+        cfg, drop = tf.LlamaConfig(**small), ()
+        cfg.sliding_window = 8
+    elif case == "mistral_key_missing":
+        cfg, drop = tf.MistralConfig(**small, sliding_window=4096), ("sliding_window",)
+    else:
+        cfg = tf.Gemma3TextConfig(**small, head_dim=16, layer_types=["full_attention"] * 3, sliding_window=8)
+        cfg.architectures, drop = ["Gemma3ForCausalLM"], ()
+    build(cfg, tmp_path)
+    if case == "qwen3_key_missing":  # a window in the file, but no switch: transformers' default (off)
+        raw = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**raw, "sliding_window": 8, "max_window_layers": 1}))
+    hf = without(tmp_path, *drop)
+    ours = LLM(str(tmp_path), kv_cache_memory="16MiB")
+    windows = [ours.engine.model_config.layer_window(i) for i in range(3)]
+    assert windows == {"qwen3_moe_on": [8] * 3, "mistral_key_missing": [4096] * 3}.get(case, [None] * 3)
+    with torch.no_grad():
+        ref = hf(torch.tensor([LONG_IDS])).logits[0].float()
+    assert (ours.score(LONG_IDS) - ref).abs().max().item() < 1e-4
