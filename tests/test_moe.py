@@ -100,3 +100,21 @@ def test_awq_refuses_a_mixture_of_experts_model_before_any_work(moe_model, tmp_p
     with pytest.raises(ValueError, match="AWQ: layer 0's mlp is not dense"):
         save_awq_checkpoint(llm.engine.model, llm.engine.model_config, tmp_path / "awq", 32, source=path)
     assert not (tmp_path / "awq").exists()
+
+
+def test_a_fused_expert_checkpoint_loads(moe_model, tmp_path):  # type: ignore[no-untyped-def]
+    """transformers 5's own state_dict holds a layer's experts fused (experts.gate_up_proj (E, 2I, hidden),
+    experts.down_proj): the DeepSeek loader split them, the Mixtral / Qwen3-MoE one failed with an
+    AttributeError ('ModuleList' object has no attribute 'load'). Logits are HF's on the same weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+    family, path, hf = moe_model
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    llm = LLM(str(tmp_path), kv_cache_memory="32MiB")
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
+    assert (llm.score(PROMPTS[1]) - ref).abs().max() < 1e-4

@@ -28,7 +28,7 @@ from lmserve.layers.linear import Linear, MergedLinear, row_blocks
 from lmserve.layers.norm import RMSNorm
 from lmserve.models.cpu_decode import CpuDecodePlan
 from lmserve.models.llama import MLP, LlamaForCausalLM, norm_into_stream
-from lmserve.models.moe import KeepFloat32, SparseMoE, expert_tensors
+from lmserve.models.moe import KeepFloat32, SparseMoE
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 
@@ -224,14 +224,14 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return nn.ModuleList(DeepseekDecoderLayer(cfg, rotary, backend, i) for i in range(cfg.num_layers))
 
     def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
-        """HF names; fused expert tensors (transformers 5's state_dict) split per expert; layers past
+        """HF names (fused expert tensors, transformers 5's state_dict, split by the Llama loader); layers past
         num_layers (V3's multi-token-prediction module, model.layers.61) skipped, as transformers does."""
         def renamed():  # type: ignore[no-untyped-def]
             for name, tensor in weights:
                 parts = name.split(".")
                 if name.startswith("model.layers.") and int(parts[2]) >= self.cfg.num_layers:
                     continue
-                yield from expert_tensors(name, tensor)
+                yield name, tensor  # (fused experts: split by LlamaForCausalLM.load_weights)
         super().load_weights(renamed())
 
     def _expected_loads(self) -> set[str]:

@@ -19,7 +19,7 @@ from lmserve.layers.linear import Linear, LinearBase, MergedLinear, check_shape,
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.cpu_decode import CpuDecodePlan
-from lmserve.models.moe import SparseMoE
+from lmserve.models.moe import SparseMoE, expert_tensors
 
 
 class Attention(nn.Module):
@@ -177,10 +177,11 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.head(hidden).float()
 
     def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
-        """Load (name, tensor) pairs named as HF checkpoints name them ('model.layers.0.self_attn.q_proj.weight')."""
+        """Load (name, tensor) pairs named as HF checkpoints name them ('model.layers.0.self_attn.q_proj.weight');
+        fused expert tensors (transformers 5's own MoE layout) split per expert first."""
         modules = dict(self.named_modules())
         seen: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in (pair for n, t in weights for pair in expert_tensors(n, t)):
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
@@ -200,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
             if leaf in self.stacked:
                 leaf, shard = self.stacked[leaf]
             target = f"{parent}.{leaf}" if parent else leaf
-            if target not in modules:
+            if not hasattr(modules.get(target), "load"):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             module = modules[target]
             module.load(tensor, shard, kind)
