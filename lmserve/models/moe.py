@@ -156,7 +156,8 @@ def expert_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch
     `...experts.gate_up_proj` (E, 2I, hidden: gate rows, then up) and `...experts.down_proj` (E, hidden,
     I), which come back as `...experts.{e}.gate_proj.weight` etc.; any other tensor passes as it is."""
     stem, _, leaf = name.removesuffix(".weight").rpartition(".")
-    if tensor.dim() != 3 or not stem.endswith("experts") or leaf not in ("gate_up_proj", "down_proj"):
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or not stem.endswith("experts") \
+            or leaf not in ("gate_up_proj", "down_proj"):  # (a GGUF's quantized blocks pass as they are)
         yield name, tensor
         return
     for e in range(tensor.shape[0]):

@@ -34,7 +34,7 @@ from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Format
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import (BaseRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                      DetokenizeRequest, SamplingRequest, TokenizeRequest)
-from lmserve.server.streaming import ClosingStream
+from lmserve.server.streaming import ClosingStream, submit_all
 from lmserve.server.tool_parsers import TOOL_PARSERS, parser_for_model
 from lmserve.tokenizer import Tokenizer
 
@@ -175,7 +175,7 @@ class OpenAIServer:
         if disagg.PUSH_HEADER in request.headers:  # a prefill instance: the prompt only, its KV to a decode one
             return await disagg.prefill_and_push(self, request, jobs, request.headers[disagg.PUSH_HEADER])
         if body.stream:  # queued now: a full queue is a 429 (and a dead engine a 503) before the headers
-            streams = self.submit_all(jobs)
+            streams = submit_all(self.ae, jobs)
             merged = self.stream_all(jobs, streams)
             return ClosingStream(fmt.events(merged, *body.usage_flags()), merged, media_type="text/event-stream",
                                  on_close=lambda: [self.ae.abort(rid) for (rid, _), s in zip(jobs, streams)
@@ -232,20 +232,6 @@ class OpenAIServer:
                 t.cancel()
                 if t.done() and not t.cancelled():
                     t.exception()  # retrieved (a second failure beside the one answered is no log noise)
-
-    def submit_all(self, jobs: list[Job]) -> list[Any]:
-        """Queue every job's engine request, or none (those queued are aborted): their streams."""
-        streams: list[Any] = []
-        try:
-            for rid, req in jobs:
-                streams.append(self.ae.submit(rid, req))
-        except (QueueFullError, EngineDeadError) as e:
-            for (rid, _), _s in zip(jobs, streams):
-                self.ae.abort(rid)
-            if isinstance(e, QueueFullError):
-                raise ApiError(429, str(e), type_="rate_limit_error", headers={"Retry-After": "1"}) from None
-            raise ApiError(503, str(e), type_="server_error") from None
-        return streams
 
     async def stream_all(self, jobs: list[Job], streams: list[Any] | None = None
                          ) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:

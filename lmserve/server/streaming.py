@@ -6,6 +6,25 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from lmserve.server.errors import ApiError
+
+
+def submit_all(ae: AsyncEngine, jobs: list[Any]) -> list[Any]:
+    """Queue every (request id, engine request) of a stream before its headers go out, or none (those
+    queued are aborted): their streams. A full queue is a 429, a dead engine a 503."""
+    streams: list[Any] = []
+    try:
+        for rid, req in jobs:
+            streams.append(ae.submit(rid, req))
+    except (QueueFullError, EngineDeadError) as e:
+        for (rid, _), _s in zip(jobs, streams):
+            ae.abort(rid)
+        if isinstance(e, QueueFullError):
+            raise ApiError(429, str(e), type_="rate_limit_error", headers={"Retry-After": "1"}) from None
+        raise ApiError(503, str(e), type_="server_error") from None
+    return streams
+
 
 class ClosingStream(StreamingResponse):
     """An SSE response that closes its generators when it ends, a client hang-up included: Starlette
