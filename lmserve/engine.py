@@ -137,10 +137,10 @@ class Engine:
                        priority=request.priority)
         self._init_seq(seq)
         family = self.requests[request_id] = [seq]
+        self.scheduler.add(seq)  # before fanout.start: a one-token prompt's children queue behind it
         self.fanout.start(seq, family)
         if final_only:
             self.final_only.add(request_id)
-        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False if it is unknown or already done."""

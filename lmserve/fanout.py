@@ -128,6 +128,10 @@ class FanOut:
         for s in seqs:
             s.family.pending_logprobs = None
         nxt = st.step([s.output_token_ids for s in seqs], [s.family.beam_score for s in seqs], lp)
+        now = time.time()
+        for s in seqs:  # this step's tokens exist now, in the beams or (a search ending here) the hypotheses
+            if s.first_token_time is None:
+                s.first_token_time = now
         used: set[int] = set()
         plan = []
         for b, tok, score in nxt:  # fork first: a clone copies its parent before the parent moves on
@@ -135,12 +139,9 @@ class FanOut:
             child = parent if b not in used else self._clone(parent, len(family), parent, family)
             used.add(b)
             plan.append((child, tok, score))
-        now = time.time()
         for child, tok, score in plan:
             child.append_token(tok)
             child.family.beam_score = score
-            if child.first_token_time is None:
-                child.first_token_time = now
         for b, s in enumerate(seqs):
             if b not in used or st.done:
                 self.scheduler.finish(s, "length")  # pruned, or the search is over: blocks freed now

@@ -215,7 +215,8 @@ def request_metrics(seqs: list[Sequence], finished: bool, num_output_tokens: int
     """A request's metrics from its sequences (the first holds the prompt-side facts)."""
     s0 = seqs[0]
     return RequestMetrics(
-        arrival_time=s0.arrival_time, first_scheduled_time=s0.first_scheduled_time,
+        arrival_time=s0.arrival_time,
+        first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
         first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
         finished_time=max((s.finished_time or 0) for s in seqs) if finished else None,
         num_prompt_tokens=s0.num_prompt_tokens, num_output_tokens=num_output_tokens,

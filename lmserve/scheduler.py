@@ -196,7 +196,8 @@ class Scheduler:
         for seq, cached, n in taken:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
-            if seq.first_scheduled_time is None:
+            first = seq.first_scheduled_time is None
+            if first:
                 seq.first_scheduled_time = now
             self.running.append(seq)
             if seq in restored:  # keeps its num_computed_tokens: nothing to recompute
@@ -204,7 +205,9 @@ class Scheduler:
                 seq.swapped = None
                 self._swap_in.append((seq, restored[seq]))
                 continue
-            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            seq.num_computed_tokens = cached
+            if first:  # the prompt's cache hit; a readmission finds its own output tokens in the cache too
+                seq.num_cached_tokens = cached
             self.stats.prefix_hit_tokens += cached
             self.stats.prompt_tokens_queried += seq.num_tokens
         return [(seq, n) for seq, _, n in taken]

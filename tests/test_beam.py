@@ -163,3 +163,16 @@ def test_pruned_beams_leave_their_request(tiny_models):  # type: ignore[no-untyp
         fanout.FanOut._clone = real  # type: ignore[method-assign]
     assert clones[0] > 10 and peak <= 4
     assert [o.token_ids for o in out.outputs] == hf_beam(hf, prompt, 4, 2, 24)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_a_beam_search_ending_at_its_first_step_has_a_first_token_time(tiny_models, max_tokens):  # type: ignore[no-untyped-def]
+    """A search that ends at its first beam step (max_tokens=1) returned tokens with first_token_time None
+    (no TTFT, so no TTFT in the server's metrics); now the step that makes the tokens stamps it."""
+    path, _ = tiny_models["llama"]
+    out = LLM(str(path)).generate([[5, 6, 7]], SamplingParams(n=2, use_beam_search=True, max_tokens=max_tokens),
+                                  use_tqdm=False)[0]
+    m = out.metrics
+    assert all(len(c.token_ids) == max_tokens for c in out.outputs)
+    assert m.first_token_time is not None
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time

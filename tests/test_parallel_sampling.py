@@ -174,3 +174,19 @@ def test_an_aborted_parent_is_let_go_at_once(tiny_models):  # type: ignore[no-un
     assert eng.abort_request("a")
     assert eng.fanout._forking == [] and not eng.requests
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_queue_time_of_a_one_token_prompt_with_children(tiny_models):  # type: ignore[no-untyped-def]
+    """n = 3 on a one-token prompt makes its children at once; they were queued before their parent, ran
+    first (max_num_seqs=1) and the request's first_scheduled_time (the parent's alone) came after its
+    first token: queue_time > TTFT. Now the parent queues first and the request is scheduled when any of
+    its sequences is."""
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), max_num_seqs=1)
+    out = llm.generate([[5]], SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    m = out.metrics
+    assert len(out.outputs) == 3
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+    assert m.queue_time <= m.ttft
+    assert out.outputs[0].index == 0

@@ -26,3 +26,22 @@ def test_shared_prefix_computes_only_new_tokens(tiny_models):  # type: ignore[no
     assert plain.stats().prefix_hit_tokens == 0
     assert out1.outputs[0].token_ids == ref1.outputs[0].token_ids
     assert out2.outputs[0].token_ids == ref2.outputs[0].token_ids
+
+
+def test_a_readmitted_request_keeps_its_first_cache_hit(tiny_models):  # type: ignore[no-untyped-def]
+    """A request preempted by recompute finds its own prompt and output blocks in the prefix cache when it
+    comes back: num_cached_tokens (the prompt's hit: usage.prompt_tokens_details.cached_tokens) stays what
+    its first admission found, not that readmission's hit (8 cached of a 4-token prompt before)."""
+    import torch
+
+    from lmserve.kv.cache import KVCache
+    from lmserve.models.loader import hf_config
+    path, _ = tiny_models["llama"]
+    per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
+    llm = LLM(str(path), block_size=4, kv_cache_memory=8 * per_block, max_model_len=64,
+              preemption_mode="recompute", enable_prefix_caching=True)
+    outs = llm.generate([[5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) >= 1  # the case under test happened
+    assert llm.stats().prefix_hit_tokens > 0  # and the readmission did hit the cache
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 0]  # nothing was cached when they arrived
