@@ -374,6 +374,11 @@ BAD = [
      "stop_token_ids"),
     # 0 was read as "not given" (1.0): no penalty where the client asked for an impossible one
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "repetition_penalty": 0}, None, 400, "repetition_penalty"),
+    # min_tokens past max_tokens was cut to max_tokens without a word (vLLM refuses it)
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, None, 400, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2,
+                              "min_tokens": 3}, None, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 10 ** 6}, None, 400, "min_tokens"),  # past the context
 ]
 
 

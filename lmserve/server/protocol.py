@@ -172,13 +172,16 @@ class SamplingRequest(BaseRequest):
             bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         except ValueError:
             raise ValueError("logit_bias: keys must be token ids") from None
+        if self.min_tokens > max_tokens:  # max_tokens: the body's, or the room left in the context
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({max_tokens}, the body's or "
+                             "the room left in the context)")
         return SamplingParams(
             n=self.n, best_of=self.best_of, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k if self.top_k is not None else -1,
             min_p=self.min_p or 0.0, repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, use_beam_search=self.use_beam_search,
