@@ -29,7 +29,7 @@ from lmserve.runner import ModelRunner, profile_kv_budget
 from lmserve.scheduler import Scheduler, SchedulerOutput
 from lmserve.stats import EngineStats, snapshot  # EngineStats: part of the engine API
 from lmserve.sequence import Request, SamplingParams, Sequence
-from lmserve.spec.build import build_proposer
+from lmserve.spec.build import build_proposer, kv_share
 from lmserve.spec.policy import SpecPolicy
 from lmserve.structured import StructuredOutputs
 from lmserve.utils import EngineFatalError
@@ -66,13 +66,12 @@ class Engine:
             draft = (dcfg, dmodel)
         self.kv_budget = c.kv_cache_memory if c.kv_cache_memory is not None else \
             profile_kv_budget(self.model, cfg, c, self.max_model_len)
-        # one budget for every KV cache: a draft model's cache takes its share by bytes per token
-        draft_budget = 0 if draft is None else \
-            self.kv_budget * draft[0].kv_elems_per_token // (draft[0].kv_elems_per_token + cfg.kv_elems_per_token)
         hybrid = not c.disable_hybrid_kv_cache_manager
         kvc = getattr(self.model, "local_config", cfg)  # tensor parallel: this rank's share of the KV heads
         kv = dict(cfg=kvc, block_size=c.block_size, dtype=c.torch_dtype, kv_cache_dtype=c.kv_cache_dtype,
                   hybrid=hybrid)  # + scales
+        # one budget for every KV cache: a draft model's or an EAGLE head's takes its share by bytes per token
+        draft_budget = kv_share(c, self.kv_budget, KVCache.bytes_per_block(**kv) / c.block_size, draft and draft[0])
         num_blocks = KVCache.blocks_for_budget(**kv, budget=self.kv_budget - draft_budget)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={self.kv_budget} bytes holds no KV block of {KVCache.bytes_per_block(**kv)} bytes")

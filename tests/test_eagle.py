@@ -803,3 +803,20 @@ def test_deterministic_mode_a_seeded_sample_keeps_its_tokens_beside_eagle(tiny_m
     batched = llm.generate([[9, 10, 11] * 3 + [12], needle], [other, p], use_tqdm=False)[1].outputs[0].token_ids
     assert alone == batched == want
     assert llm.stats().spec["proposed"] > 0  # the greedy request drafted
+
+
+def test_the_head_kv_comes_out_of_the_one_budget(tiny_models, head_dir):  # type: ignore[no-untyped-def]
+    """The head's KV pool is its share of kv_cache_memory (by bytes per position: it holds as many
+    positions as the target's pool), not memory on top of the budget (it used to grow from 16 blocks
+    outside it, the target's pool taking the whole budget)."""
+    path, _ = tiny_models["llama"]
+    budget = 4 * 2**20
+    eng = LLM(str(path), draft_model=str(head_dir), kv_cache_memory=budget, **EAGLE).engine
+    pool = eng.spec.proposer.kv
+    target = sum(t.numel() * t.element_size() for t in eng.kv_cache.layers)
+    head = pool.kv.numel() * pool.kv.element_size()
+    assert target + head <= budget
+    positions = eng.kv_cache.num_blocks * eng.kv_cache.block_size
+    assert abs(pool.kv.shape[1] - positions) < 2 * pool.BLOCK  # as many positions (to a block or so)
+    plain = LLM(str(path), kv_cache_memory=budget).engine
+    assert eng.kv_cache.num_blocks < plain.kv_cache.num_blocks

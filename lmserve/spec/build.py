@@ -7,6 +7,26 @@ import torch
 from lmserve.config import EngineConfig, ModelConfig
 
 
+def kv_share(config: EngineConfig, budget: int, target_bytes_per_token: float,
+             draft: ModelConfig | None = None) -> int:
+    """The bytes of the engine's one KV budget that the proposer's own cache takes: its share by bytes per
+    position, so that it holds as many positions as the target's pool (a draft model's cache, an EAGLE
+    head's KV); 0 for n-gram, which keeps none."""
+    from pathlib import Path
+
+    from lmserve.kv.cache import KVCache
+    dtype = config.torch_dtype
+    if config.speculative_method == "draft" and draft is not None:
+        per = KVCache.bytes_per_block(draft, config.block_size, dtype) / config.block_size
+    elif config.speculative_method == "eagle" and (Path(str(config.draft_model)) / "eagle_config.json").is_file():
+        from lmserve.spec.eagle import head_config
+        c = head_config(config.draft_model)
+        per = 2 * c.num_kv_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()  # its one layer's K, V
+    else:
+        return 0
+    return int(budget * per / (per + target_bytes_per_token))
+
+
 def build_proposer(config: EngineConfig, target: ModelConfig, kv_budget: int,
                    draft: tuple[ModelConfig, torch.nn.Module] | None = None,
                    target_model: torch.nn.Module | None = None, max_model_len: int = 0):  # type: ignore[no-untyped-def]
@@ -35,5 +55,5 @@ def build_proposer(config: EngineConfig, target: ModelConfig, kv_budget: int,
                              "make one with lmserve train-draft --method eagle")
         if target_model is None:
             raise ValueError("speculative_method='eagle' needs the target model")
-        return EagleProposer(load_head(path), target_model, target, config, max_model_len)
+        return EagleProposer(load_head(path), target_model, target, config, max_model_len, kv_budget)
     raise ValueError(f"unknown speculative_method {config.speculative_method!r}")

@@ -122,15 +122,20 @@ class EagleHead(nn.Module):
                                                           indent=2))
 
 
-def load_head(path: str | Path) -> EagleHead:
-    """A saved head, exactly as saved."""
-    from safetensors.torch import load_file
+def head_config(path: str | Path) -> EagleConfig:
+    """A saved head's config (its eagle_config.json)."""
     p = Path(path)
     meta = json.loads((p / "eagle_config.json").read_text())
     if meta.get("method") != "eagle":
         raise ValueError(f"{p}: eagle_config.json is not an EAGLE head's")
-    cfg = EagleConfig(**{k: meta[k] for k in EagleConfig.__dataclass_fields__ if k in meta})
-    head = EagleHead(cfg)
+    return EagleConfig(**{k: meta[k] for k in EagleConfig.__dataclass_fields__ if k in meta})
+
+
+def load_head(path: str | Path) -> EagleHead:
+    """A saved head, exactly as saved."""
+    from safetensors.torch import load_file
+    p = Path(path)
+    head = EagleHead(head_config(p))
     tensors = load_file(str(p / "model.safetensors"))
     head.load_state_dict({k: tensors[v] for k, v in EagleHead.NAMES.items()})
     head.draft_vocab = tensors.get("draft_vocab")

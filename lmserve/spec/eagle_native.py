@@ -17,6 +17,7 @@ It applies on a CPU with the tile kernel (`build` returns None otherwise) for a 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ from lmserve.layers.quant import Int8Linear
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.cpu_decode import TileLinear
 from lmserve.spec.eagle import EagleHead
+
+log = logging.getLogger(__name__)
 
 
 class HeadKV:
@@ -39,6 +42,14 @@ class HeadKV:
                  blocks: int = 16) -> None:
         self.kv = torch.zeros(2, blocks * self.BLOCK, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.free = list(range(blocks - 1, -1, -1))
+        self.grown = False  # past its first size (its budget) once: logged then
+
+    @classmethod
+    def for_budget(cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                   budget: int) -> "HeadKV":
+        """A pool of as many blocks as budget bytes hold (at least one; 16 when no budget is given)."""
+        per_block = 2 * cls.BLOCK * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return cls(num_kv_heads, head_dim, dtype, device, max(1, budget // per_block) if budget > 0 else 16)
 
     @property
     def num_blocks(self) -> int:
@@ -49,6 +60,10 @@ class HeadKV:
         need = -(-n // self.BLOCK) - len(st.blocks)
         while len(self.free) < need:
             old, nb = self.kv, self.num_blocks
+            if not self.grown:
+                log.warning("the EAGLE head's KV pool (%d blocks) is full: it grows past its share of the KV "
+                            "budget (sequences swapped out keep their head state)", nb)
+                self.grown = True
             self.kv = torch.zeros(2, 2 * old.shape[1], *old.shape[2:], dtype=old.dtype, device=old.device)
             self.kv[:, :old.shape[1]] = old
             self.free[:0] = range(2 * nb - 1, nb - 1, -1)

@@ -24,9 +24,11 @@ modules, 7.8 in fp32); the module path below stays the reference. A greedy reque
 drafts the read-out's argmax (a point-mass proposal) without building the full-vocabulary
 distribution.
 
-State per sequence (its blocks in the pool `self.kv`, spec/eagle_native.HeadKV) lives outside the KV
-budget: Hkv x head_dim x 2 values per position (1/30 of the default model's KV), freed with the
-sequence.
+State per sequence (its blocks in the pool `self.kv`, spec/eagle_native.HeadKV): Hkv x head_dim x 2
+values per position (1/30 of the default model's KV), freed with the sequence. The pool is the head's
+share of the engine's one KV budget (spec/build.kv_share: as many positions as the target's pool holds);
+it grows past it only where the head holds more than the target's pool (swapped-out sequences keep their
+head state), and says so.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class EagleProposer:
     """Chain drafting with an EAGLE head over the target's features."""
 
     def __init__(self, head: EagleHead, target: torch.nn.Module, cfg: ModelConfig, config: EngineConfig,
-                 max_model_len: int) -> None:
+                 max_model_len: int, kv_budget: int = 0) -> None:
         c = head.cfg
         if c.hidden_size != cfg.hidden_size:
             raise ValueError(f"draft_model: the EAGLE head is for hidden size {c.hidden_size}, "
@@ -95,7 +97,7 @@ class EagleProposer:
         self.sampler = Sampler()
         self.min_prob = config.spec_min_draft_prob  # a chain stops before a draft less sure than this
         self.states: dict[int, _State] = {}
-        self.kv = HeadKV(c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        self.kv = HeadKV.for_budget(c.num_kv_heads, c.head_dim, self.dtype, self.device, kv_budget)
         self.native: NativeHead | None = None  # drafting in our C kernels (int8 targets on the CPU)
         if self.readout is not None:
             ids = torch.arange(cfg.vocab_size, device=self.device) if vocab is None else self.vocab
