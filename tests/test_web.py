@@ -245,3 +245,23 @@ def test_a_failing_view_goes_dark_and_the_engine_goes_on(web, monkeypatch):  # t
                 break
             time.sleep(0.1)
         ae.view.failed = False
+
+
+def test_a_returning_viewer_counts_only_new_tokens():
+    """A viewer arriving after a time unwatched: a request that made no output in the first watched step
+    (preempted, or between prefill chunks) had all its earlier tokens counted as new at its next output
+    (a spike in the tokens chart); now the counts restart from every request the engine holds."""
+    from types import SimpleNamespace as NS
+    view = engine_view.EngineView()
+    view._at = time.monotonic() + 3600  # no snapshot built (this test reads the counter only)
+    seqs = {"a": [NS(num_output_tokens=5)], "b": [NS(num_output_tokens=100)]}
+    engine = NS(requests=seqs)
+
+    def out(rid: str, n: int, finished: bool = False):  # type: ignore[no-untyped-def]
+        return NS(request_id=rid, outputs=[NS(token_ids=[0] * n)], finished=finished, metrics=None)
+    view.stale()
+    view.after_step(engine, [out("a", 5)])  # b was preempted: no output this step
+    assert view._tokens == 0
+    seqs["a"][0].num_output_tokens, seqs["b"][0].num_output_tokens = 6, 101
+    view.after_step(engine, [out("a", 6), out("b", 101)])
+    assert view._tokens == 2  # one new token each

@@ -50,8 +50,9 @@ class EngineView:
     # ------------------------------------------------------------ engine thread
     def after_step(self, engine: Any, outputs: list[Any]) -> None:
         if self._reset:  # requests seen before the gap: their counts restart (no spike of old tokens)
-            self._reset = False
-            self._lens = {o.request_id: sum(len(c.token_ids) for c in o.outputs) for o in outputs}
+            self._reset = False  # every request's tokens so far, those without output this step too
+            self._lens = {rid: sum(s.num_output_tokens for s in seqs) for rid, seqs in engine.requests.items()}
+            self._lens.update({o.request_id: sum(len(c.token_ids) for c in o.outputs) for o in outputs})
             outputs = [o for o in outputs if o.finished]
         for out in outputs:
             n = sum(len(o.token_ids) for o in out.outputs)
