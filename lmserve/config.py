@@ -202,7 +202,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
-    cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ... max_num_seqs
+    cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: 1, 2, 4, multiples of 8 to max_num_seqs (<= 512)
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU, else torch) | torch | cpu | triton
     # weights: auto (a GGUF on the CPU keeps its blocks, as llama.cpp runs it: gguf; else the checkpoint's
     # own) | none / None (the checkpoint's float; an AWQ folder stays AWQ) | int8 | int4 | awq | gguf | fp8

@@ -1,4 +1,4 @@
-"""Command line: `lmserve generate | chat | serve | bench | plan | quantize | eval`. A thin layer over the library.
+"""Command line: `lmserve generate | chat | serve | router | bench | plan | quantize | eval | train-draft | distill`. A thin layer over the library.
 
 This is the front door: it builds the parser from each command's `add_parser` and runs the chosen
 command. Below it, the commands (lmserve.cli.generate and .chat, lmserve.server.cli, lmserve.bench.cli,

@@ -24,7 +24,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                                 "--gpu-memory-utilization leaves after a profiled step)"},
     "dtype": {"help": "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16"},
     "enforce_eager": {"help": "CUDA: no CUDA graphs for decode steps"},
-    "cuda_graph_sizes": {"help": "decode batch sizes to capture (default 1 2 4 8 16 ... max-num-seqs)"},
+    "cuda_graph_sizes": {"help": "decode batch sizes to capture (default 1 2 4, then multiples of 8 up to max-num-seqs, at most 512)"},
     "attention_backend": {"choices": ["auto", "torch", "cpu", "triton"]},
     "quantization": {"choices": ["auto", "none", "int8", "int4", "awq", "gguf", "fp8"],
                      "help": "weights kept quantized: auto (default: a GGUF file on the CPU keeps its blocks, "
