@@ -796,22 +796,24 @@ def test_tool_choice_required_and_named_are_enforced(client, server):  # type: i
     """tool_choice required / a named function: constrained decoding makes the output a call whose
     arguments parse and obey the function's parameters; streamed, the same calls arrive name first."""
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    for choice, names in (("required", {"get_weather", "get_time"}),
-                          ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})):
+    # a named function: exactly one call whatever parallel_tool_calls says, finish_reason "stop" (OpenAI, vLLM)
+    for choice, names, parallel, reason in (
+            ("required", {"get_weather", "get_time"}, False, "tool_calls"),
+            ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}, True, "stop")):
         r = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=[WEATHER, TIME], tool_choice=choice,
-                                           parallel_tool_calls=False, max_tokens=60, temperature=0)
+                                           parallel_tool_calls=parallel, max_tokens=60, temperature=0)
         ch = r.choices[0]
-        assert ch.finish_reason == "tool_calls" and ch.message.content is None and len(ch.message.tool_calls) == 1
+        assert ch.finish_reason == reason and ch.message.content is None and len(ch.message.tool_calls) == 1
         call = ch.message.tool_calls[0]
         assert call.id.startswith("call_") and call.function.name in names
         args = json.loads(call.function.arguments)
         if call.function.name == "get_weather":
             assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 20
         stream = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=[WEATHER, TIME],
-                                                tool_choice=choice, parallel_tool_calls=False, max_tokens=60,
+                                                tool_choice=choice, parallel_tool_calls=parallel, max_tokens=60,
                                                 temperature=0, stream=True)
         content, calls, finish = _streamed_calls(stream)
-        assert finish == "tool_calls" and content == "" and len(calls) == 1
+        assert finish == reason and content == "" and len(calls) == 1
         assert calls[0]["name"] == call.function.name and json.loads(calls[0]["arguments"]) == args
     assert_idle(server)
 
@@ -835,6 +837,13 @@ def test_auto_tool_calls_are_parsed_whole_and_streamed(client, server):  # type:
     content, calls, finish = _streamed_calls(stream)
     assert finish == "tool_calls" and content.strip() == "Let me check."
     assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == got
+    # parallel_tool_calls false: the first call only, whole and streamed (as vLLM keeps; both were returned)
+    kw = dict(model="smollm2-135m", messages=msgs, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
+              extra_body=extra, parallel_tool_calls=False)
+    one = client.chat.completions.create(**kw).choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in one.message.tool_calls] == got[:1]
+    content, calls, finish = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert finish == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == got[:1]
     # tool_choice none: the same text is plain content
     r = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=[WEATHER], tool_choice="none",
                                        max_tokens=200, temperature=0, extra_body=extra)

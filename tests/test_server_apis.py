@@ -311,6 +311,36 @@ def test_auto_tool_calls_in_both_apis(client, claude, server, steered):  # type:
     assert_idle(server)
 
 
+def test_whole_responses_keep_the_models_order(client, claude, server, steered, monkeypatch):  # type: ignore[no-untyped-def]
+    """Text after a call: the whole response lists the call, then the text, as the stream sends them (the
+    whole response put one text item first, whatever the order); parallel calls off keeps the first call."""
+    import sys
+    q = "Weather and time in Paris?"
+    tools_r = [WEATHER_FN, {"type": "function", "name": "get_time", "parameters": TIME_SCHEMA}]
+    tools_m = [WEATHER_TOOL, {"name": "get_time", "input_schema": TIME_SCHEMA}]
+    r = client.responses.create(model=MODEL, input=q, max_output_tokens=200, temperature=0, tools=tools_r,
+                                parallel_tool_calls=False)
+    assert [o.type for o in r.output] == ["message", "function_call"] and r.output[1].name == "get_weather"
+    m = claude.messages.create(model=MODEL, max_tokens=200, extra_body=GREEDY, tools=tools_m,
+                               tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+                               messages=[{"role": "user", "content": q}])
+    assert [(b.type, getattr(b, "name", None)) for b in m.content] == [("text", None), ("tool_use", "get_weather")]
+    monkeypatch.setattr(sys.modules[__name__], "STEERED", '<tool_call>\n{"name": "get_time", "arguments": '
+                        '{"zone": "CET"}}\n</tool_call>\nDone, it is sunny.')
+    kw = dict(model=MODEL, input=q, max_output_tokens=200, temperature=0, tools=tools_r)
+    r = client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["function_call", "message"] and r.output_text == "\nDone, it is sunny."
+    done = [e.item for e in client.responses.create(stream=True, **kw) if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == [o.type for o in r.output]
+    m = claude.messages.create(model=MODEL, max_tokens=200, extra_body=GREEDY, tools=tools_m,
+                               messages=[{"role": "user", "content": q}])
+    assert [b.type for b in m.content] == ["tool_use", "text"] and m.stop_reason == "tool_use"
+    with claude.messages.stream(model=MODEL, max_tokens=200, extra_body=GREEDY, tools=tools_m,
+                                messages=[{"role": "user", "content": q}]) as s:
+        assert [b.type for b in s.get_final_message().content] == ["tool_use", "text"]
+    assert_idle(server)
+
+
 # ---------------------------------------------------------------- bad input, in each API's own error shape
 
 RESPONSES_BAD = [

@@ -155,6 +155,26 @@ def test_hermes_repeated_opening_tag() -> None:
     assert r.content == "<tool_call>\n" and [c.name for c in r.calls] == ["get_weather"]
 
 
+def test_hermes_opening_tag_inside_the_arguments() -> None:
+    """A call whose arguments' text holds '<tool_call>' (a tool writing about tool calls): the first
+    opening tag whose body is a call opens it, as vLLM's regex reads it (the last tag was taken, its body
+    did not parse, and the whole call came back as content)."""
+    text = ('Writing.<tool_call>\n{"name": "write_file", "arguments": {"text": "see <tool_call> tag"}}\n'
+            '</tool_call>')
+    r = hermes().extract(text)
+    assert r.content == "Writing." and calls_of(r) == [("write_file", {"text": "see <tool_call> tag"})]
+    for a in range(len(text) + 1):
+        assert_stream_matches(HermesToolParser, text, [text[:a], text[a:]])
+
+
+def test_extract_parts_keep_the_order() -> None:
+    """parts: content stretches and calls in the order written (what the Responses / Messages APIs'
+    whole responses list), whitespace-only stretches dropped as the stream drops them."""
+    r = hermes().extract(f"<tool_call>{WEATHER}</tool_call>\n Done. <tool_call>{TIME}</tool_call>\n")
+    assert [p if isinstance(p, str) else p.name for p in r.parts] == ["get_weather", "\n Done. ", "get_time"]
+    assert [p for p in r.parts if not isinstance(p, str)] == r.calls
+
+
 def test_hermes_lenient_json() -> None:
     body = '{"arguments": {"code": "line1\nline2", "s": "\\u00e9\\"q\\""}, "name": "run", "id": 1}'
     r = hermes().extract(f"<tool_call>{body}</tool_call>")  # raw newline in a string, keys reordered, extra key
@@ -513,7 +533,7 @@ def test_schema_named() -> None:
     for mode in ("get_weather", {"type": "function", "function": {"name": "get_weather"}}):
         s = tools_json_schema(TOOLS, mode, parallel=False)
         assert valid([W], s) and not valid([T], s) and not valid([W, W], s)
-        assert valid([W, W], tools_json_schema(TOOLS, mode, parallel=True))
+        assert not valid([W, W], tools_json_schema(TOOLS, mode, parallel=True))  # named: exactly one call
     s = tools_json_schema(TOOLS, "get_time", parallel=False)
     assert valid([T], s) and not valid([W], s) and not valid([{"name": "get_weather", "arguments": {}}], s)
 
@@ -632,7 +652,7 @@ def test_schema_compiles_and_constrains_in_xgrammar() -> None:
     cases = [("required", True, [[W], [W, T]], [[], [{"name": "nope", "arguments": {}}]]),
              ("plan_trip", False, [[trip]], [[{"name": "plan_trip", "arguments": {"stops": [{"town": "x"}]}}]]),
              ("required", False, [[W], [T]], [[W, T]]),
-             ("get_weather", True, [[W], [W, W]], [[T], [{"name": "get_weather", "arguments": {}}]])]
+             ("get_weather", True, [[W]], [[W, W], [T], [{"name": "get_weather", "arguments": {}}]])]
     for mode, parallel, good, bad in cases:
         g = xgr.Grammar.from_json_schema(json.dumps(tools_json_schema([*TOOLS, TRIP], mode, parallel)))
         assert all(accepts(g, json.dumps(v)) for v in good), (mode, parallel)

@@ -232,9 +232,8 @@ class MessagesFormatter(Formatter):
 
     def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         c = outs[0].outputs[0]
-        msg = self.chat.choice(0, outs[0], c)["message"]
-        content = [{"type": "text", "text": msg["content"]}] if msg["content"] else []
-        return self.message(content + [tool_use(call) for call in msg.get("tool_calls") or []], c)
+        return self.message([{"type": "text", "text": p} if isinstance(p, str) else tool_use(p.openai())
+                             for p in self.chat.segments(c.text)], c)  # in the model's order, as streamed
 
     @staticmethod
     def event(type_: str, **fields: Any) -> str:

@@ -188,7 +188,8 @@ class ChatFormatter(Formatter):
     With tools, the output is read for calls (body.tool_mode): "auto" by the model's tool-call parser
     (server/tool_parsers.py; streamed: content as it comes, each call as its name then its
     arguments, once the call is complete), "forced" as the JSON array of calls that constrained
-    decoding produced. A choice that made calls finishes with "tool_calls"."""
+    decoding produced. A choice that made calls finishes with "tool_calls" (auto, required; "stop" for a
+    named function, as OpenAI has it); parallel_tool_calls false keeps the first call."""
 
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
@@ -207,7 +208,7 @@ class ChatFormatter(Formatter):
         """(content, calls) of a finished output, as the body's tool mode reads it."""
         if self.body.tool_mode == "auto":
             ex = self.parser(self.rng).extract(text)
-            return (ex.content, ex.calls) if ex.calls else (text, [])
+            return (ex.content, ex.calls[:None if self.body.parallel_tool_calls else 1]) if ex.calls else (text, [])
         if self.body.tool_mode == "forced":
             try:
                 return None, parse_forced_calls(text, self.rng)
@@ -215,8 +216,22 @@ class ChatFormatter(Formatter):
                 return text, []
         return text, []
 
+    def segments(self, text: str) -> list[str | ToolCall]:
+        """A finished output as its content stretches and calls in the order the stream sends them (the
+        Responses API's items, a Messages API's blocks)."""
+        if self.body.tool_mode == "auto":
+            ex = self.parser(self.rng).extract(text)
+            if not ex.calls:
+                return [text] if text else []
+            keep = set(map(id, ex.calls[:None if self.body.parallel_tool_calls else 1]))
+            return [p for p in ex.parts if isinstance(p, str) or id(p) in keep]
+        content, calls = self.calls(text)
+        return ([content] if content else []) + list(calls)
+
     def finish_reason(self, c: CompletionOutput, called: bool) -> str | None:
-        return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+        # OpenAI (and vLLM): "tool_calls" for calls the model chose (auto, required), "stop" for a named function
+        named = self.body.tool_choice not in (None, "auto", "required")
+        return "tool_calls" if called and not named and c.finish_reason == "stop" else c.finish_reason
 
     def logprobs(self, ids: list[int], lps: list[Logprob]) -> dict[str, Any]:
         """Chat logprobs: each token with its bytes and top alternatives."""
@@ -253,6 +268,8 @@ class ChatFormatter(Formatter):
             found = stream.feed(c.delta_text) if c.delta_text else []
             if c.finished:
                 found += stream.finish()
+            if not self.body.parallel_tool_calls:  # the first call only, as vLLM keeps
+                found = [d for d in found if not (isinstance(d, ToolCallDelta) and d.index > 0)]
         else:  # forced: the calls are known once the array is complete
             self.forced[k] = self.forced.get(k, "") + c.delta_text
             if c.finished:

@@ -235,12 +235,10 @@ class ResponsesFormatter(Formatter):
 
     def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         out = outs[0]
-        choice = self.chat.choice(0, out, out.outputs[0])
-        message, status = choice["message"], self.status(out.outputs[0].finish_reason)
-        calls = message.get("tool_calls") or []
-        items = [self.message_item(message["content"] or "", status)] if message["content"] or not calls else []
-        items += [self.call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status) for c in calls]
-        return self.envelope(status, items, out)
+        status = self.status(out.outputs[0].finish_reason)
+        items = [self.message_item(p, status) if isinstance(p, str) else self.call_item(p.id, p.name, p.arguments, status)
+                 for p in self.chat.segments(out.outputs[0].text)]  # in the model's order, as the stream has them
+        return self.envelope(status, items or [self.message_item("", status)], out)
 
     # ------------------------------------------------------------ streaming
     def event(self, type_: str, **fields: Any) -> str:

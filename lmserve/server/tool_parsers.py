@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import random
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # hermes
@@ -58,6 +58,7 @@ class ToolCall:
 class ExtractedToolCalls:
     content: str | None  # None when there is none (or only whitespace)
     calls: list[ToolCall]
+    parts: list[str | ToolCall] = field(default_factory=list, compare=False)  # content stretches and calls, in order, as streamed
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,15 @@ def _tag_prefix_len(buf: str, tag: str, start: int) -> int:
     return 0
 
 
+def _starts(buf: str, tag: str, i: int, end: int) -> list[int]:
+    """Where tag starts in buf[i:end], in order."""
+    out = []
+    while (i := buf.find(tag, i, end)) >= 0:
+        out.append(i)
+        i += 1
+    return out
+
+
 def _skip_ws(buf: str, i: int) -> int:
     while i < len(buf) and buf[i].isspace():
         i += 1
@@ -160,8 +170,12 @@ class _HermesScanner(_Scanner):
                 out.append(buf[i:end])
                 self.seen = len(buf) - j
                 return out, end
-            j = buf.rfind(OPEN, j, k)  # of several opening tags before the close, the last opens the call
-            call = self._call(buf[j + len(OPEN):k])
+            call = None  # of several opening tags before the close, the first whose body is a call opens it
+            for o in _starts(buf, OPEN, j, k):  # (a later one may sit in the arguments' text, or an earlier be
+                call = self._call(buf[o + len(OPEN):k])  # a stray tag before the real one)
+                if call is not None:
+                    j = o
+                    break
             if call is None:
                 out.append(buf[i:k + len(CLOSE)])
             else:
@@ -290,7 +304,16 @@ class ToolParser:
         s = self.streaming()
         deltas = s.feed(text) + s.finish()
         content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
-        return ExtractedToolCalls(content or None, s.calls)
+        parts: list[str | ToolCall] = []
+        for d in deltas:
+            if isinstance(d, ContentDelta):
+                if parts and isinstance(parts[-1], str):
+                    parts[-1] += d.text
+                else:
+                    parts.append(d.text)
+            elif d.name is not None:  # a call's first delta
+                parts.append(s.calls[d.index])
+        return ExtractedToolCalls(content or None, s.calls, parts)
 
 
 class HermesToolParser(ToolParser):

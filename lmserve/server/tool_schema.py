@@ -59,7 +59,7 @@ def tools_json_schema(tools: Any, mode: str | dict[str, Any], parallel: bool = T
     {"type": "function", "function": {"name": ...}}; a function named "required" needs the object).
 
     Shape: [{"name": <one of the names>, "arguments": <that function's parameters>}, ...], at least one
-    call, at most one unless parallel; the parameters' "$defs" / "definitions" move to the root (so that
+    call, at most one unless parallel (and tool_choice "required"); the parameters' "$defs" / "definitions" move to the root (so that
     "#/$defs/..." references resolve), ValueError where two tools define one name differently.
     `parse_forced_calls` reads such an output."""
     tools = check_tools(tools)
@@ -91,6 +91,6 @@ def tools_json_schema(tools: Any, mode: str | dict[str, Any], parallel: bool = T
                       "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
                               "minItems": 1, **defs}
-    if not parallel:
+    if not parallel or mode != "required":  # a named function: exactly one call, as OpenAI and vLLM make
         schema["maxItems"] = 1
     return schema
