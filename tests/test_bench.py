@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lmserve.cli import main
 
 
@@ -179,3 +181,30 @@ def test_bench_serve_says_why_its_server_did_not_start(capsys):  # type: ignore[
     assert main(["bench", "serve", "--launch-args=--bogus-flag", "--num-requests", "1"]) == 2
     err = capsys.readouterr().err
     assert "launch_args" in err and "exited with status 2" in err and "--bogus-flag" in err
+
+
+def test_a_benchmark_whose_requests_fail_raises(tiny_models):  # type: ignore[no-untyped-def]
+    """A step that raises ends its requests with finish_reason 'error' and generate returns normally: the
+    throughput and latency runs counted them (a tiny or zero tok/s reported as a result; latency died
+    later with a KeyError). Now they raise with the error, and the engine is left empty."""
+    from lmserve import LLM
+    from lmserve.bench.common import random_workload
+    from lmserve.bench.offline import run_latency, run_throughput
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    real = llm.engine.runner.forward
+    calls = {"n": 0}
+
+    def boom(*a, **kw):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real(*a, **kw)
+    llm.engine.runner.forward = boom
+    work = random_workload(num_requests=4, input_len=(4, 8), output_len=(4, 8), vocab_size=100, seed=0)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        run_throughput(llm, work, progress=False)
+    calls["n"] = 0
+    with pytest.raises(RuntimeError, match="injected fault"):
+        run_latency(llm, 2, 8, 8, repeats=1, peak_bandwidth=1e9)
+    assert not llm.engine.has_unfinished_requests() and llm.stats().used_blocks == 0

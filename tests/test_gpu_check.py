@@ -210,3 +210,20 @@ def test_failed_preflight_runs_the_rest_on_torch_ops(tmp_path):  # type: ignore[
     assert report["parts"]["preflight"]["rows"][0][1].endswith("MISSING")
     assert report["parts"]["batch-1 decode"]["rows"] == [["triton", "None False hidden TorchAttention"]]
     assert banner and "NO TRITON" in banner[0] and "Failed to find C compiler" in banner[0]
+
+
+def test_swap_comparison_allows_a_divergence_at_a_near_tie_only():
+    """The swap part compares swapped greedy outputs with an unpreempted pool's: a first difference where
+    the reference's top two were within the tie (other batch shapes round differently in bf16) passes;
+    one at a clear choice, or a length difference, is a failure."""
+    from types import SimpleNamespace as NS
+
+    def lps(gaps: list[float]) -> list[NS]:
+        return [NS(top={1: -0.1, 2: -0.1 - g}) for g in gaps]
+    ref = [[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1]]
+    got = [[1, 1, 1], [1, 2, 2], [2, 1, 1], [1, 1, 1]]
+    ref_lps = [lps([1.0, 1.0, 1.0]), lps([1.0, 0.01, 1.0]), lps([0.5, 1.0, 1.0]), lps([1.0, 1.0])]
+    same, ties, clear = gpu_check.near_tie_divergences(got, ref, ref_lps, tie=0.05)
+    assert (same, ties) == (1, 1)
+    assert [(k, i) for k, i, _ in clear] == [(2, 0), (3, 2)]
+    assert clear[0][2] == pytest.approx(0.5)

@@ -34,6 +34,14 @@ def measure_bandwidth(device: str, mb: int = 256) -> float:
     return 2 * a.numel() * 4 * 5 / (time.perf_counter() - t0)
 
 
+def failed(outs: list[Any]) -> None:
+    """Raise RuntimeError if any request of a benchmark ended in an error: a failed step ends its requests
+    with finish_reason "error" and generate returns normally, so its figures would count what never ran."""
+    bad = [c for o in outs for c in o.outputs if c.finish_reason == "error"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} request(s) of the benchmark failed: {bad[0].error}")
+
+
 def run_throughput(llm: LLM, requests: list[Request], temperature: float = 0.6, seed: int = 0,
                    progress: bool = True, structured: StructuredOutputsParams | None = None) -> dict[str, Any]:
     """The offline workload through LLM.generate: every request with its own max_tokens, ignore_eos
@@ -46,6 +54,7 @@ def run_throughput(llm: LLM, requests: list[Request], temperature: float = 0.6, 
     outs = llm.generate([r.prompt for r in requests], params, use_tqdm=progress)
     sync(llm.engine.config.device)
     wall = time.perf_counter() - t0
+    failed(outs)
     after = llm.stats()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(r.prompt) for r in requests)
@@ -95,6 +104,12 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int, repe
             if decoding and rep > 0:
                 step_times.append(t1 - t0)
                 step_bytes.append(wbytes + ctx * kv_tok)
+            try:
+                failed([o for o in outs if o.finished])
+            except RuntimeError:
+                for rid in ids:
+                    eng.abort_request(rid)
+                raise
             for o in outs:
                 if o.request_id not in first and o.outputs[0].token_ids:
                     first[o.request_id] = t1
