@@ -129,6 +129,10 @@ class FanOut:
             s.family.pending_logprobs = None
         nxt = st.step([s.output_token_ids for s in seqs], [s.family.beam_score for s in seqs], lp)
         now = time.time()
+        stats = self.scheduler.stats
+        if all(s.first_token_time is None for s in seqs):  # the search's first step: its prompt is processed
+            stats.prompt_tokens += seqs[0].num_prompt_tokens
+        stats.generation_tokens += len(seqs)  # a token a running beam, as each beam row is one step of decoding
         for s in seqs:  # this step's tokens exist now, in the beams or (a search ending here) the hypotheses
             if s.first_token_time is None:
                 s.first_token_time = now

@@ -46,8 +46,11 @@ class SchedulerStats:
 
     num_preemptions: int = 0
     num_swapped: int = 0  # preemptions that swapped the KV out (the rest recompute)
-    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    prompt_tokens_queried: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    prompt_tokens_queried: int = 0  # tokens looked up in the prefix cache at first admission (not a
+    # readmission, which finds its own blocks, nor a prompt_logprobs request, which looks nothing up)
+    prompt_tokens: int = 0  # prompt tokens of requests that produced their first token (once per request)
+    generation_tokens: int = 0  # tokens generated (all of a request's sequences; aborted ones' so far too)
     computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
     peak_used_blocks: int = 0
 
@@ -208,8 +211,9 @@ class Scheduler:
             seq.num_computed_tokens = cached
             if first:  # the prompt's cache hit; a readmission finds its own output tokens in the cache too
                 seq.num_cached_tokens = cached
-            self.stats.prefix_hit_tokens += cached
-            self.stats.prompt_tokens_queried += seq.num_tokens
+                if seq.params.prompt_logprobs is None:  # (vLLM counts readmissions apart, and does not export them)
+                    self.stats.prefix_hit_tokens += cached
+                    self.stats.prompt_tokens_queried += seq.num_tokens
         return [(seq, n) for seq, _, n in taken]
 
     def _swap_back(self, seq: Sequence, budget: int) -> tuple[int, list[int]] | None:
@@ -316,7 +320,10 @@ class Scheduler:
                 self.bm.shrink(seq.block_tables, seq.num_computed_tokens)
             stop = None
             if seq in sampled:
+                if seq.first_token_time is None and seq.index == 0:  # the request's prompt, counted once
+                    self.stats.prompt_tokens += seq.num_prompt_tokens
                 got, stop = self._append(seq, sampled[seq], now)
+                self.stats.generation_tokens += len(got)
                 received[seq] = got
             filled = min(seq.num_computed_tokens, seq.num_tokens)  # tokens whose KV is in the blocks
             first = 0 if seq in restored else before // bs

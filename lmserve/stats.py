@@ -26,6 +26,8 @@ class EngineStats:
     num_waiting: int
     num_swapped: int = 0  # preemptions that swapped the KV out instead of recomputing
     swap_free_blocks: int = 0  # host swap space left, in blocks
+    prompt_tokens: int = 0  # prompt tokens of requests that produced a first token (once a request)
+    generation_tokens: int = 0  # tokens generated, every sequence of every request (aborted ones' too)
     spec: dict | None = None  # speculative decoding counters, when it is on
 
     @property
@@ -42,5 +44,6 @@ def snapshot(bm: Any, scheduler: Any, spec: Any = None) -> EngineStats:
         prefix_hit_tokens=st.prefix_hit_tokens, prompt_tokens_queried=st.prompt_tokens_queried,
         num_preemptions=st.num_preemptions, computed_tokens=st.computed_tokens,
         num_swapped=st.num_swapped, swap_free_blocks=scheduler.swap_free, peak_used_blocks=st.peak_used_blocks,
+        prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
         spec=spec.stats.as_dict() if spec is not None else None)

@@ -190,3 +190,31 @@ def test_queue_time_of_a_one_token_prompt_with_children(tiny_models):  # type: i
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
     assert m.queue_time <= m.ttft
     assert out.outputs[0].index == 0
+
+
+def test_the_engines_token_counters(tiny_models):  # type: ignore[no-untyped-def]
+    """EngineStats.prompt_tokens / generation_tokens (/metrics' token counters) count as the engine runs:
+    a request's prompt once (n = 3, a beam search), every sequence's generated tokens, an aborted
+    request's tokens so far, and nothing for a request refused before it ran (the server counted at
+    the end of a request: an aborted one added nothing, an expired one its whole prompt)."""
+    from lmserve.sequence import Request
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), max_num_seqs=8)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=0, ignore_eos=True),
+                 use_tqdm=False)
+    st = llm.stats()
+    assert (st.prompt_tokens, st.generation_tokens) == (4, 15)
+    llm.generate([[5, 6, 7]], SamplingParams(n=2, use_beam_search=True, max_tokens=4), use_tqdm=False)
+    st = llm.stats()
+    assert st.prompt_tokens == 7 and st.generation_tokens == 15 + 1 + 2 * 3  # a token a running beam a step
+    eng = llm.engine
+    eng.add_request("gone", Request([9, 10, 11, 12, 13], SamplingParams(max_tokens=50, ignore_eos=True)))
+    for _ in range(4):
+        eng.step()
+    eng.abort_request("gone")
+    st = llm.stats()
+    assert st.prompt_tokens == 12 and st.generation_tokens == 22 + 4
+    expired = LLM(str(path), max_waiting_time=1e-9)
+    out = expired.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert (expired.stats().prompt_tokens, expired.stats().generation_tokens) == (0, 0)

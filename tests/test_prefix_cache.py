@@ -43,5 +43,8 @@ def test_a_readmitted_request_keeps_its_first_cache_hit(tiny_models):  # type: i
     outs = llm.generate([[5, 6, 7, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
                         use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) >= 1  # the case under test happened
-    assert llm.stats().prefix_hit_tokens > 0  # and the readmission did hit the cache
     assert [o.metrics.num_cached_tokens for o in outs] == [0, 0]  # nothing was cached when they arrived
+    # nor in the engine's hit rate (/metrics): a readmission's lookup finds its own blocks, which vLLM
+    # counts apart and does not export (it counted 8 hits and 20+ queried tokens here)
+    st = llm.stats()
+    assert st.prefix_hit_tokens == 0 and st.prompt_tokens_queried == 8

@@ -504,6 +504,64 @@ def metric(server, name: str) -> float:  # type: ignore[no-untyped-def]
     return next((float(x.split()[1]) for x in lines if x.split() and x.split()[0] == name), 0.0)
 
 
+def test_metrics_count_an_aborted_streams_tokens(server):  # type: ignore[no-untyped-def]
+    """A stream the client leaves after a few chunks: its prompt and the tokens generated so far are in
+    the token counters (they were counted only when a request finished: an aborted one added nothing)."""
+    p0, g0 = metric(server, "lmserve_prompt_tokens_total"), metric(server, "lmserve_generation_tokens_total")
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    usage = None
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+                if usage and usage["completion_tokens"] >= 10:
+                    break
+    assert_idle(server)
+    assert usage is not None
+    assert metric(server, "lmserve_prompt_tokens_total") - p0 == usage["prompt_tokens"]
+    assert usage["completion_tokens"] <= metric(server, "lmserve_generation_tokens_total") - g0 < 2000
+
+
+def test_a_request_failed_by_a_failed_step_counts_as_an_error(server, monkeypatch):  # type: ignore[no-untyped-def]
+    """A step that raises fails the requests in it (a 500): /metrics counts each as finish_reason error
+    (it counted nothing: the exception ended the request, not an output)."""
+    eng = server["engine"]
+    real, calls = eng.step, {"n": 0}
+
+    def flaky():  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step failure")
+        return real()
+    monkeypatch.setattr(eng, "step", flaky)
+    name = 'lmserve_requests_total{finish_reason="error"}'
+    before = metric(server, name)
+    r = post(server, "/v1/completions", {"prompt": "Once", "max_tokens": 8, "ignore_eos": True})
+    assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
+    assert metric(server, name) == before + 1
+    monkeypatch.setattr(eng, "step", real)
+    assert_idle(server)
+
+
+def test_arrival_is_stamped_when_the_server_queues_a_request(server, monkeypatch):  # type: ignore[no-untyped-def]
+    """A request's arrival time (TTFT, queue time, e2e, max_waiting_time) is when the server queued it,
+    not when the engine thread took it in after its current step (up to a whole step later: the
+    latencies came out short by that much)."""
+    eng = server["engine"]
+    real, seen = eng.add_request, []
+
+    def spy(rid, request, *a, arrival_time=None, **kw):  # type: ignore[no-untyped-def]
+        seen.append((arrival_time, time.time()))
+        return real(rid, request, *a, arrival_time=arrival_time, **kw)
+    monkeypatch.setattr(eng, "add_request", spy)
+    t0 = time.time()
+    assert post(server, "/v1/completions", {"prompt": "Once", "max_tokens": 2}).status_code == 200
+    (arrived, taken_in), = seen
+    assert arrived is not None and t0 <= arrived <= taken_in
+
+
 @pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Once upon a time"}),
                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
 def test_an_unstreamed_request_whose_client_left_is_aborted(server, path, body):  # type: ignore[no-untyped-def]

@@ -213,8 +213,11 @@ class OpenAIServer:
                 done, running = await asyncio.wait(tasks, timeout=0.2, return_when=asyncio.FIRST_EXCEPTION)
                 failed = next((t for t in done if t.exception() is not None), None)
                 if failed is not None:
+                    exc = failed.exception()
+                    if not isinstance(exc, (ApiError, QueueFullError)):  # (an ApiError was observed in one())
+                        self.metrics.failed()
                     self.metrics.aborted(len(running))  # the rest end with it
-                    raise failed.exception()  # type: ignore[misc]
+                    raise exc  # type: ignore[misc]
                 if not running:
                     return [t.result() for t in tasks]
                 if await request.is_disconnected():
@@ -251,6 +254,8 @@ class OpenAIServer:
             except asyncio.CancelledError:
                 raise  # the merge is gone: nobody to tell (waiting on a full queue here would never end)
             except Exception as e:
+                if not isinstance(e, QueueFullError):
+                    self.metrics.failed()
                 await q.put((i, e))
             await q.put((i, None))
 

@@ -83,7 +83,7 @@ class AsyncEngine:
         self._engine = engine
         self.max_queue = max_queue
         self._lock = threading.RLock()
-        self._pending: list[tuple[str, Request, _Stream]] = []
+        self._pending: list[tuple[str, Request, _Stream, float]] = []  # + arrival time (stamped at submit)
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[Engine], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._streams: dict[str, _Stream] = {}
@@ -178,7 +178,7 @@ class AsyncEngine:
                 raise QueueFullError(f"{self.max_queue} requests are already waiting")
             if not self.alive or self._stop.is_set():  # (a stopping loop may have failed its last pending ones)
                 raise EngineDeadError("the engine loop is not running")
-            self._pending.append((request_id, request, stream))
+            self._pending.append((request_id, request, stream, time.time()))  # TTFT counts a step's wait too
         self._wake.set()
         return stream
 
@@ -284,9 +284,9 @@ class AsyncEngine:
             except Exception as e:  # the caller's alone
                 result, exc = None, e
             loop.call_soon_threadsafe(_settle, done, result, exc)
-        for rid, request, stream in pending:
+        for rid, request, stream, arrived in pending:
             try:
-                self._engine.add_request(rid, request)
+                self._engine.add_request(rid, request, arrival_time=arrived)
                 self._streams[rid] = stream
             except Exception as e:  # validated already; anything left is this request's alone
                 stream.put(e)
@@ -318,7 +318,7 @@ class AsyncEngine:
             with self._lock:
                 pending, self._pending = self._pending, []
                 calls, self._calls = self._calls, []
-            for _, _, stream in pending:
+            for _, _, stream, _ in pending:
                 stream.put(error)
             for _, loop, done in calls:
                 loop.call_soon_threadsafe(_settle, done, None, error)

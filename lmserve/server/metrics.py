@@ -1,6 +1,8 @@
 """Prometheus metrics: request outcomes and latencies (observed as requests finish), and engine state
-(the snapshot of the engine's stats that the engine thread last published: a scrape never touches the
-Engine, which that thread mutates)."""
+and token counters (the snapshot of the engine's stats that the engine thread last published: a scrape
+never touches the Engine, which that thread mutates). Tokens are counted by the engine as they are
+processed, as vLLM counts them: an aborted request's tokens count, a request refused before it ran does
+not."""
 
 from __future__ import annotations
 
@@ -39,11 +41,24 @@ class _EngineCollector:
         yield g("lmserve_kv_blocks_free", "KV cache blocks free (including cached)", value=st.free_blocks)
         yield g("lmserve_kv_blocks_total", "KV cache blocks in the pool", value=st.num_blocks)
         yield g("lmserve_kv_blocks_cached", "Free blocks still holding a reusable prefix", value=st.cached_blocks)
-        yield g("lmserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up",
-                value=st.prefix_hit_rate)
-        yield CounterMetricFamily("lmserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  value=st.prefix_hit_tokens)
-        yield CounterMetricFamily("lmserve_preemptions", "Sequences preempted", value=st.num_preemptions)
+        yield g("lmserve_kv_cache_usage_perc", "KV cache blocks in use / in the pool (0..1)",
+                value=st.used_blocks / st.num_blocks if st.num_blocks else 0.0)
+        yield g("lmserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up, "
+                "since start", value=st.prefix_hit_rate)
+        c = CounterMetricFamily
+        yield c("lmserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                value=st.prefix_hit_tokens)
+        yield c("lmserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)",
+                value=st.prompt_tokens_queried)
+        yield c("lmserve_prompt_tokens", "Prompt tokens of requests that produced a first token",
+                value=st.prompt_tokens)
+        yield c("lmserve_generation_tokens", "Tokens generated (every sequence; aborted requests' too)",
+                value=st.generation_tokens)
+        yield c("lmserve_preemptions", "Sequences preempted", value=st.num_preemptions)
+        if st.spec is not None:
+            yield c("lmserve_spec_decode_num_draft_tokens", "Draft tokens proposed", value=st.spec["proposed"])
+            yield c("lmserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", value=st.spec["accepted"])
+            yield c("lmserve_spec_decode_num_drafts", "Verifications of drafts", value=st.spec["verifications"])
         yield g("lmserve_engine_alive", "1 while the engine loop runs", value=1.0 if self.ae.alive else 0.0)
 
 
@@ -54,10 +69,12 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lmserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("lmserve_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("lmserve_generation_tokens", "Tokens generated", registry=r)
+        for reason in _WORST_FIRST:  # every series from the start (a rate() over a new label has no past)
+            self.requests.labels(reason)
         self.ttft = Histogram("lmserve_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("lmserve_time_per_output_token_seconds", "TPOT", buckets=_LATENCY_BUCKETS, registry=r)
+        # one observation a request, its mean (vLLM's request_time_per_output_token_seconds)
+        self.tpot = Histogram("lmserve_request_time_per_output_token_seconds", "A request's TPOT",
+                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("lmserve_e2e_request_latency_seconds", "End-to-end latency", buckets=_LATENCY_BUCKETS,
                              registry=r)
         self.queue = Histogram("lmserve_request_queue_time_seconds", "Arrival to first schedule",
@@ -68,8 +85,8 @@ class ServerMetrics:
         """Record a finished request."""
         m = out.metrics
         self.requests.labels(finish_reason(out)).inc()
-        self.prompt_tokens.inc(m.num_prompt_tokens)
-        self.generation_tokens.inc(m.num_output_tokens)
+        if m.first_scheduled_time is None:  # refused before it ran (max_waiting_time): no latencies
+            return
         for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e), (self.queue, m.queue_time)):
             if value is not None:
                 hist.observe(value)
@@ -77,6 +94,11 @@ class ServerMetrics:
     def aborted(self, n: int = 1) -> None:
         """Record n requests aborted (client gone, timeout)."""
         self.requests.labels("abort").inc(n)
+
+    def failed(self, n: int = 1) -> None:
+        """Record n requests ended by an exception (a failed engine step, a reader cut off, the engine
+        stopping) rather than by an output."""
+        self.requests.labels("error").inc(n)
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format."""
