@@ -376,3 +376,73 @@ def test_a_beam_step_that_raises_ends_its_search_alone(tiny_models, monkeypatch)
     assert b.finish_reason == "error" and "injected in the beam step" in b.error and b.error_status == 500
     assert len(outs[0].outputs[0].token_ids) == 12 and outs[0].outputs[0].finish_reason == "length"
     assert llm.stats().used_blocks == 0 and not llm.engine.requests
+
+
+def test_a_loop_that_dies_outside_a_step_tells_its_readers_why_and_ends_the_server(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+    """The engine loop dying of anything (here its stats snapshot raising) fails the requests in flight
+    with the cause ('the engine loop died: ...', not 'the server is shutting down') and runs on_fatal,
+    which makes `lmserve serve` exit as vLLM's server does (it stayed up answering 503 forever)."""
+    from lmserve.server import async_engine as ae_mod
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    ae = ae_mod.AsyncEngine(llm.engine)
+    fatal: list[BaseException] = []
+    ae.on_fatal = fatal.append
+    real, calls = ae._publish, {"n": 0}
+
+    def publish():  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("snapshot broke")
+        return real()
+    monkeypatch.setattr(ae, "_publish", publish)
+    monkeypatch.setattr(ae_mod, "STATS_INTERVAL_S", 0.0)  # a snapshot every step
+    ae.start()
+    try:
+        async def main():  # type: ignore[no-untyped-def]
+            with pytest.raises(ae_mod.EngineDeadError, match="the engine loop died: RuntimeError: snapshot broke"):
+                async for _ in ae.generate("r", ae.process_request(PROMPTS[0], SamplingParams(max_tokens=50,
+                                                                                             ignore_eos=True))):
+                    pass
+        asyncio.run(asyncio.wait_for(main(), 30))
+        ae._thread.join(10)
+        assert not ae.alive and [str(e) for e in fatal] == ["snapshot broke"]
+    finally:
+        ae.shutdown()
+
+
+def test_readers_hear_of_a_failed_step_even_when_its_clean_up_fails(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+    """A failed step whose clean-up (abort_request) also raises: the readers were told only after the
+    aborts, so they waited forever (no --request-timeout by default). Now they get the step's error
+    first; the engine loop goes on serving the next request."""
+    from lmserve.server import async_engine as ae_mod
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path))
+    eng = llm.engine
+    real_step, real_abort, broken = eng.step, eng.abort_request, {"on": True}
+
+    def step():  # type: ignore[no-untyped-def]
+        if broken["on"] and eng.requests:
+            raise RuntimeError("step failed")
+        return real_step()
+
+    def abort(rid):  # type: ignore[no-untyped-def]
+        if broken["on"]:
+            broken["on"] = False
+            raise RuntimeError("abort failed")
+        return real_abort(rid)
+    monkeypatch.setattr(eng, "step", step)
+    monkeypatch.setattr(eng, "abort_request", abort)
+    ae = ae_mod.AsyncEngine(eng)
+    ae.start()
+    try:
+        async def main():  # type: ignore[no-untyped-def]
+            with pytest.raises(RuntimeError, match="step failed"):
+                async for _ in ae.generate("a", ae.process_request(PROMPTS[0], SamplingParams(max_tokens=8))):
+                    pass
+            outs = [o async for o in ae.generate("b", ae.process_request(PROMPTS[1], SamplingParams(
+                max_tokens=5, ignore_eos=True)))]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        ae.shutdown()

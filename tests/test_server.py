@@ -545,6 +545,28 @@ def test_a_request_failed_by_a_failed_step_counts_as_an_error(server, monkeypatc
     assert_idle(server)
 
 
+def test_an_exception_inside_the_engine_answers_json_and_keeps_the_connection(server, monkeypatch):  # type: ignore[no-untyped-def]
+    """A request that fails with an exception outside an output (here building its RequestOutput) gets
+    the JSON 500, and the client's keep-alive connection stays usable (the generic handler re-raised:
+    uvicorn closed the socket, and the client's next request on it was reset)."""
+    out = server["engine"].output
+    real = out.make
+
+    def make(rid, seqs, beam=None):  # type: ignore[no-untyped-def]
+        if seqs[0].params.max_tokens == 13:
+            raise RuntimeError("boom in make")
+        return real(rid, seqs, beam)
+    monkeypatch.setattr(out, "make", make)
+    h = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server["url"], headers=h, timeout=60) as c:
+        for _ in range(2):
+            r = c.post("/v1/completions", json={"prompt": "Once", "max_tokens": 13})
+            assert r.status_code == 500 and "boom in make" in r.json()["error"]["message"]
+            assert c.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2}).status_code == 200
+    monkeypatch.setattr(out, "make", real)
+    assert_idle(server)
+
+
 def test_arrival_is_stamped_when_the_server_queues_a_request(server, monkeypatch):  # type: ignore[no-untyped-def]
     """A request's arrival time (TTFT, queue time, e2e, max_waiting_time) is when the server queued it,
     not when the engine thread took it in after its current step (up to a whole step later: the

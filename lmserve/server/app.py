@@ -216,16 +216,18 @@ class OpenAIServer:
                     exc = failed.exception()
                     if not isinstance(exc, (ApiError, QueueFullError)):  # (an ApiError was observed in one())
                         self.metrics.failed()
-                    self.metrics.aborted(len(running))  # the rest end with it
-                    raise exc  # type: ignore[misc]
+                    self.metrics.aborted(len(running))  # the rest end with it; anything else as an ApiError
+                    # (the generic handler's re-raise closed the client's keep-alive connection)
+                    raise exc if isinstance(exc, (ApiError, QueueFullError, EngineDeadError)) else ApiError(
+                        500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
                 if not running:
                     return [t.result() for t in tasks]
-                if await request.is_disconnected():
+                stop = (ApiError(499, "client disconnected") if await request.is_disconnected() else
+                        self.timed_out() if deadline is not None and time.monotonic() > deadline else
+                        EngineDeadError("the engine loop is not running") if not self.ae.alive else None)
+                if stop is not None:  # (a dead loop that told this request nothing: answered now, not never)
                     self.metrics.aborted(len(running))
-                    raise ApiError(499, "client disconnected")
-                if deadline is not None and time.monotonic() > deadline:
-                    self.metrics.aborted(len(running))
-                    raise self.timed_out()
+                    raise stop
         except QueueFullError as e:
             raise ApiError(429, str(e), type_="rate_limit_error", headers={"Retry-After": "1"}) from None
         except EngineDeadError as e:

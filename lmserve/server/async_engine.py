@@ -268,8 +268,10 @@ class AsyncEngine:
             log.exception("engine loop died")
             self.error = e
         finally:
-            self._fail_all(EngineDeadError("the server is shutting down"), pending_too=True)
-        if isinstance(self.error, EngineFatalError):
+            self._fail_all(EngineDeadError("the server is shutting down" if self.error is None else
+                                          f"the engine loop died: {type(self.error).__name__}: {self.error}"),
+                           pending_too=True)
+        if self.error is not None:  # whatever killed the loop: the server exits (on_fatal), as vLLM's does
             self.die(self.error)
 
     def _drain(self) -> None:
@@ -309,8 +311,9 @@ class AsyncEngine:
             self._stats, self._stats_at, self._unpublished = st, time.monotonic(), 0
 
     def _fail_all(self, error: BaseException, pending_too: bool = False) -> None:
-        for rid in list(self._engine.requests):
-            self._engine.abort_request(rid)
+        """Every request in flight (and, pending_too, every queued one and call) gets `error`; then the
+        engine's requests are aborted. The readers are told first: an abort that raises (an engine left
+        inconsistent by a failed step) must not leave them waiting forever."""
         for stream in self._streams.values():
             stream.put(error)
         self._streams.clear()
@@ -322,3 +325,8 @@ class AsyncEngine:
                 stream.put(error)
             for _, loop, done in calls:
                 loop.call_soon_threadsafe(_settle, done, None, error)
+        for rid in list(self._engine.requests):
+            try:
+                self._engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                log.exception("aborting %s after a failure failed", rid)
