@@ -93,3 +93,64 @@ def test_health_503_when_engine_loop_dies(tiny_models, monkeypatch):  # type: ig
         r = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
         assert r.status_code == 503
     os.environ.pop("LMSERVE_API_KEY", None)
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(tmp_path):  # type: ignore[no-untyped-def]
+    """The socket is bound before the engine is built: a busy port is the first error (it came after a
+    whole model load), named by its flag. The model here does not exist, so a load first would fail on it."""
+    import socket
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(busy.getsockname()[1]),
+                               "--model", str(tmp_path / "no-such-model")], capture_output=True, text=True, timeout=120)
+    finally:
+        busy.close()
+    assert proc.returncode == 2 and "--port" in proc.stderr and "no-such-model" not in proc.stderr, proc.stderr
+
+
+def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_views_at_once(tiny_models):  # type: ignore[no-untyped-def]
+    """SIGTERM with a stream still running (32 prompts of 2,000 tokens) under --shutdown-timeout 0 and a
+    web console view open: the view ends at once with its error event (an open view held every shutdown
+    for the whole 30 s), the stream ends after the timeout with an error event and [DONE] (uvicorn cut
+    it off mid-body at 30 s), and the process exits 0 soon after."""
+    path, _ = tiny_models["llama"]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--model", str(path),
+                             "--shutdown-timeout", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    lines: dict[str, list[str]] = {"stream": [], "view": []}
+    try:
+        wait_healthy(url, proc)
+
+        def read(name: str, method: str, path: str, **kw) -> None:  # type: ignore[no-untyped-def]
+            with httpx.stream(method, url + path, timeout=60, **kw) as r:
+                for line in r.iter_lines():
+                    lines[name].append(line)
+
+        ths = [threading.Thread(target=read, args=("stream", "POST", "/v1/completions"), kwargs={"json": {
+                   "prompt": [[5, 6, i] for i in range(32)], "max_tokens": 2000, "ignore_eos": True, "stream": True}}),
+               threading.Thread(target=read, args=("view", "GET", "/v1/engine/stream"))]
+        def running() -> bool:  # the view shows the requests under way (the tiny model has no tokenizer:
+            return any(x.startswith("data: {") and json.loads(x[6:])["num_running"] > 0  # no text chunks)
+                       for x in lines["view"])
+        ths[1].start()
+        ths[0].start()
+        for _ in range(600):
+            if running():
+                break
+            time.sleep(0.05)
+        assert running() and ths[0].is_alive()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        ths[1].join(10)
+        assert not ths[1].is_alive() and "event: error" in lines["view"], lines["view"][-3:]
+        ths[0].join(30)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - t0 < 15
+        data = [x for x in lines["stream"] if x.startswith("data: ")]
+        assert data[-1] == "data: [DONE]" and "shutting down" in data[-2], data[-3:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -92,6 +92,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self.error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None  # the server: exit non-zero
+        self.draining = False  # the server got SIGTERM / SIGINT: finishing what is in flight (lmserve serve)
         self._stats = engine.stats()  # no thread yet: safe to read here
         self._stats_at = time.monotonic()
         self._unpublished = 0  # requests handed to the engine since the last snapshot

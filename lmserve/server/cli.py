@@ -28,6 +28,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a chat request bring its own chat_template (rendered in the same sandbox and limits)")
     p.add_argument("--request-timeout", type=above(0), default=None, help="abort requests running longer (s)")
+    p.add_argument("--shutdown-timeout", type=at_least(0), default=30.0,
+                   help="on SIGTERM / SIGINT, seconds requests in flight get to finish; then they end with an "
+                        "error (a stream's error event, a JSON 503) and the process exits (default 30)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls are read from the output (default: from the model: hermes for Qwen "
                         "and <tool_call> templates, llama3_json for Llama 3)")
@@ -69,6 +72,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from lmserve.server.limits import ServerLimits
 
     logging.getLogger("lmserve").setLevel(a.log_level.upper())
+    sock = listen_socket(a.host, a.port)  # a port in use is said before the model loads, not after
     engine = Engine(EngineConfig(model=a.model, **engine_kwargs(a)))
     ae = AsyncEngine(engine, max_queue=a.max_queue)
     ae.on_fatal = exit_soon
@@ -83,14 +87,45 @@ def cmd_serve(a: argparse.Namespace) -> int:
         web.register(app, ae, a.served_model_name or a.model)
     print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on http://{a.host}:{a.port}",
           flush=True)
-    # uvicorn finishes in-flight requests on SIGTERM/SIGINT (up to 30 s), then re-raises the signal
-    # under the handler that was installed before it started: make that a clean exit.
+    # uvicorn finishes in-flight requests on SIGTERM/SIGINT, then re-raises the signal under the handler
+    # that was installed before it started: make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30,
-                # the parser's own cap stays above ours, so that our 431 (with its JSON body) is what answers
-                h11_max_incomplete_event_size=max(4 * limits.max_header_bytes, 64 * 1024))
+    config = uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=a.shutdown_timeout + 5,
+                            # the parser's own cap stays above ours, so that our 431 (with its JSON body) answers
+                            h11_max_incomplete_event_size=max(4 * limits.max_header_bytes, 64 * 1024))
+    draining_server(uvicorn.Server, ae, a.shutdown_timeout)(config).run(sockets=[sock])
     engine.close()
     return 0
+
+
+def listen_socket(host: str, port: int) -> Any:
+    """The server's socket, bound now (OSError naming --port if it cannot be)."""
+    import socket
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise OSError(f"--host / --port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def draining_server(base: type, ae: Any, timeout_s: float) -> type:
+    """uvicorn's Server that, on SIGTERM / SIGINT, ends the web console's engine views at once (they would
+    hold the drain to its end) and, timeout_s later, stops the engine loop: the requests still in flight
+    end with an error (a stream's error event and [DONE], a JSON 503) before uvicorn would cut them off."""
+    import threading
+
+    class DrainingServer(base):  # type: ignore[misc, valid-type]
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not ae.draining:
+                ae.draining = True
+                timer = threading.Timer(timeout_s, ae.shutdown, kwargs={"timeout": 0})
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+    return DrainingServer
 
 
 def exit_soon(error: BaseException, grace_s: float = 2.0) -> None:

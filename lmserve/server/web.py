@@ -64,8 +64,9 @@ async def _events(ae: AsyncEngine):  # type: ignore[no-untyped-def]
             elif time.monotonic() - last > KEEPALIVE_S:
                 last = time.monotonic()
                 yield ": keep-alive\n\n"
-            if not ae.alive:
-                yield "event: error\ndata: {\"message\": \"the engine loop is not running\"}\n\n"
+            if not ae.alive or ae.draining:  # (a view left open must not hold a shutdown's drain)
+                why = "the server is shutting down" if ae.draining else "the engine loop is not running"
+                yield f"event: error\ndata: {json.dumps({'message': why})}\n\n"
                 return
             await asyncio.sleep(POLL_S)
     finally:
