@@ -87,6 +87,20 @@ def make_tiny(family: str, path: Path, seed: int = 0):  # type: ignore[no-untype
     return model
 
 
+class FailOnCall:
+    """A stand-in for `real` that raises `error` on its n-th call (counted in `calls`, which a test may
+    reset) and passes every other call through: a fault injected into one step of a running engine."""
+
+    def __init__(self, real, n: int, error: BaseException) -> None:  # type: ignore[no-untyped-def]
+        self.real, self.n, self.error, self.calls = real, n, error, 0
+
+    def __call__(self, *a, **kw):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls == self.n:
+            raise self.error
+        return self.real(*a, **kw)
+
+
 def char_tokenizer_model(src: Path, dst: Path) -> Path:
     """A copy of a tiny model folder with a character-level tokenizer (ASCII ids < 128), so commands that
     read text can run on it."""

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from lmserve.cli import main
+from tests.conftest import FailOnCall
 
 
 def test_throughput_json_with_hf_baseline(tiny_models, tmp_path, capsys):  # type: ignore[no-untyped-def]
@@ -192,19 +193,11 @@ def test_a_benchmark_whose_requests_fail_raises(tiny_models):  # type: ignore[no
     from lmserve.bench.offline import run_latency, run_throughput
     path, _ = tiny_models["llama"]
     llm = LLM(str(path))
-    real = llm.engine.runner.forward
-    calls = {"n": 0}
-
-    def boom(*a, **kw):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected fault")
-        return real(*a, **kw)
-    llm.engine.runner.forward = boom
+    boom = llm.engine.runner.forward = FailOnCall(llm.engine.runner.forward, 3, RuntimeError("injected fault"))
     work = random_workload(num_requests=4, input_len=(4, 8), output_len=(4, 8), vocab_size=100, seed=0)
     with pytest.raises(RuntimeError, match="injected fault"):
         run_throughput(llm, work, progress=False)
-    calls["n"] = 0
+    boom.calls = 0
     with pytest.raises(RuntimeError, match="injected fault"):
         run_latency(llm, 2, 8, 8, repeats=1, peak_bandwidth=1e9)
     assert not llm.engine.has_unfinished_requests() and llm.stats().used_blocks == 0

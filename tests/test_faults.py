@@ -11,6 +11,7 @@ import time
 import pytest
 
 from lmserve import LLM, SamplingParams
+from tests.conftest import FailOnCall
 
 PROMPTS = [[5, 17, 33, 9, 100, 3], list(range(20, 61)), [11, 12], list(range(64, 100))]
 
@@ -36,19 +37,11 @@ def test_a_failing_step_fails_its_requests_alone(tiny_models, where):  # type: i
     clean = _run(LLM(str(path), max_num_seqs=2).engine, params)
     llm = LLM(str(path), max_num_seqs=2)
     eng = llm.engine
-    calls = {"n": 0}
     if where == "forward":
         target, name = eng.runner, "forward"
     else:
         target, name = eng.runner, "sampler"
-    real = getattr(target, name)
-
-    def boom(*a, **kw):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError(f"injected {where} fault")
-        return real(*a, **kw)
-    setattr(target, name, boom)
+    setattr(target, name, FailOnCall(getattr(target, name), 3, RuntimeError(f"injected {where} fault")))
     done = _run(eng, params)
     failed = {rid for rid, c in done.items() if c.finish_reason == "error"}
     assert failed == {"0", "1"}, {rid: c.finish_reason for rid, c in done.items()}
@@ -308,14 +301,7 @@ def test_generate_that_raises_takes_its_requests_out_of_the_engine(tiny_models):
     the engine and ran inside the next call, holding blocks)."""
     path, _ = tiny_models["llama"]
     llm = LLM(str(path))
-    real, calls = llm.engine.step, {"n": 0}
-
-    def step():  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real()
-    llm.engine.step = step
+    llm.engine.step = FailOnCall(llm.engine.step, 3, KeyboardInterrupt())
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, params, use_tqdm=False)
@@ -388,14 +374,7 @@ def test_a_loop_that_dies_outside_a_step_tells_its_readers_why_and_ends_the_serv
     ae = ae_mod.AsyncEngine(llm.engine)
     fatal: list[BaseException] = []
     ae.on_fatal = fatal.append
-    real, calls = ae._publish, {"n": 0}
-
-    def publish():  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("snapshot broke")
-        return real()
-    monkeypatch.setattr(ae, "_publish", publish)
+    monkeypatch.setattr(ae, "_publish", FailOnCall(ae._publish, 3, RuntimeError("snapshot broke")))
     monkeypatch.setattr(ae_mod, "STATS_INTERVAL_S", 0.0)  # a snapshot every step
     ae.start()
     try:

@@ -14,6 +14,8 @@ from collections import deque
 import httpx
 import pytest
 
+from tests.conftest import FailOnCall
+
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -528,14 +530,8 @@ def test_a_request_failed_by_a_failed_step_counts_as_an_error(server, monkeypatc
     """A step that raises fails the requests in it (a 500): /metrics counts each as finish_reason error
     (it counted nothing: the exception ended the request, not an output)."""
     eng = server["engine"]
-    real, calls = eng.step, {"n": 0}
-
-    def flaky():  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected step failure")
-        return real()
-    monkeypatch.setattr(eng, "step", flaky)
+    real = eng.step
+    monkeypatch.setattr(eng, "step", FailOnCall(real, 2, RuntimeError("injected step failure")))
     name = 'lmserve_requests_total{finish_reason="error"}'
     before = metric(server, name)
     r = post(server, "/v1/completions", {"prompt": "Once", "max_tokens": 8, "ignore_eos": True})

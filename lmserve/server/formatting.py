@@ -204,11 +204,16 @@ class ChatFormatter(Formatter):
         self.called: set[int] = set()  # choices that made a call
         self.held: dict[int, tuple[list[int], list[Logprob]]] = {}  # per choice: logprobs of tokens not yet sent
 
+    @property
+    def max_calls(self) -> int | None:
+        """Calls an auto-mode output keeps: the first only with parallel_tool_calls false (vLLM's rule)."""
+        return None if self.body.parallel_tool_calls else 1
+
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished output, as the body's tool mode reads it."""
         if self.body.tool_mode == "auto":
             ex = self.parser(self.rng).extract(text)
-            return (ex.content, ex.calls[:None if self.body.parallel_tool_calls else 1]) if ex.calls else (text, [])
+            return (ex.content, ex.calls[:self.max_calls]) if ex.calls else (text, [])
         if self.body.tool_mode == "forced":
             try:
                 return None, parse_forced_calls(text, self.rng)
@@ -223,7 +228,7 @@ class ChatFormatter(Formatter):
             ex = self.parser(self.rng).extract(text)
             if not ex.calls:
                 return [text] if text else []
-            keep = set(map(id, ex.calls[:None if self.body.parallel_tool_calls else 1]))
+            keep = set(map(id, ex.calls[:self.max_calls]))
             return [p for p in ex.parts if isinstance(p, str) or id(p) in keep]
         content, calls = self.calls(text)
         return ([content] if content else []) + list(calls)
@@ -268,8 +273,8 @@ class ChatFormatter(Formatter):
             found = stream.feed(c.delta_text) if c.delta_text else []
             if c.finished:
                 found += stream.finish()
-            if not self.body.parallel_tool_calls:  # the first call only, as vLLM keeps
-                found = [d for d in found if not (isinstance(d, ToolCallDelta) and d.index > 0)]
+            if self.max_calls is not None:  # the first call only, as vLLM keeps
+                found = [d for d in found if not (isinstance(d, ToolCallDelta) and d.index >= self.max_calls)]
         else:  # forced: the calls are known once the array is complete
             self.forced[k] = self.forced.get(k, "") + c.delta_text
             if c.finished:

@@ -20,8 +20,9 @@ def kv_share(config: EngineConfig, budget: int, target_bytes_per_token: float,
         per = KVCache.bytes_per_block(draft, config.block_size, dtype) / config.block_size
     elif config.speculative_method == "eagle" and (Path(str(config.draft_model)) / "eagle_config.json").is_file():
         from lmserve.spec.eagle import head_config
+        from lmserve.spec.eagle_native import HeadKV
         c = head_config(config.draft_model)
-        per = 2 * c.num_kv_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()  # its one layer's K, V
+        per = HeadKV.bytes_per_position(c.num_kv_heads, c.head_dim, dtype)  # its one layer's K, V
     else:
         return 0
     return int(budget * per / (per + target_bytes_per_token))

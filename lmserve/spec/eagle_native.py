@@ -44,11 +44,16 @@ class HeadKV:
         self.free = list(range(blocks - 1, -1, -1))
         self.grown = False  # past its first size (its budget) once: logged then
 
+    @staticmethod
+    def bytes_per_position(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """A position's K and V in the pool."""
+        return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
     @classmethod
     def for_budget(cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                    budget: int) -> "HeadKV":
         """A pool of as many blocks as budget bytes hold (at least one; 16 when no budget is given)."""
-        per_block = 2 * cls.BLOCK * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        per_block = cls.BLOCK * cls.bytes_per_position(num_kv_heads, head_dim, dtype)
         return cls(num_kv_heads, head_dim, dtype, device, max(1, budget // per_block) if budget > 0 else 16)
 
     @property
