@@ -70,6 +70,27 @@ def test_int8_cache_is_stored_and_read_in_place(idx, isa, d, monkeypatch):  # ty
     assert (got.double() - exact).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("isa", ["avx2", "c"])
+def test_a_non_finite_kv_value_reads_back_nan_from_either_store(isa, monkeypatch):  # type: ignore[no-untyped-def]
+    """A NaN / inf in a step's K or V: the kernel's store gives its group the scale QuantizedKV.store
+    gives it (torch's amax keeps a NaN; the C loop's compare skipped it: the NaN read back as 0.0 and the
+    attention came out finite), so the group reads back NaN from either store."""
+    monkeypatch.setenv("LMSERVE_ISA", isa)
+    meta, cache, tables, q, k, v = case_inputs(1, hkv=2, d=64, device="cpu", dtype=torch.float32, seed=23)
+    k, v = k.clone(), v.clone()
+    k[0, 0, 3] = float("nan")  # (tokens, Hkv, d): channel 3 of head 0, group 0
+    v[0, 1, 40] = float("inf")  # head 1, group 1
+    ref_cache, cpu_cache = QuantizedKV.from_float(cache, torch.int8), QuantizedKV.from_float(cache, torch.int8)
+    TorchAttention().forward(q, k, v, ref_cache, meta, 64 ** -0.5, None)
+    got = CpuAttention().forward(q, k, v, cpu_cache, meta, 64 ** -0.5, None)
+    assert torch.equal(cpu_cache.scale.isnan(), ref_cache.scale.isnan()) and ref_cache.scale.isnan().any()
+    same = ~ref_cache.scale.isnan()
+    assert torch.equal(cpu_cache.scale[same], ref_cache.scale[same])
+    a, b = dequantize(cpu_cache.data, cpu_cache.scale), dequantize(ref_cache.data, ref_cache.scale)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert got[0].isnan().any()  # the sequence that attends to the NaN key says so
+
+
 @pytest.mark.parametrize("idx", [1, 3])  # decode rows, and rows of a few tokens: the kernel's steps
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_half_precision_models_kv_goes_into_an_int8_cache(idx, dtype):  # type: ignore[no-untyped-def]

@@ -246,3 +246,30 @@ def test_tile_kernel_short_last_tile_and_every_block_kind(bits, group, with_mins
         y = cpu_native.qgemm_tiles(x, tiles, isa_name=isa)  # (m, 197)
         want = x_blocks_dequantized(x) @ W.T
         assert (y.double() - want).abs().max() <= 2e-5 * want.abs().max(), (m, isa)
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", INT8_X)
+def test_tile_kernel_non_finite_and_tiny_activations(isa):  # type: ignore[no-untyped-def]
+    """x with a NaN or an infinity in a 32-column block gives NaN rows (quantized to int8 they became
+    -127: a finite answer, or an infinity of the wrong sign; a NaN in the block's first 24 columns fell
+    out of the max); a row whose blocks are so small that 1 / scale overflows gives zeros, not the
+    opposite sign of the float64 answer. Other rows of the batch are unchanged (M > 4: the parallel loop)."""
+    if isa not in runnable():
+        pytest.skip(f"this CPU has no {isa}")
+    g = torch.Generator().manual_seed(6)
+    layer = Int8Linear.from_float(torch.randn(40, 96, generator=g), group_size=32)
+    tiles = layer.tiles()
+    for col in (0, 5, 23, 31, 64):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            x = torch.randn(6, 96, generator=g)
+            x[2, col] = bad
+            y = cpu_native.qgemm_tiles(x, tiles, isa_name=isa)  # (6, 40)
+            assert y[2].isnan().all(), (col, bad)
+            clean = torch.cat([x[:2], x[3:]])
+            assert torch.equal(torch.cat([y[:2], y[3:]]), cpu_native.qgemm_tiles(clean, tiles, isa_name=isa))
+    x = torch.full((1, 96), 1e-37)
+    x[0, ::3] = -2e-37
+    y = cpu_native.qgemm_tiles(x, tiles, isa_name=isa).double()
+    exact = x.double() @ layer.dequantize().double().T
+    assert y.isfinite().all() and (y * exact >= 0).all() and (y.abs() <= exact.abs()).all()

@@ -299,18 +299,19 @@ int lm_attn_avx512(void) {
 
 /* An int8 cache row's quantization (kv/cache.py quantize, bit for bit: scale = max |x| / 127 over each
  * group of g channels by IEEE division, element = x / scale (1 where the scale is 0) clamped to
- * [-127, 127] and rounded half to even): x [D] float32 -> dst [D], sc [D / g]. */
+ * [-127, 127] and rounded half to even; a NaN or an infinity makes its group's scale NaN / inf, as torch's
+ * amax does, so the group reads back NaN): x [D] float32 -> dst [D], sc [D / g]. */
 static void quantize_row(const float *x, int D, int8_t *dst, float *sc) {
   const int g = kv_group(D);
   for (int i0 = 0; i0 < D; i0 += g) {
     float amax = 0.f;
-    for (int i = i0; i < i0 + g; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    for (int i = i0; i < i0 + g; i++) amax = fabsf(x[i]) > amax || isnan(x[i]) ? fabsf(x[i]) : amax;  /* NaN stays */
     const float s = amax / 127.f, div = s > 0.f ? s : 1.f;
     sc[i0 / g] = s;
     for (int i = i0; i < i0 + g; i++) {
       float y = x[i] / div;
       y = y < -127.f ? -127.f : (y > 127.f ? 127.f : y);
-      dst[i] = (int8_t)nearbyintf(y);
+      dst[i] = isnan(y) ? 0 : (int8_t)nearbyintf(y);  /* (a NaN element's scale is NaN or inf: it reads NaN) */
     }
   }
 }

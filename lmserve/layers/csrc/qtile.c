@@ -32,6 +32,7 @@
  * cannot negate it.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -57,6 +58,20 @@ int lm_has_vnni(void) {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 }
 
+/* A 32-column block's scale d (x ~ d * xq) and its reciprocal from the block's max |x|. A block with a
+ * NaN or an infinity gets d = NaN, so every product it enters is NaN (int8 cannot hold them; quantized
+ * as finite values they gave a finite or an opposite-signed result); a block so small that 1 / d
+ * overflows (max |x| under ~3.7e-37) is quantized as zeros (it gave -127 everywhere, the opposite sign). */
+static inline void block_scale(float amax, float *d, float *id) {
+  if (!(amax <= 3.402823466e38f)) { /* NaN or inf */
+    *d = NAN, *id = 0.f;
+    return;
+  }
+  *d = amax / 127.f;
+  *id = *d > 0 ? 1.f / *d : 0.f;
+  if (!(*id <= 3.402823466e38f)) *d = 0.f, *id = 0.f;
+}
+
 /* x [M, K] -> xq int8 [M, K], xd [M, K / 32] block scales, and per sub-block of sb columns: xis
  * [M, K / sb] (the sum of xq, for int8's +128) and xfs [M, K / sb] (the sum of dequantized x, for the
  * mins term). Rounding: half away from zero, as llama.cpp's quantize_row_q8_0. */
@@ -69,7 +84,9 @@ TARGET static void quant_x_tiles(const float *x, int64_t M, int64_t K, int sb, i
       const float *xr = x + m * K + b * 32;
       const __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+      const int bad = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+      float d, id;
+      block_scale(bad ? NAN : amax, &d, &id);
       xd[m * KB + b] = d;
       const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f);
       const __m512i sign = _mm512_set1_epi32((int)0x80000000);
@@ -174,16 +191,18 @@ TARGET2 static void quant_x_tiles2(const float *x, int64_t M, int64_t K, int sb,
     for (int64_t b = 0; b < KB; b++) {
       const float *xr = x + m * K + b * 32;
       const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-      __m256 v[4], mx = _mm256_setzero_ps();
+      __m256 v[4], mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
       for (int i = 0; i < 4; i++) {
         v[i] = _mm256_loadu_ps(xr + 8 * i);
-        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));  /* (max_ps drops a NaN: seen below) */
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
       }
       __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
       const float amax = _mm_cvtss_f32(m4);
-      const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+      float d, id;
+      block_scale(_mm256_movemask_ps(nan) ? NAN : amax, &d, &id);
       xd[m * KB + b] = d;
       const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f);
       const __m256i sign = _mm256_set1_epi32((int)0x80000000);
