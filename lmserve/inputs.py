@@ -98,6 +98,6 @@ def init_sequence(rng: random.Random, output: OutputProcessor, structured: Struc
     the host: a draw costs no device call), output state and, with structured_outputs, its grammar
     matcher."""
     p = seq.params
-    seq.generator = random.Random(p.seed + seq.index if p.seed is not None else rng.randrange(2**63))
+    seq.generator = random.Random((p.seed + seq.index) % 2**64 if p.seed is not None else rng.randrange(2**63))
     output.start(seq)
     structured.start(seq)

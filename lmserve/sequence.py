@@ -168,8 +168,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not whole(name, 0, self.MAX_LOGPROBS):
                 raise bad(name, f"must be an integer in [0, {self.MAX_LOGPROBS}]")
-        if self.seed is not None and not whole("seed", 0):
-            raise bad("seed", "must be a non-negative integer")
+        if self.seed is not None and not whole("seed", -(2 ** 63)):
+            raise bad("seed", "must be an integer >= -2**63")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if self.logit_bias is not None:

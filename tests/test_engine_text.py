@@ -58,7 +58,8 @@ def test_bad_input_raises_and_engine_survives(smol, field, make):  # type: ignor
                                       ("logprobs", dict(logprobs=50)), ("min_p", dict(min_p=float("nan"))),
                                       # a bool is an int to Python: it must not pass for a count or an id
                                       ("logprobs", dict(logprobs=True)), ("n", dict(n=True)), ("top_k", dict(top_k=True)),
-                                      ("seed", dict(seed=True)), ("min_tokens", dict(min_tokens=True)),
+                                      ("seed", dict(seed=True)), ("seed", dict(seed=-(2 ** 63) - 1)),
+                                      ("min_tokens", dict(min_tokens=True)),
                                       ("stop_token_ids", dict(stop_token_ids=["a"])), ("stop_token_ids", dict(stop_token_ids=5)),
                                       ("stop_token_ids", dict(stop_token_ids=[1.5])), ("stop", dict(stop=5)),
                                       ("logit_bias", dict(logit_bias={1.7: 1})),
@@ -165,6 +166,18 @@ def test_streaming_deltas_join_to_text(smol):  # type: ignore[no-untyped-def]
     assert "".join(deltas) == final.outputs[0].text
     again = smol.generate(["Write a list of three fruits:"], params, use_tqdm=False)[0]
     assert again.outputs[0].text == final.outputs[0].text  # same seed, same text
+
+
+def test_a_negative_seed_is_its_own_seed(smol):  # type: ignore[no-untyped-def]
+    """vLLM takes any signed 64-bit seed (it was refused). -1 is not 1 (random.Random seeds by the
+    absolute value: taken modulo 2**64 first) and repeats itself."""
+    def text(seed: int) -> str:
+        p = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)
+        return smol.generate(["Once upon a time"], p, use_tqdm=False)[0].outputs[0].text
+
+    minus = text(-1)
+    assert minus == text(-1) and minus != text(1)
+    assert text(-(2 ** 63)) == text(2 ** 63)  # the same seed modulo 2**64
 
 
 def test_incremental_detokenizer_never_splits_utf8(smol):  # type: ignore[no-untyped-def]

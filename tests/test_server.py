@@ -405,10 +405,21 @@ def test_assistant_message_may_omit_content(server):  # type: ignore[no-untyped-
     assert r.json()["usage"]["completion_tokens"] <= 2
 
 
-def test_wrong_content_type(server, client):  # type: ignore[no-untyped-def]
-    r = post(server, "/v1/completions", None, headers={"Content-Type": "text/plain"}, raw=b'{"prompt": "hi"}')
+@pytest.mark.parametrize("ctype", ["text/plain", "text/plain;charset=application/json", "application/jsonx",
+                                   "multipart/form-data; boundary=application/json"])
+def test_wrong_content_type(server, client, ctype):  # type: ignore[no-untyped-def]
+    """The media type itself must be application/json (as vLLM checks it): a substring let
+    text/plain;charset=application/json through, a type any web page may send cross-site unasked."""
+    r = post(server, "/v1/completions", None, headers={"Content-Type": ctype}, raw=b'{"prompt": "hi"}')
     assert r.status_code == 415 and "error" in r.json()
     good_request_works(client)
+
+
+def test_json_content_type_with_parameters_and_any_case(server):  # type: ignore[no-untyped-def]
+    for ctype in ("application/json; charset=utf-8", "Application/JSON"):
+        r = post(server, "/v1/completions", None, headers={"Content-Type": ctype},
+                 raw=b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "seed": -1}')
+        assert r.status_code == 200, (ctype, r.text)
 
 
 def test_queue_full_gives_429(server, client, monkeypatch):  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ import pytest
 
 from lmserve.kv import BlockManager
 from lmserve.server import engine_view
+from lmserve.server import web as web_ui
 from tests.test_server import KEY, serving
 
 pytest.importorskip("uvicorn")
@@ -117,6 +118,31 @@ def test_the_engine_view_follows_requests_and_returns_to_all_free(web):  # type:
     assert ae.view.viewers == 0
 
 
+def test_views_opened_at_once_are_capped(web):  # type: ignore[no-untyped-def]
+    """40 views asked for at once (every request sent before any answer is read): at most MAX_VIEWERS
+    are let in, the rest get a 429; all are counted off once closed. Before, the count rose only when
+    a stream started, so all 40 passed the check."""
+    import socket
+    from urllib.parse import urlsplit
+
+    ae, where = web["ae"], urlsplit(web["url"])
+    req = (f"GET /v1/engine/stream HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n").encode()
+    socks = [socket.create_connection((where.hostname, where.port), timeout=30) for _ in range(40)]
+    try:
+        for s in socks:
+            s.sendall(req)
+        codes = [s.recv(64).split(b"\r\n")[0].split()[1] for s in socks]
+        assert codes.count(b"200") == web_ui.MAX_VIEWERS and codes.count(b"429") == 40 - codes.count(b"200")
+    finally:
+        for s in socks:
+            s.close()
+    for _ in range(100):
+        if ae.view.viewers == 0:
+            break
+        time.sleep(0.1)
+    assert ae.view.viewers == 0
+
+
 def test_nothing_is_built_while_nobody_watches(web, monkeypatch):  # type: ignore[no-untyped-def]
     calls = []
     monkeypatch.setattr(engine_view.EngineView, "after_step", lambda *a: calls.append(1))
@@ -185,7 +211,8 @@ def test_in_a_browser_chat_streams_and_the_grid_moves(web, browser):  # type: ig
     page.fill("#prompt", "The three primary colours are")
     page.fill("#p-max_tokens", "12")
     page.click("#complete")
-    page.wait_for_function("document.querySelectorAll('#completion .tok').length >= 12", timeout=60_000)
+    page.wait_for_function("document.querySelectorAll('#completion .tok').length >= 3 && "
+                           "!document.querySelector('#complete').disabled", timeout=60_000)
     page.hover("#completion .tok >> nth=2")
     assert "logprob" in page.get_attribute("#completion .tok >> nth=2", "title")
     assert "logprob" in page.inner_text("#token-info")
@@ -218,6 +245,55 @@ def test_in_a_browser_chat_streams_and_the_grid_moves(web, browser):  # type: ig
                            "document.querySelector('#block-grid').dataset.shared == 0 && "
                            "document.querySelectorAll('#queue tbody tr').length == 0", timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "engine-idle.png"))
+    assert errors == []
+    page.close()
+
+
+def test_in_a_browser_the_console_sends_and_shows_what_it_should(web, browser):  # type: ignore[no-untyped-def]
+    """Empty sampling fields are left out (they went as 0: a 400 for top_p / max_tokens, greedy for
+    temperature); Clear during a reply stops it and the reply stays out of the next conversation (it
+    came back as that conversation's first turn); the completion tab shows the completion's text (it
+    showed each token decoded alone: a character split over two tokens came out as two U+FFFD, and a
+    stop string cut from the text was shown)."""
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(web["url"] + "/")
+    page.fill("#api-key", KEY)
+    page.dispatch_event("#api-key", "change")
+    is_chat = lambda r: r.url.endswith("/v1/chat/completions")  # noqa: E731
+    page.fill("#c-temperature", "0")
+    page.fill("#c-top_p", "")
+    page.fill("#c-max_tokens", "")
+    with page.expect_request(is_chat) as first:
+        page.fill("#chat-input", "Count from 1 to 500, one number per line.")
+        page.press("#chat-input", "Enter")
+    sent = first.value.post_data_json
+    assert sent["temperature"] == 0 and "top_p" not in sent and "max_tokens" not in sent and "seed" not in sent
+    page.wait_for_function("document.querySelector('.msg.assistant .text').textContent.length > 0", timeout=60_000)
+    streaming = page.evaluate("() => { const on = !document.querySelector('#stop').disabled; "
+                              "document.querySelector('#clear').click(); return on; }")
+    assert streaming  # Clear came while the reply streamed
+    page.wait_for_function("!document.querySelector('#send').disabled", timeout=30_000)
+    page.fill("#c-max_tokens", "4")
+    with page.expect_request(is_chat) as second:
+        page.fill("#chat-input", "Hello")
+        page.press("#chat-input", "Enter")
+    assert second.value.post_data_json["messages"] == [{"role": "user", "content": "Hello"}]
+    page.wait_for_selector(".msg.assistant .meta", timeout=60_000)
+    page.click("#tab-complete")
+    page.fill("#prompt", "Translate to Chinese: I love you. Chinese: 我爱")
+    page.fill("#p-temperature", "0")
+    page.fill("#p-max_tokens", "6")
+    page.fill("#p-stop", "Chinese")
+    with page.expect_response(lambda r: r.url.endswith("/v1/completions")) as resp:
+        page.click("#complete")
+    page.wait_for_function("!document.querySelector('#complete').disabled", timeout=60_000)
+    chunks = [json.loads(line[5:]) for line in resp.value.text().splitlines()
+              if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    shown = "".join(page.eval_on_selector_all("#completion .tok", "els => els.map(e => e.textContent)"))
+    assert shown == text and "\ufffd" not in shown, (shown, text)
     assert errors == []
     page.close()
 

@@ -82,7 +82,7 @@ class OpenAIServer:
     async def read_json(self, request: Request) -> dict[str, Any]:
         """A JSON object body within the size limit; else a 4xx."""
         ctype = request.headers.get("content-type", "")
-        if "application/json" not in ctype.lower():
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":  # the type itself, as vLLM (CSRF)
             raise ApiError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:

@@ -94,7 +94,7 @@ class SamplingRequest(BaseRequest):
     n: Int = Field(1, ge=1)
     best_of: Int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: Int | None = Field(None, ge=0)
+    seed: Int | None = Field(None, ge=-(2 ** 63))  # vLLM's: any signed 64-bit seed
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
     logit_bias: dict[str, Float] | None = None

@@ -40,37 +40,45 @@ def register(app: Any, ae: AsyncEngine, served_model: str) -> None:
             raise ApiError(404, f"no such file: {name}", type_="not_found_error")
         return Response(assets[name], media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
 
+    class Viewed(StreamingResponse):
+        """The stream, counted as a viewer from the check that let it in until the response ends, whether
+        it ran, failed or never started (a client gone first): counted where it is checked, so views
+        opened at once cannot all pass the check before the first is counted."""
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                ae.watch(-1)
+
     @app.get("/v1/engine/stream", include_in_schema=False)
     async def stream() -> Response:
         if ae.view.viewers >= MAX_VIEWERS:
             raise ApiError(429, f"{MAX_VIEWERS} engine views are already open", type_="rate_limit_error",
                            headers={"Retry-After": "5"})
-        return StreamingResponse(_events(ae), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        ae.watch(+1)  # (no await between the check and the count)
+        return Viewed(_events(ae), media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _events(ae: AsyncEngine):  # type: ignore[no-untyped-def]
     """Each new snapshot as one `data:` event, a comment now and then to keep proxies from closing an idle
-    stream, an `error` event if the engine stops. Counted as a viewer while it runs."""
-    ae.watch(+1)
-    try:
-        seen, last = -1, time.monotonic()
-        while True:
-            latest = ae.view.latest  # (seq, snapshot): one read, never a torn pair
-            seq, snap = latest if latest is not None else (seen, None)
-            if snap is not None and seq != seen:
-                seen, last = seq, time.monotonic()
-                yield f"data: {json.dumps(snap, separators=(',', ':'))}\n\n"
-            elif time.monotonic() - last > KEEPALIVE_S:
-                last = time.monotonic()
-                yield ": keep-alive\n\n"
-            if not ae.alive or ae.draining:  # (a view left open must not hold a shutdown's drain)
-                why = "the server is shutting down" if ae.draining else "the engine loop is not running"
-                yield f"event: error\ndata: {json.dumps({'message': why})}\n\n"
-                return
-            await asyncio.sleep(POLL_S)
-    finally:
-        ae.watch(-1)
+    stream, an `error` event if the engine stops."""
+    seen, last = -1, time.monotonic()
+    while True:
+        latest = ae.view.latest  # (seq, snapshot): one read, never a torn pair
+        seq, snap = latest if latest is not None else (seen, None)
+        if snap is not None and seq != seen:
+            seen, last = seq, time.monotonic()
+            yield f"data: {json.dumps(snap, separators=(',', ':'))}\n\n"
+        elif time.monotonic() - last > KEEPALIVE_S:
+            last = time.monotonic()
+            yield ": keep-alive\n\n"
+        if not ae.alive or ae.draining:  # (a view left open must not hold a shutdown's drain)
+            why = "the server is shutting down" if ae.draining else "the engine loop is not running"
+            yield f"event: error\ndata: {json.dumps({'message': why})}\n\n"
+            return
+        await asyncio.sleep(POLL_S)
 
 
 def _html(text: str) -> str:

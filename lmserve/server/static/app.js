@@ -76,8 +76,10 @@ buildControls($("#sampling"), "c-");
 buildControls($("#sampling-complete"), "p-");
 function sampling(prefix) {
   const v = (n) => $("#" + prefix + n).value.trim();
-  const body = { temperature: Number(v("temperature")), top_p: Number(v("top_p")), max_tokens: Number(v("max_tokens")) };
-  if (v("seed") !== "") body.seed = Number(v("seed"));
+  const body = {};
+  for (const n of ["temperature", "top_p", "max_tokens", "seed"]) {  // an empty field: the server's default
+    if (v(n) !== "") body[n] = Number(v(n));
+  }
   const stop = v("stop").split("\n").filter((s) => s.length);
   if (stop.length) body.stop = stop;
   return body;
@@ -86,6 +88,7 @@ function sampling(prefix) {
 // ------------------------------------------------------------------ chat
 const history = [];
 let controller = null;
+let conversation = 0;  // Clear starts a new one: a reply still streaming for the old one stays out of history
 const messages = $("#messages");
 
 function addMessage(role, text) {
@@ -101,6 +104,7 @@ function addMessage(role, text) {
 }
 
 async function send(text) {
+  const mine = conversation;
   history.push({ role: "user", content: text });
   addMessage("user", text);
   const reply = addMessage("assistant", "");
@@ -128,7 +132,7 @@ async function send(text) {
       }
       messages.scrollTop = messages.scrollHeight;
     }, controller.signal);
-    history.push({ role: "assistant", content: text_ });
+    if (mine === conversation) history.push({ role: "assistant", content: text_ });
     const end = performance.now();
     const meta = document.createElement("span");
     meta.className = "meta";
@@ -141,7 +145,8 @@ async function send(text) {
     reply.dataset.tokens = n ?? "";
     reply.appendChild(meta);
   } catch (e) {
-    if (e.name === "AbortError") { history.push({ role: "assistant", content: text_ }); }
+    if (mine !== conversation) { /* cleared meanwhile: its turns are gone already */ }
+    else if (e.name === "AbortError") { history.push({ role: "assistant", content: text_ }); }
     else { reply.classList.add("error"); out.textContent = (text_ ? text_ + "\n" : "") + "error: " + e.message; history.pop(); }
   } finally {
     controller = null;
@@ -160,7 +165,11 @@ $("#chat-input").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("#chat-form").requestSubmit(); }
 });
 $("#stop").addEventListener("click", () => controller && controller.abort());
-$("#clear").addEventListener("click", () => { history.length = 0; messages.innerHTML = ""; });
+$("#clear").addEventListener("click", () => {
+  conversation++;
+  if (controller) controller.abort();
+  history.length = 0; messages.innerHTML = "";
+});
 
 // ------------------------------------------------------------------ raw completion with logprobs
 $("#complete").addEventListener("click", async () => {
@@ -180,27 +189,32 @@ $("#complete").addEventListener("click", async () => {
       body: JSON.stringify({ model: MODEL, prompt, stream: true, logprobs: 5, ...sampling("p-") }),
     });
     if (!resp.ok) throw new Error(await errorText(resp));
+    // The text shown is the completion's own (a chunk's `text`), not its tokens decoded one by one (a
+    // character split over two tokens, a stop string cut off): each piece of text carries the tokens
+    // that made it, held over while a chunk brings tokens but no text yet.
+    let pending = [];  // [token, logprob, top] not yet shown
     await readEvents(resp, (ev, isError) => {
       if (isError || ev.error) throw new Error((ev.error && ev.error.message) || ev.message);
       for (const c of ev.choices || []) {
         const lp = c.logprobs;
-        if (!lp || !lp.tokens) continue;
-        lp.tokens.forEach((tok, i) => {
-          if (first === null) first = performance.now();
-          count++;
-          const s = document.createElement("span");
-          s.className = "tok";
-          s.textContent = tok;
-          const l = lp.token_logprobs[i];
-          s.dataset.logprob = l;
-          const prob = Math.exp(l);
-          s.style.background = `rgba(37, 99, 235, ${(0.05 + 0.35 * (1 - prob)).toFixed(3)})`;
-          const top = lp.top_logprobs && lp.top_logprobs[i] ? lp.top_logprobs[i] : {};
-          s.title = `${JSON.stringify(tok)}  logprob ${l.toFixed(3)} (p ${prob.toFixed(3)})\n` +
-            Object.entries(top).map(([t, v]) => `${JSON.stringify(t)}  ${v.toFixed(3)}`).join("\n");
-          s.addEventListener("mouseenter", () => { $("#token-info").textContent = s.title; });
-          box.appendChild(s);
-        });
+        if (lp && lp.tokens) {
+          if (lp.tokens.length && first === null) first = performance.now();
+          count += lp.tokens.length;
+          lp.tokens.forEach((tok, i) => pending.push([tok, lp.token_logprobs[i], (lp.top_logprobs || [])[i] || {}]));
+        }
+        if (!c.text) continue;
+        const s = document.createElement("span");
+        s.className = "tok";
+        s.textContent = c.text;
+        const l = pending.reduce((acc, [, lpv]) => acc + lpv, 0);  // the piece's log-probability
+        s.dataset.logprob = l;
+        s.style.background = `rgba(37, 99, 235, ${(0.05 + 0.35 * (1 - Math.exp(l))).toFixed(3)})`;
+        s.title = pending.map(([tok, lpv, top]) => `${JSON.stringify(tok)}  logprob ${lpv.toFixed(3)} ` +
+          `(p ${Math.exp(lpv).toFixed(3)})\n` +
+          Object.entries(top).map(([t, v]) => `  ${JSON.stringify(t)}  ${v.toFixed(3)}`).join("\n")).join("\n");
+        pending = [];
+        s.addEventListener("mouseenter", () => { $("#token-info").textContent = s.title; });
+        box.appendChild(s);
       }
     });
     const end = performance.now();
