@@ -51,7 +51,10 @@ class StructuredOutputsParams:
                 schema = self.json
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json: a JSON schema must be an object")
-            text = json_lib.dumps(schema, ensure_ascii=False)  # property order kept: it is the output order
+            try:
+                text = json_lib.dumps(schema, ensure_ascii=False)  # property order kept: it is the output order
+            except (TypeError, ValueError) as e:  # a set, bytes, a non-string key, a cycle
+                raise ValueError(f"structured_outputs.json: not a JSON document ({e})") from None
         elif kind == "json_object":
             text = ""
         elif kind == "choice":

@@ -40,6 +40,82 @@ MAX_STRAGGLERS = 4  # compiles running past their timeout at once; more: a new g
 MAX_COMPILING = 8  # distinct grammars compiling at once (stragglers included); more: refused at once
 
 
+class CompilerBusy(ValueError):
+    """A constraint refused for now, not for what it is: the compiler has as many grammars in flight as
+    it takes (the server answers 429 with Retry-After, not 400)."""
+
+
+# Escapes xgrammar's regex reader does not know: it matches the letter itself (\A as "A"), where any
+# other regex engine reads an anchor or refuses it. (Its known ones: a d D e f n r s S t v w W 0 x u c k
+# p P b B, the last six refused or parsed on their own.)
+UNKNOWN_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ")
+# JSON-schema keywords xgrammar (0.2.x) accepts and does not enforce, measured on its grammars: a schema
+# holding one gets outputs that break it, so it is refused (vLLM screens the same way).
+UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "propertyNames", "dependentRequired",
+              "dependentSchemas", "dependencies", "not", "if")
+SUBSCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems")  # a schema each
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def unenforced_regex(regex: str) -> str | None:
+    """What in a regex xgrammar would not read as a regex does (None: nothing)."""
+    i = 0
+    while i < len(regex) - 1:
+        if regex[i] == "\\":
+            if regex[i + 1] in UNKNOWN_ESCAPES:
+                hint = " (the whole output is matched: no anchors are needed)" if regex[i + 1] in "AZz" else ""
+                return f"\\{regex[i + 1]} at {i} is not an escape the grammar engine knows (it would match the " \
+                       f"letter {regex[i + 1]}){hint}"
+            i += 2
+        else:
+            i += 1
+    return None
+
+
+def unenforced_schema(schema: Any, path: str = "") -> str | None:
+    """The first part of a JSON schema the grammar engine would accept without enforcing it, with its
+    path ("properties.tags.uniqueItems"); None when every part is enforced."""
+    if not isinstance(schema, dict):
+        return None
+    at = (lambda key: f"{path}.{key}" if path else key)  # noqa: E731
+    for key in UNENFORCED:
+        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+            return f"{at(key)} is not enforced by the grammar engine"
+    for key in ("unevaluatedProperties", "unevaluatedItems"):
+        if key in schema and schema[key] is not False:
+            return f"{at(key)} is not enforced by the grammar engine (only false is)"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return f"{at('multipleOf')} is enforced for integers only"
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    if lengths and ("format" in schema or "pattern" in schema) or "format" in schema and "pattern" in schema:
+        both = " and ".join([*[k for k in ("format", "pattern") if k in schema], *lengths])
+        return f"{at(both.split(' and ')[-1])}: {both} together are not enforced by the grammar engine"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"{at('allOf')} with more than one schema is not enforced by the grammar engine"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return f"{at('$ref')}: only references inside the schema (#/...) are followed, got {ref!r}"
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    missing = [k for k in schema.get("required", []) if isinstance(k, str) and k not in props] \
+        if isinstance(schema.get("required"), list) else []
+    if missing:
+        return f"{at('required')}: {missing[0]!r} is not in properties (the grammar engine cannot produce it)"
+    for key in SUBSCHEMAS:
+        found = unenforced_schema(schema.get(key), at(key)) if isinstance(schema.get(key), dict) else None
+        if found:
+            return found
+    for key in SCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
+            if (found := unenforced_schema(sub, at(f"{key}.{name}"))):
+                return found
+    for key in SCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or []) if isinstance(schema.get(key), list) else ():
+            if (found := unenforced_schema(sub, at(f"{key}[{i}]"))):
+                return found
+    return None
+
+
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per bitmask row: one bit per vocabulary entry."""
     return (vocab_size + 31) // 32
@@ -120,6 +196,10 @@ class StructuredOutputs:
         beyond either, a new grammar is refused at once (a ValueError saying the compiler is busy)."""
         kind, text = spec.key()
         key = (kind, text)
+        problem = unenforced_schema(json.loads(text)) if kind == "json" else \
+            unenforced_regex(text) if kind == "regex" else None
+        if problem:
+            raise ValueError(f"structured_outputs.{kind}: {problem}")
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -127,11 +207,13 @@ class StructuredOutputs:
             running = self._inflight.get(key)
             if running is None:
                 if len(self._stragglers) >= MAX_STRAGGLERS or len(self._inflight) >= MAX_COMPILING:
-                    raise ValueError(f"structured_outputs.{kind}: the grammar compiler is busy ({len(self._inflight)} "
+                    raise CompilerBusy(f"structured_outputs.{kind}: the grammar compiler is busy ({len(self._inflight)} "
                                      f"compiling, {len(self._stragglers)} past the timeout); try again later")
                 compiler = self._get_compiler()
                 running = self._inflight[key] = (Future(), time.monotonic())
-                threading.Thread(target=self._run_compile, args=(running[0], compiler, kind, text), daemon=True,
+                # not a daemon: a compile past its timeout is waited for at exit (a daemon thread killed
+                # inside xgrammar's C++ aborted the process: rc 134 after a clean run)
+                threading.Thread(target=self._run_compile, args=(running[0], compiler, kind, text),
                                  name="lmserve-compile").start()
         job, started = running
         try:

@@ -412,3 +412,127 @@ def test_compiles_in_flight_are_capped(smol, monkeypatch):  # type: ignore[no-un
     for t in threads:
         t.join(30)
     assert len(results) == 2 and s.compile(StructuredOutputsParams(regex="other[0-9]")) is not None
+
+
+UNENFORCED_SCHEMAS = [  # (schema, the keyword named, a document xgrammar's grammar takes that breaks it)
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "[1, 1]"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "contains", "[1]"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf", "1"),
+    ({"type": "integer", "not": {"const": 3}}, "not", "3"),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"multipleOf": 2}}, "if", "7"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf", "0.3"),
+    ({"type": "string", "format": "date-time", "maxLength": 12}, "maxLength", '"2024-01-01T00:00:00Z"'),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "maxLength", '"aaaa"'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "propertyNames": {"pattern": "^b"}},
+     "propertyNames", '{"a": 1}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, "dependentRequired", '{"a": 1}'),
+    ({"$ref": "http://example.com/schema.json"}, "$ref", '"x"'),
+]
+
+
+@pytest.mark.parametrize("schema, keyword, breaks", UNENFORCED_SCHEMAS)
+def test_a_schema_the_grammar_engine_would_not_enforce_is_refused(smol, schema, keyword, breaks):  # type: ignore[no-untyped-def]
+    """Before, each was accepted and its outputs broke it (uniqueItems gave [1, 2, 3, 2], finish_reason
+    stop). The third column is why: a document xgrammar's own grammar for the schema takes, which the
+    independent validator (jsonschema) refuses; nested, the refusal names the path."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from xgrammar.testing import _is_grammar_accept_string
+    if keyword != "$ref":  # (jsonschema would fetch the URL)
+        assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), breaks)
+        assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(breaks))
+    for constraint, field in ((schema, "structured_outputs.json"),
+                              ({"type": "object", "properties": {"x": schema}}, "structured_outputs.json: properties.x.")):
+        with pytest.raises(ValueError, match=re.escape(field) + ".*" + re.escape(keyword)):
+            smol.generate(["hi"], greedy(4, json=constraint), use_tqdm=False)
+    assert smol.stats().used_blocks == 0
+
+
+def test_schemas_the_grammar_engine_enforces_are_taken(smol):  # type: ignore[no-untyped-def]
+    """The screen refuses only what is not enforced: the same keywords in the forms xgrammar keeps."""
+    jsonschema = pytest.importorskip("jsonschema")
+    ok = [{"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 2},
+          {"allOf": [{"type": "integer", "minimum": 3, "maximum": 9}]}, {"type": "integer", "multipleOf": 3,
+                                                                          "minimum": 1, "maximum": 20},
+          {"type": "string", "format": "date"}, {"type": "string", "pattern": "^[ab]{2}$"},
+          {"$defs": {"n": {"type": "integer", "minimum": 0, "maximum": 5}}, "type": "object",
+           "properties": {"not": {"$ref": "#/$defs/n"}}, "required": ["not"], "additionalProperties": False}]
+    outs = smol.generate(["Some JSON:"] * len(ok), [greedy(40, json=s) for s in ok], use_tqdm=False)
+    for schema, o in zip(ok, outs):
+        assert o.outputs[0].finish_reason == "stop", (schema, o.outputs[0].text)
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+
+
+@pytest.mark.parametrize("regex", [r"\Aab\Z", r"ab\z", r"a\Gb", r"x\Qy"])
+def test_a_regex_escape_the_grammar_engine_reads_as_a_letter_is_refused(smol, regex):  # type: ignore[no-untyped-def]
+    """xgrammar matches \\A as the letter A (an output 'AabZ' for \\Aab\\Z, which re.fullmatch refuses);
+    an escaped backslash before a letter is a literal and stays allowed."""
+    from xgrammar.testing import _is_grammar_accept_string
+    letter = regex[regex.index("\\") + 1]
+    with pytest.raises(ValueError, match=r"structured_outputs.regex: \\" + letter):
+        smol.generate(["hi"], greedy(4, regex=regex), use_tqdm=False)
+    assert _is_grammar_accept_string(xgr.Grammar.from_regex(r"\Aab"), "Aab") and not re.fullmatch(r"\Aab", "Aab")
+    assert smol.generate(["hi"], greedy(4, regex=r"\\A[0-9]"), use_tqdm=False)[0].outputs[0].text[:2] == "\\A"
+
+
+def test_a_schema_that_is_not_json_is_a_value_error():  # type: ignore[no-untyped-def]
+    """A Python schema json cannot write (a set, bytes) named its field with a ValueError (a TypeError before)."""
+    for schema in ({"type": "string", "enum": {"a", "b"}}, {"type": "string", "default": b"x"}):
+        with pytest.raises(ValueError, match="structured_outputs.json"):
+            SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+
+
+def test_a_compile_past_its_timeout_does_not_abort_the_exit(tmp_path):  # type: ignore[no-untyped-def]
+    """A compile refused for its time goes on in the background; the process still exits cleanly (its
+    daemon thread was killed inside xgrammar's C++ at exit: 'terminate called', rc 134)."""
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text(
+        "from lmserve import LLM, SamplingParams, StructuredOutputsParams as SO\n"
+        "llm = LLM(grammar_compile_timeout=0.05)\n"
+        "try:\n"
+        "    llm.generate(['Hi'], SamplingParams(max_tokens=4, structured_outputs=SO(regex='[a-z]{0,300}x')),"
+        " use_tqdm=False)\n"
+        "except ValueError as e:\n"
+        "    print('refused', e)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "refused structured_outputs.regex: took longer" in r.stdout, (r.returncode, r.stderr[-500:])
+
+
+def test_server_names_the_constraint_as_sent_and_answers_busy_with_429(smol, monkeypatch):  # type: ignore[no-untyped-def]
+    """A constraint's 400 names the field the client used (it named structured_outputs.json for a
+    response_format, a guided_json or a tools schema; a lone surrogate in guided_regex gave no field);
+    a compiler at its limit is a 429 with Retry-After, not a 400 (a client does not retry a 400)."""
+    from starlette.testclient import TestClient
+
+    from lmserve import structured as st_mod
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    bad = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": bad}}}}
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}},
+              "response_format.json_schema.schema"), ({"guided_json": bad}, "guided_json"),
+             ({"guided_regex": r"\Aab"}, "guided_regex"), ({"structured_outputs": {"json": bad}},
+                                                           "structured_outputs.json"),
+             ({"tools": [tool], "tool_choice": "required"}, "tools")]
+    with TestClient(build_app(AsyncEngine(smol.engine), "smollm2-135m")) as c:
+        def chat(extra: dict) -> object:
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra}
+            return c.post("/v1/chat/completions", json=body)
+        for extra, param in cases:
+            r = chat(extra)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
+        raw = b'{"messages": [{"role": "user", "content": "Hi"}], "guided_regex": "\\ud800"}'
+        r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+        r = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4, "text": {
+            "format": {"type": "json_schema", "name": "x", "schema": bad}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+
+        def busy(self, spec):  # type: ignore[no-untyped-def]
+            raise st_mod.CompilerBusy("structured_outputs.regex: the grammar compiler is busy; try again later")
+        monkeypatch.setattr(st_mod.StructuredOutputs, "compile", busy)
+        r = chat({"guided_regex": "[0-9]+"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1" and "busy" in r.json()["error"]["message"]

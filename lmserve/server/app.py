@@ -130,7 +130,7 @@ class OpenAIServer:
     def engine_request(self, prompt: str | list[int], body: SamplingRequest) -> EngineRequest:
         """The prompt and the body's sampling options as an engine Request: tokenized and validated once
         (the default max_tokens needs the prompt's length); a 400 naming the field if it is bad."""
-        with invalid_request():
+        with invalid_request(body.constraint_renames()):
             structured = body.structured()
             self.limits.check_constraint(structured.key() if structured is not None else None)
             ids = self.ae.tokenize(prompt)

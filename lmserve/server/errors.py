@@ -9,6 +9,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from lmserve.structured import CompilerBusy
+
 
 class ApiError(Exception):
     """An error with an HTTP status and OpenAI's error body."""
@@ -72,6 +74,8 @@ def invalid_request(renames: Renames = ()) -> Iterator[None]:
     named as that API names them."""
     try:
         yield
+    except CompilerBusy as e:  # refused for now, not for what it asks: retry, do not fix
+        raise ApiError(429, renamed(str(e), renames), type_="rate_limit_error", headers={"Retry-After": "1"}) from None
     except ValueError as e:
         raise ApiError.invalid(ValueError(renamed(str(e), renames))) from None
     except ApiError as e:

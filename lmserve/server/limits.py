@@ -117,7 +117,7 @@ class ServerLimits:
 
     def check_constraint(self, key: tuple[str, str] | None) -> None:
         """An output constraint's (kind, text) (StructuredOutputsParams.key) within max_schema_bytes."""
-        if key is not None and len(key[1].encode()) > self.max_schema_bytes:
+        if key is not None and len(key[1].encode("utf-8", "surrogatepass")) > self.max_schema_bytes:
             raise ValueError(f"structured_outputs.{key[0]}: more than {self.max_schema_bytes} bytes "
                              f"(--max-schema-bytes)")
 

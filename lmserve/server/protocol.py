@@ -145,6 +145,25 @@ class SamplingRequest(BaseRequest):
     def structured(self) -> StructuredOutputsParams | None:
         """The one output constraint the body asks for (response_format, structured_outputs or a
         guided_* field), or None; ValueError naming the field when it is incomplete or several are given."""
+        found = self._constraints()
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: only one output constraint is allowed (also given: {found[0][0]})")
+        return found[0][1] if found else None
+
+    def constraint_renames(self) -> tuple[tuple[str, str], ...]:
+        """Errors about the output constraint (the library names it structured_outputs.<kind>) named by
+        the field the client sent it in."""
+        try:
+            found = self._constraints()
+        except ValueError:  # (said by structured(), inside the checks)
+            found = []
+        origin = found[0][0] if found else "structured_outputs"
+        return () if origin == "structured_outputs" else \
+            (*((f"structured_outputs.{k}", origin) for k in ("json", "json_object", "regex", "choice", "grammar")),
+             ("structured_outputs", origin))
+
+    def _constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """(the field it came in, the constraint) for each output constraint the body gives."""
         found: list[tuple[str, StructuredOutputsParams]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -153,7 +172,7 @@ class SamplingRequest(BaseRequest):
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise ValueError("response_format.json_schema: a json_schema with a schema is required for "
                                  "type json_schema")
-            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.schema_)))
+            found.append(("response_format.json_schema.schema", StructuredOutputsParams(json=rf.json_schema.schema_)))
         so = self.structured_outputs
         if so is not None:
             found.append(("structured_outputs", StructuredOutputsParams(
@@ -162,9 +181,7 @@ class SamplingRequest(BaseRequest):
                            ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
                 found.append((name, StructuredOutputsParams(**{kind: getattr(self, name)})))
-        if len(found) > 1:
-            raise ValueError(f"{found[1][0]}: only one output constraint is allowed (also given: {found[0][0]})")
-        return found[0][1] if found else None
+        return found
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
                          ) -> SamplingParams:
@@ -313,13 +330,14 @@ class ChatCompletionRequest(SamplingRequest):
             return "none"
         return "auto" if self.tool_choice in (None, "auto") else "forced"
 
-    def structured(self) -> StructuredOutputsParams | None:
+    def _constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
+        found = super()._constraints()
         if self.tool_mode != "forced":
-            return super().structured()
-        if super().structured() is not None:
+            return found
+        if found:
             raise ValueError("tool_choice: cannot be combined with another output constraint")
-        return StructuredOutputsParams(json=tools_json_schema(self.tools, self.tool_choice,  # type: ignore[arg-type]
-                                                              self.parallel_tool_calls))
+        return [("tools", StructuredOutputsParams(json=tools_json_schema(
+            self.tools, self.tool_choice, self.parallel_tool_calls)))]  # type: ignore[arg-type]
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template gets besides the messages: chat_template_kwargs, and the tools."""

@@ -131,7 +131,7 @@ class ResponsesRequest(BaseRequest):
         fmt = self.text.format if self.text else None
         constraint = "text.format.schema" if fmt is not None and fmt.type == "json_schema" else "tools"
         return (("messages", "input"), ("prompt", "input"), ("max_tokens", "max_output_tokens"), (".function", ""),
-                ("response_format", "text.format"),
+                ("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
                 ("structured_outputs.json", constraint), ("structured_outputs", constraint))
 
     def messages(self) -> list[ChatMessage]:
