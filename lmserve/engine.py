@@ -110,9 +110,9 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A prompt (text or token ids) -> validated token ids; ValueError naming the problem."""
-        return self.inputs.tokenize(prompt)
+        return self.inputs.tokenize(prompt, add_special_tokens)
 
     def process_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
         """Tokenize and validate a request once; ValueError naming the field if it is bad. Reads only

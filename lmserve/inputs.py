@@ -35,14 +35,15 @@ class InputProcessor:
         grammar = self.validate(ids, params)
         return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar)
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """A prompt (text or token ids) -> validated token ids; ValueError naming the problem."""
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A prompt (text or token ids) -> validated token ids; ValueError naming the problem. Text gets
+        the tokenizer's special tokens (a BOS) unless add_special_tokens is false."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
             if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):

@@ -66,9 +66,11 @@ class LLM:
              params: SamplingParams | None = None, use_tqdm: bool = False, **template_kwargs: Any
              ) -> list[RequestOutput]:
         """Apply the model's chat template (or `chat_template`, vLLM's name; `template`) to one conversation
-        (or a list of them) and generate; other keywords are the template's variables."""
+        (or a list of them) and generate; other keywords (and `chat_template_kwargs`, vLLM's dict of them)
+        are the template's variables, `add_generation_prompt` and `continue_final_message` among them."""
         if "chat_template" in template_kwargs:
             template_kwargs["template"] = template_kwargs.pop("chat_template")
+        template_kwargs |= template_kwargs.pop("chat_template_kwargs", None) or {}  # vLLM's name for them
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         if not convs or any(not c for c in convs):
             raise ValueError("messages: must not be empty")

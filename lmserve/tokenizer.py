@@ -11,10 +11,10 @@ from __future__ import annotations
 import functools
 import json
 import threading
-import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from lmserve.chat_template import GGUF_TEMPLATES, compile_template, render, text_messages
 
 # llama.cpp pre-tokenizer names -> the split regex the vocabulary was trained with
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -23,17 +23,6 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 
-# Gemma 3's chat template (text turns), for GGUF files that carry none: a system message is folded
-# into the first user turn; the assistant's role is "model"
-GEMMA3_TEMPLATE = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
-    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
-    "{% for m in turns %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + (prefix if loop.first else '')"
-    " + m['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
-GGUF_TEMPLATES = {"gemma3": GEMMA3_TEMPLATE}  # architecture -> template when the file has none
 
 
 class Tokenizer:
@@ -168,39 +157,35 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             template: str | None = None, max_chars: int = 0, max_seconds: float = 0.0,
-                            **kwargs: Any) -> str:
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
         """Render a conversation to the prompt text the model was trained on (or with `template`, a
         request's own, compiled in the same sandbox). The output is bounded to max_chars characters and
-        max_seconds of rendering (0: TEMPLATE_MAX_CHARS / TEMPLATE_MAX_SECONDS); ValueError past either."""
-        max_chars = max_chars or TEMPLATE_MAX_CHARS
-        max_seconds = max_seconds or TEMPLATE_MAX_SECONDS
+        max_seconds of rendering (0: TEMPLATE_MAX_CHARS / TEMPLATE_MAX_SECONDS); ValueError past either.
+        A message's content may be a list of text parts (joined with newlines, as vLLM does);
+        continue_final_message leaves the last message open, cut after its text (HF's and vLLM's rule)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it to false)")
+        messages = text_messages(messages)
+        rendered = self._render(messages, add_generation_prompt, template, max_chars, max_seconds, kwargs)
+        if not continue_final_message:
+            return rendered
+        last = messages[-1]["content"].strip() if messages else ""
+        if not last or last not in rendered:
+            raise ValueError("continue_final_message: the last message's text is not in the rendered chat")
+        return rendered[:rendered.rindex(last) + len(last)]
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, template: str | None,
+                max_chars: int, max_seconds: float, kwargs: dict[str, Any]) -> str:
         if template is not None:
             compiled = self._request_template(template)
         else:
             if not self.chat_template:
                 raise ValueError("messages: this model's tokenizer has no chat template; use a plain prompt")
             if self._template is None:
-                self._template = _compile_template(self.chat_template)
+                self._template = compile_template(self.chat_template)
             compiled = self._template
-        # a template is code (from the model's files, or a request): its output and time are bounded (the
-        # sandbox checks the clock at every call the template makes, loops' range() included)
-        deadline = time.monotonic() + max_seconds
-        _render.deadline, _render.max_chars = deadline, max_chars
-        try:
-            out, size = [], 0
-            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs):
-                size += len(piece)
-                if size > max_chars:
-                    raise ValueError(f"messages: the chat template's output passed {max_chars} characters")
-                if time.monotonic() > deadline:
-                    raise TemplateTimeout()
-                out.append(piece)
-        except TemplateTimeout:
-            raise ValueError(f"messages: the chat template took longer than {max_seconds:g} s to render") from None
-        finally:
-            _render.deadline = None
-        return "".join(out)
+        return render(compiled, max_chars, max_seconds, messages=messages, add_generation_prompt=add_generation_prompt,
+                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def _request_template(self, source: str) -> Any:
         """A request's chat template, compiled once per text (a few kept); ValueError naming the field
@@ -211,7 +196,7 @@ class Tokenizer:
             if hit is not None:
                 return hit
         try:
-            compiled = _compile_template(source)
+            compiled = compile_template(source)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat_template: does not compile: {e}") from None
         with self._templates_lock:
@@ -309,64 +294,3 @@ def _sentencepiece_bpe(g: Any, tokens: list[str]) -> Any:
     raw.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     raw.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return raw
-
-
-TEMPLATE_MAX_CHARS = 4 * 2**20  # a rendered conversation longer than this is refused
-TEMPLATE_MAX_SECONDS = 2.0  # and one that takes longer to render
-_render = threading.local()  # this thread's render deadline (requests render on worker threads)
-
-
-class TemplateTimeout(Exception):
-    """A chat template ran past its render deadline."""
-
-
-def _compile_template(source: str) -> Any:
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Env(ImmutableSandboxedEnvironment):
-        # `*` and `**` can build a huge value in one operation, with no call for the clock check to see
-        # ({{ "x" * 10**9 }}, {{ 9**9**9 }}): their operands are bounded (and nothing is folded at compile time)
-        intercepted_binops = frozenset(["*", "**"])
-
-        def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # every call the template makes
-            deadline = getattr(_render, "deadline", None)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TemplateTimeout()
-            return super().call(__context, __obj, *args, **kwargs)
-
-        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-            limit = getattr(_render, "max_chars", None) or TEMPLATE_MAX_CHARS
-            ints = isinstance(left, int) and isinstance(right, int)
-            if operator == "**" and ints and abs(left) > 1 and right * abs(left).bit_length() > 4096:
-                raise jinja2.exceptions.SecurityError("chat template: a power too large")
-            if operator == "*":
-                if ints and left.bit_length() + right.bit_length() > 4096:
-                    raise jinja2.exceptions.SecurityError("chat template: a product too large")
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and n * len(seq) > limit:
-                        raise jinja2.exceptions.SecurityError(f"chat template: a repetition past {limit} items")
-            return super().call_binop(context, operator, left, right)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    class Generation(jinja2.ext.Extension):
-        """transformers' {% generation %} ... {% endgeneration %} (it marks the assistant's text for
-        training masks; TRL saves templates with it): rendered as its body."""
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, Generation])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)

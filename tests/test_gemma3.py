@@ -333,3 +333,19 @@ def test_score_holds_only_the_window_it_reads(gemma):  # type: ignore[no-untyped
         ref = hf(torch.tensor([ids])).logits[0]  # (64, V)
     assert (got - ref).abs().max() < 1e-4
     assert llm.engine.block_manager.num_free_blocks == 30
+
+
+def test_completions_add_special_tokens_false_leaves_out_bos(gemma_270m):  # type: ignore[no-untyped-def]
+    """vLLM's add_special_tokens on /v1/completions: false leaves out Gemma's BOS (it was ignored: the
+    prompt always began with <bos>, as /tokenize did not)."""
+    from starlette.testclient import TestClient
+
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    _, hf_tok, llm = gemma_270m
+    with TestClient(build_app(AsyncEngine(llm.engine), "gemma-3-270m")) as c:
+        for add in (True, False):
+            body = {"prompt": "Hello", "max_tokens": 0, "echo": True, "logprobs": 0, "add_special_tokens": add}
+            r = c.post("/v1/completions", json=body).json()
+            want = hf_tok("Hello", add_special_tokens=add).input_ids
+            assert r["usage"]["prompt_tokens"] == len(want) and (r["choices"][0]["logprobs"]["tokens"][0] == "<bos>") == add

@@ -249,6 +249,21 @@ def test_logprobs_and_echo(client, server):  # type: ignore[no-untyped-def]
     assert len(c.choices[0].logprobs.content) == 3 and len(c.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
+def test_legacy_top_logprobs_hold_the_chosen_token(server):  # type: ignore[no-untyped-def]
+    """OpenAI: the sampled token's logprob is always returned (up to logprobs + 1 entries), as vLLM
+    does; the prompt's tokens under echo too. Before, a sampled or prompt token outside the top N was
+    missing from its entry, and logprobs 0 gave {}."""
+    body = {"model": "smollm2-135m", "prompt": "The sky is green and the grass is", "max_tokens": 8,
+            "temperature": 1.5, "seed": 5, "logprobs": 1, "echo": True}
+    lp = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    rows = [(t, v, top) for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]) if top is not None]
+    assert len(rows) == len(lp["tokens"]) - 1
+    assert all(t in top and 1 <= len(top) <= 2 and top[t] == v for t, v, top in rows)
+    assert sum(len(top) == 2 for _, _, top in rows) >= 3  # chosen tokens outside the top 1 occurred
+    zero = post(server, "/v1/completions", {**body, "logprobs": 0, "echo": False}).json()["choices"][0]["logprobs"]
+    assert zero["top_logprobs"] == [{t: v} for t, v in zip(zero["tokens"], zero["token_logprobs"])]
+
+
 def test_stop_and_token_id_prompts(client):  # type: ignore[no-untyped-def]
     free = client.completions.create(model="smollm2-135m", prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0)
     words = free.choices[0].text.split(",")

@@ -80,3 +80,58 @@ def test_beam_search_matches_hf(hf_ref, llm):  # type: ignore[no-untyped-def]
         for row in ref[:, len(ids):].tolist():
             rows.append(row[: row.index(eos) + 1] if eos in row else row)
         assert [o.token_ids for o in out.outputs] == rows, prompt
+
+
+PREFILL = [{"role": "user", "content": "Write the word hello."}, {"role": "assistant", "content": "Sure, the word is"}]
+
+
+def test_continue_final_message_renders_as_hf(hf_ref, llm):  # type: ignore[no-untyped-def]
+    """vLLM's continue_final_message (an assistant prefill) renders as HF's apply_chat_template does,
+    in LLM.chat, /tokenize and /v1/chat/completions (it was ignored: the prefill was closed with
+    <|im_end|>, or a new assistant turn opened after it); with add_generation_prompt it is refused."""
+    from starlette.testclient import TestClient
+
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    hf_tok = hf_ref[0]
+    want = hf_tok.apply_chat_template(PREFILL, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert want.endswith("Sure, the word is")
+    ids = llm.tokenizer.encode(want, add_special_tokens=False)
+    out = llm.chat(PREFILL, SamplingParams(max_tokens=1), add_generation_prompt=False, continue_final_message=True)
+    assert out[0].prompt_token_ids == ids
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(PREFILL, SamplingParams(max_tokens=1), continue_final_message=True)
+    with TestClient(build_app(AsyncEngine(llm.engine), "smollm2-135m")) as c:
+        flags = {"add_generation_prompt": False, "continue_final_message": True}
+        assert c.post("/tokenize", json={"messages": PREFILL, **flags}).json()["tokens"] == ids
+        r = c.post("/v1/chat/completions", json={"messages": PREFILL, "max_tokens": 3, **flags})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+        r = c.post("/v1/chat/completions", json={"messages": PREFILL, "max_tokens": 3, "continue_final_message": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_text_parts_are_joined_with_newlines(llm):  # type: ignore[no-untyped-def]
+    """Content given as text parts is the parts joined with newlines (vLLM's rule) in LLM.chat (a raw
+    jinja TypeError before; Gemma's template printed the Python list) and on the server (joined with
+    nothing before); a part that is not text is a ValueError naming the message."""
+    from starlette.testclient import TestClient
+
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    joined = [{"role": "user", "content": "Hello\nworld"}]
+    want = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(joined), add_special_tokens=False)
+    assert llm.chat(parts, SamplingParams(max_tokens=1))[0].prompt_token_ids == want
+    with pytest.raises(ValueError, match=r"messages\[0\].content"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with TestClient(build_app(AsyncEngine(llm.engine), "smollm2-135m")) as c:
+        assert c.post("/tokenize", json={"messages": parts}).json()["tokens"] == want
+
+
+def test_llm_chat_takes_chat_template_kwargs(llm):  # type: ignore[no-untyped-def]
+    """vLLM's LLM.chat(chat_template_kwargs={...}) gives the template those variables (they reached it
+    as one variable named chat_template_kwargs)."""
+    tpl = "{% for m in messages %}{{ m['content'] }}{% endfor %}[flag={{ flag }}]"
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), chat_template=tpl,
+                   chat_template_kwargs={"flag": "X"})[0]
+    assert llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == "Hi[flag=X]"

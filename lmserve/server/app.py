@@ -133,7 +133,7 @@ class OpenAIServer:
         with invalid_request(body.constraint_renames()):
             structured = body.structured()
             self.limits.check_constraint(structured.key() if structured is not None else None)
-            ids = self.ae.tokenize(prompt)
+            ids = self.ae.tokenize(prompt, getattr(body, "add_special_tokens", True))  # (completions: vLLM's)
             req = self.ae.process_request(ids, body.to_sampling_params(len(ids), self.ae.max_model_len))
             return dataclasses.replace(req, priority=body.priority) if body.priority else req
 
@@ -304,10 +304,10 @@ class OpenAIServer:
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or messages through the chat template, as token ids."""
-        body = await self.parse(request, TokenizeRequest)
-        tok = self.require_tokenizer()
+        body, tok = await self.parse(request, TokenizeRequest), self.require_tokenizer()
         with invalid_request():
-            ids = (await self.chat_ids_async(body.messages, body.add_generation_prompt) if body.messages is not None
+            ids = (await self.chat_ids_async(body.messages, body.add_generation_prompt, body.template_kwargs())
+                   if body.messages is not None
                    else await asyncio.to_thread(tok.encode, body.prompt or "", add_special_tokens=body.add_special_tokens))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.ae.max_model_len})
 

@@ -159,9 +159,9 @@ class AsyncEngine:
         """The engine's description: model, architecture, dtype, device, max_model_len, load time."""
         return self._engine.info()
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A prompt (text or token ids) -> checked token ids; ValueError naming the field."""
-        return self._engine.tokenize_prompt(prompt)
+        return self._engine.tokenize_prompt(prompt, add_special_tokens)
 
     def process_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """Tokenize and validate a request once, on the caller's thread; ValueError naming the field."""

@@ -129,7 +129,9 @@ class CompletionFormatter(Formatter):
         return p if isinstance(p, str) else (self.tok.decode(p, skip_special_tokens=False) if self.tok else "")
 
     def logprobs(self, ids: list[int], lps: list[Logprob | None], off: int = 0) -> dict[str, Any]:
-        """Legacy completions logprobs: tokens, their logprobs, top alternatives, text offsets (from off)."""
+        """Legacy completions logprobs: tokens, their logprobs, top alternatives, text offsets (from off).
+        Each top_logprobs entry holds the chosen token too (OpenAI: up to logprobs + 1 entries; with
+        logprobs 0, the chosen token alone), as vLLM gives it."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, lp in zip(ids, lps):
             piece = self.piece(tid)
@@ -137,7 +139,10 @@ class CompletionFormatter(Formatter):
             offsets.append(off)
             off += len(piece)
             token_lps.append(None if lp is None else lp.logprob)
-            tops.append(None if lp is None else {self.piece(t): v for t, v in lp.top.items()})
+            top = None if lp is None else {self.piece(t): v for t, v in lp.top.items()}
+            if top is not None:
+                top.setdefault(piece, lp.logprob)
+            tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def usage(self, outs: list[RequestOutput]) -> dict[str, int]:

@@ -212,6 +212,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
+    add_special_tokens: StrictBool = True  # vLLM's: false leaves out the tokenizer's BOS
 
     @property
     def echo_only(self) -> bool:
@@ -273,7 +274,7 @@ class ChatMessage(_Body):
             if p.type != "text":
                 raise ValueError(f"content part type {p.type!r} is not supported (text only)")
             parts.append(p.text or "")
-        return "".join(parts)
+        return "\n".join(parts)  # (vLLM's join for templates that read a string)
 
     def for_template(self) -> dict[str, Any]:
         """The message as a chat template reads it (a call's JSON arguments as an object, which is what
@@ -295,24 +296,42 @@ class ChatMessage(_Body):
         return msg
 
 
-class ChatCompletionRequest(SamplingRequest):
+class TemplateArgs(BaseRequest):
+    """What a conversation is rendered with besides its messages (the chat and tokenize routes)."""
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM's: the last (assistant) message left open to go on
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it to false)")
+        if self.tools is not None:
+            self.tools = check_tools(self.tools)  # ValueError naming tools[i]...
+        super().check()
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages: chat_template_kwargs, the tools, and whether
+        the last message stays open."""
+        return {**(self.chat_template_kwargs or {}), **({"tools": self.tools} if self.tools else {}),
+                **({"continue_final_message": True} if self.continue_final_message else {})}
+
+
+class ChatCompletionRequest(SamplingRequest, TemplateArgs):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: StrictBool = True
-    chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # the request's own template: refused unless the server trusts them
-    tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
 
     def check(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: only allowed when logprobs is true")
-        if self.tools is not None:
-            self.tools = check_tools(self.tools)  # ValueError naming tools[i]...
+        TemplateArgs.check(self)  # (the tools checked before tool_choice reads them)
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("tool_choice: needs tools")
         if self.tool_mode == "forced":
@@ -339,25 +358,21 @@ class ChatCompletionRequest(SamplingRequest):
         return [("tools", StructuredOutputsParams(json=tools_json_schema(
             self.tools, self.tool_choice, self.parallel_tool_calls)))]  # type: ignore[arg-type]
 
-    def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template gets besides the messages: chat_template_kwargs, and the tools."""
-        return {**(self.chat_template_kwargs or {}), **({"tools": self.tools} if self.tools else {})}
-
     def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or (max_model_len - prompt_len)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max(1, max_tokens), logprobs, None)
 
 
-class TokenizeRequest(BaseRequest):
+class TokenizeRequest(TemplateArgs):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
+        super().check()
 
 
 class DetokenizeRequest(BaseRequest):
