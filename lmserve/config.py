@@ -131,6 +131,31 @@ class ModelConfig:
         """Multi-head latent attention (DeepSeek-V2 / V3): the cache holds a latent, not K / V per head."""
         return self.kv_lora_rank > 0
 
+    def param_counts(self) -> tuple[float, float]:
+        """(total, active per token) parameters: each layer's attention (MLA: q, possibly
+        through its LoRA, the joint K/V down-projection, its up-projection, o) and MLP (a sparse layer: the
+        router, every expert and the shared ones; active: k experts and the shared ones), two norms a layer,
+        the final norm, the embedding and an untied LM head. Biases and q/k norms are left out."""
+        h, heads = self.hidden_size, self.num_heads
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = h * heads * qk if self.q_lora_rank is None else self.q_lora_rank * (h + 1 + heads * qk)
+            attn = q + h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * (
+                1 + heads * (self.qk_nope_head_dim + self.v_head_dim)) + heads * self.v_head_dim * h
+        else:
+            attn = h * self.head_dim * (2 * heads + 2 * self.num_kv_heads)
+        total = active = float(self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h)
+        for i in range(self.num_layers):
+            if self.layer_is_moe(i):
+                expert = 3 * h * (self.moe_intermediate_size or self.intermediate_size)
+                shared = self.n_shared_experts * expert + h * self.num_experts  # (and the router)
+                total += attn + 2 * h + self.num_experts * expert + shared
+                active += attn + 2 * h + self.num_experts_per_tok * expert + shared
+            else:
+                total += attn + 2 * h + 3 * h * self.intermediate_size
+                active += attn + 2 * h + 3 * h * self.intermediate_size
+        return total, active
+
     def layer_is_moe(self, i: int) -> bool:
         """Layer i's MLP is a routed mixture of experts."""
         return (self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0

@@ -2,14 +2,21 @@
 
 All figures are lower bounds from first principles:
   KV bytes / token   = 2 (K and V) x layers x kv_heads x head_dim x kv_bytes    (MLA: layers x (latent + rope) x kv_bytes)
-                       + with a quantized KV dtype (int8, fp8, int4): a float32 scale per token, head, 32 channels
+                       + with a quantized KV dtype (int8, fp8): a float32 scale per token, head, 32 channels
                        and K/V (2 x layers x kv_heads x head_dim / 32 x 4, one per head when head_dim is not a
-                       multiple of 32; MLA: layers x 4), as lmserve's kv_cache_dtype int8 / fp8 stores them
+                       multiple of 32), as lmserve's kv_cache_dtype int8 / fp8 stores them (MLA: refused, as
+                       lmserve refuses a quantized latent cache)
   KV bytes / seq     = KV bytes / token / layers x sum over layers of the tokens each layer keeps: the whole
                        sequence (full attention), at most its window (a sliding-window layer, Gemma 3's local
                        layers: lmserve frees the blocks that fall out of the window); "window-blind" = all of them
+  params             from the shape: attention (MLA: its LoRA projections), the MLP of each layer (a sparse
+                       layer's experts, shared experts and router; "active": the k experts a token runs), norms,
+                       the embedding and an untied LM head
   decode step time  >= max(bytes moved / bandwidth, FLOPs / peak)
-                       bytes = weight bytes + batch x context x KV bytes/token; FLOPs = 2 x params x batch + attention
+                       bytes = active weight bytes (the input embedding is looked up, not read whole: an untied
+                       one is left out) + batch x KV bytes each sequence's layers keep; FLOPs = 2 x those
+                       weights x batch + attention: 2 x heads x (q.k width + value width) per kept token and
+                       layer (MLA decode, absorbed: over the latent + rope and the latent; prefill: causal pairs)
   ridge point        = peak FLOP/s / bandwidth  (a kernel below it is memory-bound)
   tensor parallel N  = weights / N per rank (vocab, heads and MLP channels split), KV heads / N per rank (at
                        least one: replicated when fewer than N); per decode step 2 x layers + 1 all-reduces of
@@ -22,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +74,7 @@ class PlanModel:
     active_params: float | None = None  # per-token parameters (MoE); = params when None
     mla_latent: int | None = None  # MLA: cached latent width (kv_lora_rank)
     mla_rope: int = 0  # MLA: decoupled rope key width
+    mla_nope: int = 0  # MLA: a head's q.k width besides the rope part (its value width is head_dim)
     windows: tuple[int | None, ...] | None = None  # per layer: its sliding window (None: full attention)
 
     def __post_init__(self) -> None:
@@ -79,6 +86,30 @@ class PlanModel:
             self.params = float(self.layers * per_layer + emb + self.hidden)
         if self.active_params is None:
             self.active_params = self.params
+
+    @property
+    def step_params(self) -> float:
+        """The weights a decode step reads and multiplies: the active ones but the input embedding
+        table, of which a step looks up a row per token (tied, it is the LM head: read whole)."""
+        return self.active_params - (0 if self.tied else self.vocab * self.hidden)
+
+    def attn_flops_per_token(self, prefill: bool = False) -> float:
+        """FLOPs of one query token against one kept context token in one layer: q.k and the weighted
+        value sum over every head. MLA decodes absorbed (over the latent + rope key, then the latent)
+        and prefills expanded (q.k over nope + rope, values of head_dim)."""
+        if self.mla_latent is None:
+            return 4 * self.heads * self.head_dim
+        if prefill:
+            return 2 * self.heads * (self.mla_nope + self.mla_rope + self.head_dim)
+        return 2 * self.heads * (2 * self.mla_latent + self.mla_rope)
+
+    def causal_pairs(self, seq_len: int) -> int:
+        """Sum over layers of the (query, key) pairs a causal prefill of seq_len tokens computes (a
+        sliding-window layer: at most its window a query)."""
+        def pairs(w: int | None) -> int:
+            w = seq_len if w is None else min(w, seq_len)
+            return w * (w + 1) // 2 + (seq_len - w) * w
+        return sum(pairs(w) for w in (self.windows or (None,) * self.layers))
 
     @property
     def kv_elems_per_token(self) -> int:
@@ -111,6 +142,9 @@ class PlanModel:
         return sum(seq_len if w is None else min(seq_len, w) for w in self.windows)
 
 
+SHAPE_FLAGS = ("heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "params")
+
+
 def model_from_args(a: argparse.Namespace) -> PlanModel:
     if a.layers:
         need = ["kv_heads", "head_dim"]
@@ -118,9 +152,14 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
         if missing:
             raise ValueError(f"plan: with --layers also give --{', --'.join(m.replace('_', '-') for m in missing)}")
         heads = a.heads or a.kv_heads
+        if heads % a.kv_heads:
+            raise ValueError(f"--heads: {heads} query heads must be a multiple of the {a.kv_heads} KV heads")
         hidden = a.hidden or heads * a.head_dim
         return PlanModel("custom", a.layers, heads, a.kv_heads, a.head_dim, hidden,
                          a.intermediate or 4 * hidden, a.vocab or 32000, params=a.params)
+    given = [n for n in SHAPE_FLAGS if getattr(a, n) is not None]
+    if given:  # a flag the plan would ignore is refused
+        raise ValueError(f"--{given[0].replace('_', '-')}: describes an explicit shape: give it with --layers")
     return model_from_name(a.model)
 
 
@@ -128,20 +167,24 @@ def model_from_name(name: str) -> PlanModel:
     from lmserve.models.shapes import MLA_SHAPES, SHAPES
     if name in MLA_SHAPES:
         s = MLA_SHAPES[name]
-        return PlanModel(name, s["num_layers"], s["num_heads"], s["num_heads"],
-                         s["v_head_dim"], s["hidden_size"], 0, s["vocab_size"],
-                         params=s["params"], active_params=s["active_params"], mla_latent=s["kv_lora_rank"],
-                         mla_rope=s["qk_rope_head_dim"])
+        return PlanModel(name, s["num_layers"], s["num_heads"], s["num_heads"], s["v_head_dim"], s["hidden_size"], 0,
+                         s["vocab_size"], params=s["params"], active_params=s["active_params"],
+                         mla_latent=s["kv_lora_rank"], mla_rope=s["qk_rope_head_dim"], mla_nope=s["qk_nope_head_dim"])
     if name in SHAPES:
         from lmserve.config import ModelConfig
         cfg = ModelConfig(**SHAPES[name])
     else:
-        cfg = _config_from_path(name)
+        try:
+            cfg = _config_from_path(name)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"--model: {name!r} is not a planner shape ({', '.join(sorted([*SHAPES, *MLA_SHAPES]))}) "
+                             f"nor a model lmserve loads ({e})") from None
     windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
-    mla = dict(mla_latent=cfg.kv_lora_rank, mla_rope=cfg.qk_rope_head_dim) if cfg.is_mla else {}
-    return PlanModel(name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
-                     cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings,
-                     windows=windows if any(w is not None for w in windows) else None, **mla)
+    mla = dict(mla_latent=cfg.kv_lora_rank, mla_rope=cfg.qk_rope_head_dim, mla_nope=cfg.qk_nope_head_dim) if cfg.is_mla else {}
+    params, active = cfg.param_counts()
+    return PlanModel(name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.v_head_dim if cfg.is_mla else cfg.head_dim,
+                     cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings, params=params,
+                     active_params=active, windows=windows if any(w is not None for w in windows) else None, **mla)
 
 
 def _config_from_path(name: str):  # type: ignore[no-untyped-def]
@@ -169,6 +212,8 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype: {kv_dtype!r} is no KV cache lmserve has ({', '.join(sorted(KV_DTYPES))})")
     kb = DTYPE_BYTES[kv_dtype]
+    if m.mla_latent is not None and kb < 2:
+        raise ValueError(f"kv_dtype: {kv_dtype} is refused with MLA (lmserve keeps the latent cache in the model's dtype)")
     bw, peak = bw_tbs * 1e12, tflops * 1e12
     weight_bytes = m.params * wb
     kv_scales = m.kv_scales_per_token * KV_SCALE_BYTES if kb < 2 else 0  # quantized KV: its scales
@@ -183,18 +228,17 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
 
     def step(b: int) -> dict[str, Any]:
         kv_read = b * kv_seq  # a sliding-window layer reads its window only
-        act_bytes = m.active_params * wb
-        bytes_moved = act_bytes + kv_read
-        attn_flops = 4 * b * seq_len * m.heads * m.head_dim * m.layers
-        flops = 2 * m.active_params * b + attn_flops
+        bytes_moved = m.step_params * wb + kv_read
+        attn_flops = b * m.attn_flops_per_token() * m.kept_layer_tokens(seq_len)
+        flops = 2 * m.step_params * b + attn_flops
         t_mem, t_cmp = bytes_moved / bw, flops / peak
         t = max(t_mem, t_cmp)
         return {"batch": b, "kv_gb": b * kv_seq / 1e9, "fits": b * kv_seq <= max(usable, 0),
                 "bytes_moved_gb": bytes_moved / 1e9, "gflops": flops / 1e9, "step_ms": t * 1e3,
                 "tokens_per_s": b / t, "bound": "memory" if t_mem >= t_cmp else "compute"}
 
-    prefill_flops = 2 * m.active_params * batch * seq_len + 2 * batch * seq_len ** 2 * m.heads * m.head_dim * m.layers
-    prefill_bytes = m.active_params * wb + batch * kv_seq
+    prefill_flops = 2 * m.step_params * batch * seq_len + batch * m.attn_flops_per_token(True) * m.causal_pairs(seq_len)
+    prefill_bytes = m.step_params * wb + batch * kv_seq
     t_pre = max(prefill_flops / peak, prefill_bytes / bw)
     mlp_intensity = (2 * batch * m.hidden * m.intermediate) / (
         wb * (m.hidden * m.intermediate + batch * (m.hidden + m.intermediate))) if m.intermediate else None
@@ -220,7 +264,7 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
                                                                    "GQA" if m.kv_heads < m.heads else "MHA"),
         "ridge_flop_per_byte": ridge,
         "mlp_arithmetic_intensity": mlp_intensity,
-        "decode_attention_intensity": 1 * seq_len / (1 + seq_len) * group,
+        "decode_attention_intensity": m.attn_flops_per_token() * m.layers / kv_tok,  # FLOPs per KV byte read
         "prefill_attention_intensity": seq_len * seq_len / (seq_len + seq_len),
         "decode": step(batch),
         "prefill_ms_lower_bound": t_pre * 1e3,
@@ -245,8 +289,8 @@ def tensor_parallel(m: PlanModel, tp: int, wb: float, kv_tok: float, kv_seq: flo
     t_comm = reduces * (latency + ring / link_bw) + latency + gather / link_bw
 
     def bound(ranks: int) -> float:
-        moved = m.active_params * wb / ranks + batch * kv_seq * (kv_heads / m.kv_heads if ranks > 1 else 1)
-        return max(moved / bw, (2 * m.active_params * batch + 4 * batch * seq_len * m.heads * m.head_dim * m.layers)
+        moved = m.step_params * wb / ranks + batch * kv_seq * (kv_heads / m.kv_heads if ranks > 1 else 1)
+        return max(moved / bw, (2 * m.step_params * batch + batch * m.attn_flops_per_token() * m.kept_layer_tokens(seq_len))
                    / ranks / peak)
 
     t1, tn = bound(1), bound(tp) + t_comm
@@ -322,20 +366,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a known shape (e.g. qwen3-0.6b, llama-3.1-8b, deepseek-v3), config.json, GGUF or HF folder")
     for name in ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab"):
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=at_least(1), default=None)
-    p.add_argument("--params", type=float, default=None, help="parameter count (with explicit shape)")
+    p.add_argument("--params", type=above(0, finite=True), default=None, help="parameter count (with explicit shape)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--kv-dtype", default=None, choices=sorted(KV_DTYPES),
                    help="the KV cache's (default: the weights' dtype; a quantized model's cache is bf16, fp32 on cpu)")
     p.add_argument("--device", default="h100", choices=sorted(DEVICES))
-    p.add_argument("--mem-gb", type=above(0), default=None)
-    p.add_argument("--bandwidth-tbs", type=above(0), default=None)
-    p.add_argument("--tflops", type=above(0), default=None)
+    p.add_argument("--mem-gb", type=above(0, finite=True), default=None)
+    p.add_argument("--bandwidth-tbs", type=above(0, finite=True), default=None)
+    p.add_argument("--tflops", type=above(0, finite=True), default=None)
     p.add_argument("--gpu-memory-utilization", type=above(0, 1), default=0.9)
     p.add_argument("--batch", type=at_least(1), default=1)
     p.add_argument("--seq-len", type=at_least(1), default=1024)
     p.add_argument("--tensor-parallel-size", type=at_least(1), default=1, help="ranks sharing every layer")
-    p.add_argument("--link-gbs", type=above(0), default=None, help="link GB/s between ranks (default: by device)")
-    p.add_argument("--link-latency-us", type=at_least(0, float), default=None,
+    p.add_argument("--link-gbs", type=above(0, finite=True), default=None, help="link GB/s between ranks (default: by device)")
+    p.add_argument("--link-latency-us", type=at_least(0, float, finite=True), default=None,
                    help="us per small collective (default: by device)")
     p.add_argument("--json", action="store_true")
 
@@ -345,17 +389,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
     dev = (a.mem_gb or base[0], a.bandwidth_tbs or base[1], a.tflops or base[2])
     if a.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {a.tensor_parallel_size}")
+    if a.tensor_parallel_size == 1 and (a.link_gbs is not None or a.link_latency_us is not None):
+        raise ValueError(f"--{'link-gbs' if a.link_gbs is not None else 'link-latency-us'}: the link between "
+                         f"ranks counts only with --tensor-parallel-size > 1")
     link = (a.link_gbs or LINKS[a.device][0], LINKS[a.device][1] if a.link_latency_us is None else a.link_latency_us)
     r = plan(model_from_args(a), dev, a.dtype, a.kv_dtype, a.batch, a.seq_len, a.gpu_memory_utilization,
              tp=a.tensor_parallel_size, link=link, act_bytes=4 if a.device == "cpu" else None)
     print(json.dumps(r, indent=2) if a.json else render(r))
     return 0
 
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m lmserve.plan", description="KV-memory and roofline planner")
-    add_arguments(parser)
-    try:
-        sys.exit(cmd_plan(parser.parse_args()))
-    except (ValueError, FileNotFoundError) as e:
-        parser.exit(2, f"error: {e}\n")

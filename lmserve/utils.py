@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 import functools
+import math
 import importlib.util
 import os
 import re
@@ -82,23 +83,25 @@ def given_flags(argv: list[str]) -> set[str]:
     return {x.split("=", 1)[0] for x in argv}
 
 
-def at_least(lo: float, kind: type = int) -> Any:
-    """An argparse type: `kind` (int or float) >= lo, else the flag's usage error (exit status 2)."""
+def at_least(lo: float, kind: type = int, finite: bool = False) -> Any:
+    """An argparse type: `kind` (int or float) >= lo (and finite when asked), else the flag's usage error
+    (exit status 2)."""
     def parse(text: str) -> Any:
         v = kind(text)  # not a number: argparse's "invalid int value"
-        if not v >= lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {text}")
+        if not v >= lo or finite and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be {'a finite number ' if finite else ''}>= {lo}, got {text}")
         return v
     parse.__name__ = kind.__name__
     return parse
 
 
-def above(lo: float, hi: float | None = None) -> Any:
-    """An argparse type: a float > lo (and <= hi when given)."""
+def above(lo: float, hi: float | None = None, finite: bool = False) -> Any:
+    """An argparse type: a float > lo (and <= hi when given; finite when asked: inf may mean "no limit")."""
     def parse(text: str) -> float:
         v = float(text)
-        if not (v > lo and (hi is None or v <= hi)):
-            raise argparse.ArgumentTypeError(f"must be > {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {text}")
+        if not (v > lo and (hi is None or v <= hi)) or finite and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be {'a finite number ' if finite else ''}> {lo}"
+                                             + (f" and <= {hi}" if hi is not None else "") + f", got {text}")
         return v
     parse.__name__ = "float"
     return parse

@@ -114,9 +114,10 @@ def test_tensor_parallel_worked_example(capsys):
     assert t["all_reduces_per_step"] == 2 * 32 + 1 and t["all_reduce_bytes"] == 4096 * 2
     comm = 65 * (10e-6 + 1.5 * 8192 / 450e9) + 10e-6 + 128256 * 4 * 0.75 / 450e9  # ring: 2 (N - 1) / N
     assert math.isclose(t["comm_ms"], comm * 1e3, rel_tol=1e-9)
-    one = m.params * 2 / 3.35e12 + 1024 * r["kv_bytes_per_token"] / 3.35e12  # memory-bound at batch 1
+    read = m.params - 128256 * 4096  # a step reads every weight but the (untied) input embedding table
+    one = read * 2 / 3.35e12 + 1024 * r["kv_bytes_per_token"] / 3.35e12  # memory-bound at batch 1
     assert math.isclose(t["step_ms_tp1"], one * 1e3, rel_tol=1e-9)
-    quarter = m.params * 2 / 4 / 3.35e12 + 1024 * r["kv_bytes_per_token"] / 4 / 3.35e12
+    quarter = read * 2 / 4 / 3.35e12 + 1024 * r["kv_bytes_per_token"] / 4 / 3.35e12
     assert math.isclose(t["step_ms"], (quarter + comm) * 1e3, rel_tol=1e-9)
     assert 2 < t["speedup"] < 4  # less than 4x: the collectives' latency
     # fewer KV heads than ranks: one replicated per rank
@@ -167,3 +168,75 @@ def test_shapes_and_links_out_of_range_are_refused(capsys):  # type: ignore[no-u
         assert bad[-2] in capsys.readouterr().err
     assert main(["plan", "--tensor-parallel-size", "2", "--device", "cpu", "--link-latency-us", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tensor_parallel"]["collective_latency_us"] == 0
+
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+             "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+             "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+             "num_experts_per_tok": 8, "tie_word_embeddings": False}  # Qwen3-30B-A3B's published shape
+DEEPSEEK_V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
+                    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+                    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
+                    "n_routed_experts": 64, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+                    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                    "v_head_dim": 128, "tie_word_embeddings": False}
+
+
+def test_moe_and_mla_configs_count_every_expert(tmp_path):  # type: ignore[no-untyped-def]
+    """A config.json's experts and MLA projections are counted (a dense MLP a layer was: Qwen3-30B-A3B
+    planned as 3.3 B parameters, 162 sequences of 4096 beside them on an H100 where 27 fit): totals
+    and active counts as published (30.5 B / 3.3 B; DeepSeek-V2-Lite 15.7 B, its named shape's)."""
+    for cfg, total, active in ((QWEN3_MOE, 30.5e9, 3.3e9), (DEEPSEEK_V2_LITE, 15.7e9, 2.4e9 + 102400 * 2048)):
+        path = tmp_path / f"{cfg['architectures'][0]}.json"
+        path.write_text(json.dumps(cfg))
+        m = model_from_name(str(path))
+        assert math.isclose(m.params, total, rel_tol=0.01) and math.isclose(m.active_params, active, rel_tol=0.03)
+    qwen = plan(model_from_name(str(tmp_path / "Qwen3MoeForCausalLM.json")), DEVICES["h100"], "bf16", seq_len=4096)
+    assert qwen["max_seqs_that_fit"] == int((80e9 * 0.9 - qwen["weight_bytes"]) // (48 * 2 * 4 * 128 * 2 * 4096)) == 27
+    lite = plan(model_from_name(str(tmp_path / "DeepseekV2ForCausalLM.json")), DEVICES["h100"], "bf16")
+    named = plan(model_from_name("deepseek-v2-lite"), DEVICES["h100"], "bf16")
+    assert lite["kv_saving_vs_mha"] == named["kv_saving_vs_mha"] and lite["max_seqs_that_fit"] == named["max_seqs_that_fit"]
+
+
+def test_roofline_against_hand_computations():  # type: ignore[no-untyped-def]
+    """Decode attention FLOPs follow the window as the KV reads do (gemma-3-270m at 32k: 0.43 GFLOP a
+    token, not 2.42), prefill counts causal pairs within windows; the attention intensity is FLOPs per
+    KV byte of the cache's dtype (it was seq / (1 + seq) x group whatever the dtype; MLA, absorbed:
+    every head reads one latent row); a decode step reads no untied input-embedding table."""
+    g = model_from_name("gemma-3-270m")
+    r = plan(g, DEVICES["h100"], "bf16", seq_len=32768)
+    per_ctx = 4 * 4 * 256  # 4 heads x 256, q.k and values
+    assert g.tied and math.isclose(r["decode"]["gflops"] * 1e9 - 2 * g.active_params, per_ctx * (3 * 32768 + 15 * 512), rel_tol=1e-9)
+    pairs = 3 * 32768 * 32769 // 2 + 15 * (512 * 513 // 2 + (32768 - 512) * 512)
+    t_pre = max((2 * g.params * 32768 + per_ctx * pairs) / 989e12, (g.params * 2 + r["kv_bytes_per_seq"]) / 3.35e12)
+    assert math.isclose(r["prefill_ms_lower_bound"], t_pre * 1e3, rel_tol=1e-9)
+    smol = model_from_name("smollm2-135m")  # 9 heads, 3 KV heads of 64: group 3
+    for kv, want in (("fp32", 4 * 64 * 3 / (2 * 64 * 4)), ("int8", 4 * 64 * 3 / (2 * 64 + 2 * 2 * 4))):
+        assert math.isclose(plan(smol, DEVICES["h100"], "bf16", kv_dtype=kv)["decode_attention_intensity"], want)
+    v3 = plan(model_from_name("deepseek-v3"), DEVICES["h100"], "bf16")
+    assert math.isclose(v3["decode_attention_intensity"], 128 * 2 * (576 + 512) / (576 * 2))
+    llama = model_from_name("llama-3.1-8b")
+    one = plan(llama, DEVICES["h100"], "bf16", seq_len=1)
+    assert math.isclose(one["decode"]["bytes_moved_gb"] * 1e9, (llama.params - 128256 * 4096) * 2 + one["kv_bytes_per_seq"])
+
+
+def test_plan_flags_it_would_ignore_or_misread_are_refused(capsys):  # type: ignore[no-untyped-def]
+    """--params -5 planned negative bytes and 137,329 sequences; nan / inf died in int(); 6 heads over 4
+    KV heads became a group of 1; shape flags without --layers and link flags without tensor parallelism
+    changed nothing; an unknown --model listed two names. A quantized MLA cache, which the engine
+    refuses, was planned."""
+    import pytest
+    for bad, flag in ((["--params", "-5", "--layers", "2", "--kv-heads", "1", "--head-dim", "64"], "--params"),
+                      (["--params", "nan", "--layers", "2", "--kv-heads", "1", "--head-dim", "64"], "--params"),
+                      (["--mem-gb", "inf"], "--mem-gb"), (["--tensor-parallel-size", "2", "--link-gbs", "inf"], "--link-gbs")):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", *bad])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
+    for bad, said in ((["--layers", "2", "--heads", "6", "--kv-heads", "4", "--head-dim", "64"], "--heads"),
+                      (["--heads", "4"], "--heads"), (["--params", "1e12"], "--params"), (["--vocab", "7"], "--vocab"),
+                      (["--link-gbs", "1"], "--link-gbs"), (["--link-latency-us", "5000"], "--link-latency-us"),
+                      (["--model", "nosuch"], "--model: 'nosuch' is not a planner shape (debug-tiny, deepseek-v2-lite"),
+                      (["--model", "deepseek-v3", "--kv-dtype", "int8"], "kv_dtype")):
+        assert main(["plan", *bad]) == 2
+        err = capsys.readouterr().err
+        assert said in err, (bad, err)
