@@ -276,6 +276,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as e:  # torch's message for 'tpu', an int's for None
+            raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
         on_cuda = str(self.device).startswith("cuda")
         if self.max_num_seqs is None:
             object.__setattr__(self, "max_num_seqs", 256 if on_cuda else 64)

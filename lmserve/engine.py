@@ -150,6 +150,8 @@ class Engine:
             self.scheduler.finish(seq, "abort")
         self.runner.swap.apply([], [], self.scheduler.take_swap_dropped())  # swapped-out copies go now, not next step
         self._forget(request_id)
+        if not self.requests:  # a step cut short (Ctrl-C) left its copies' sources pinned: none are needed now
+            self.scheduler.release_pins()
         return True
 
     def _forget(self, request_id: str) -> None:
@@ -203,7 +205,7 @@ class Engine:
                 new = self.structured.keep(seq, new, self.scheduler.finish)
             self.output.process(seq, new, res.logprobs.get(seq, []))
             if seq.grammar is not None and seq.grammar.failed:
-                self.output.fail(seq, "structured output: the model produced a token its grammar does not allow")
+                self.output.fail(seq, seq.grammar.why, status=seq.grammar.status)
         self.fanout.after_step(out, res.beam, self.requests)
         if self.spec is not None:  # sequences that ended this step (stopped, pruned) let their draft state go
             self.spec.release(seq for seq, _ in out.scheduled)

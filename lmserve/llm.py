@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,6 +34,8 @@ class LLM:
                             f"see EngineConfig for the options")
         self.engine = Engine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
+        self._lock = threading.Lock()  # held by the generate() / score() running (_alone)
+        self._owner: int | None = None  # the thread holding it
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]
@@ -38,14 +44,14 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order.
+        """Generate for every prompt (text, token ids: a list, tuple, numpy array or tensor of them, or
+        vLLM's {"prompt": text} / {"prompt_token_ids": ids}); outputs come back in input order.
 
         All requests are validated before any is queued, so one bad prompt raises and runs nothing.
-        priority: one per prompt, lower first (admitted before, preempted after, higher ones).
+        priority: one per prompt, lower first (admitted before, preempted after, higher ones). One call
+        at a time: another thread's call waits for this one to end; one from inside it is a RuntimeError.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = prompt_list(prompts)
         if not prompts:
             return []
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -57,10 +63,28 @@ class LLM:
         requests = [self.engine.process_request(p, sp) for p, sp in zip(prompts, plist)]  # all, before any runs
         if priority is not None:
             requests = [dataclasses.replace(r, priority=x) for r, x in zip(requests, priority)]
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, req in zip(ids, requests):
-            self.engine.add_request(rid, req, final_only=True)
-        return self._run(ids, use_tqdm)
+        with self._alone():
+            ids = [f"gen-{next(self._ids)}" for _ in prompts]
+            for rid, req in zip(ids, requests):
+                self.engine.add_request(rid, req, final_only=True)
+            return self._run(ids, use_tqdm)
+
+    @contextmanager
+    def _alone(self) -> Iterator[None]:
+        """The engine for this call alone: other threads' calls wait for it (two at once interleaved their
+        steps and took each other's outputs: one caller waited forever, the other's step failed); a call
+        from inside it (a callback) is refused; requests added to the engine by hand would lose theirs."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError("LLM: generate() / score() called from inside a running one on this thread")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                if self.engine.has_unfinished_requests():
+                    raise RuntimeError("LLM: the engine holds requests added outside LLM (engine.add_request): step "
+                                       "them to their end or abort them first; their outputs would be lost")
+                yield
+            finally:
+                self._owner = None
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | None = None, use_tqdm: bool = False, **template_kwargs: Any
@@ -88,6 +112,8 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req", leave=False)
         try:
             while len(done) < len(ids):
+                if not self.engine.has_unfinished_requests():  # (never: _alone keeps other callers out)
+                    raise RuntimeError(f"LLM: {len(ids) - len(done)} requests left the engine without an output")
                 for out in self.engine.step():
                     if out.finished and out.request_id in ids:
                         done[out.request_id] = out
@@ -111,7 +137,8 @@ class LLM:
         if len(ids) > self.engine.max_model_len:  # (past the rotary table: an IndexError, on CUDA a device assert)
             raise ValueError(f"prompt: {len(ids)} tokens, past max_model_len ({self.engine.max_model_len})")
         seq = Sequence("__score__", ids, SamplingParams(max_tokens=1))
-        return self.engine.runner.score(seq, self.engine.block_manager, last_only, decode_from)
+        with self._alone():
+            return self.engine.runner.score(seq, self.engine.block_manager, last_only, decode_from)
 
     def stats(self) -> EngineStats:
         """Cache and scheduler counters: blocks total/free/cached, prefix hits, preemptions."""
@@ -126,3 +153,33 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def prompt_list(prompts: Any) -> list[str | list[int]]:
+    """generate()'s prompts as a list of texts and token-id lists: one prompt (a text, a dict, a flat
+    sequence of integers) or many; numpy / torch integers become ints. ValueError naming prompts[i]."""
+    if isinstance(prompts, (str, dict)) or _ids(prompts) is not None:
+        prompts = [prompts]
+    out: list[str | list[int]] = []
+    for i, p in enumerate(list(prompts.tolist() if hasattr(prompts, "tolist") else prompts)):
+        if isinstance(p, dict):
+            keys = set(p) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1 or set(p) - keys:
+                raise ValueError(f"prompts[{i}]: a dict prompt holds one of 'prompt' (text) or 'prompt_token_ids', "
+                                 f"got keys {sorted(p)}")
+            p = p[keys.pop()]
+        ids = _ids(p)
+        out.append(p if isinstance(p, str) or ids is None else ids)  # (anything else: validation names it)
+    return out
+
+
+def _ids(p: Any) -> list[int] | None:
+    """p as a list of ints when it is a flat sequence of integers (a list, tuple, 1-D array or tensor)."""
+    if isinstance(p, (str, bytes, dict)):
+        return None
+    seq = p.tolist() if hasattr(p, "tolist") else p
+    if not isinstance(seq, (list, tuple)) or not seq:
+        return None
+    if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in seq):
+        return [int(t) for t in seq]
+    return None

@@ -102,7 +102,8 @@ class OutputProcessor:
 
     def fail(self, seq: Sequence, error: str, status: int = 500) -> None:
         """End a sequence with finish_reason 'error' and its reason (what the server answers with
-        `status`: 500 for a failure inside the engine, 503 for a request that waited too long)."""
+        `status`: 500 for a failure inside the engine, 503 for a request that waited too long, 400 for
+        one the model cannot serve)."""
         seq.output.error, seq.output.error_status = error, status
         self.finish(seq, "error", override=True)
 
@@ -200,10 +201,14 @@ class OutputProcessor:
             outs.append(CompletionOutput(index=0, text="", token_ids=[], finish_reason="error", error=o.error,
                                          error_status=o.error_status))
         elif finished:
-            for i, h in enumerate(beam.best(s0.params.n)):
-                text = self.tokenizer.decode(h.tokens, s0.params.skip_special_tokens) if self.tokenizer else ""
+            p = s0.params
+            for i, h in enumerate(beam.best(p.n)):
+                text = self.tokenizer.decode(h.tokens, p.skip_special_tokens) if self.tokenizer else ""
+                # a stop_token_ids token is the stop reason (an EOS is not, unless EOS is ignored: vLLM's rule)
+                end = h.tokens[-1] if h.ended_by_eos and h.tokens else None
+                why = end if end in (p.stop_token_ids or ()) and (p.ignore_eos or end not in s0.eos_token_ids) else None
                 outs.append(CompletionOutput(index=i, text=text, token_ids=h.tokens, cumulative_logprob=h.score,
-                                             finish_reason="stop" if h.ended_by_eos else "length",
+                                             finish_reason="stop" if h.ended_by_eos else "length", stop_reason=why,
                                              delta_text=text, delta_token_ids=h.tokens))
         metrics = request_metrics(seqs, finished, sum(len(o.token_ids) for o in outs),
                                   max((len(o.token_ids) for o in outs), default=0))

@@ -336,6 +336,8 @@ class Sequence:
     swapped: Any = field(default=None, init=False)  # Scheduler: its tables' shape while its KV is on the host
 
     def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str):  # (vLLM's rule; None and 7 were taken, a list failed as unhashable)
+            raise TypeError(f"request_id: must be a str, got {type(self.request_id).__name__}")
         self.token_ids = list(self.prompt_token_ids)
 
     @property

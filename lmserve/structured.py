@@ -143,6 +143,8 @@ class GrammarState:
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
         self.failed = False  # a kept token the grammar did not accept (the sequence is stopped)
+        self.why = "structured output: the model produced a token its grammar does not allow"  # when failed
+        self.status = 500  # the HTTP status of that failure: 400 when no token could continue the grammar
 
     @property
     def terminated(self) -> bool:
@@ -321,6 +323,10 @@ class StructuredOutputs:
                 if m.is_terminated():
                     break
                 m.fill_next_token_bitmask(mask, i)
+                if i == 0 and not mask[0].any():  # no token may come next: the vocabulary cannot write what the
+                    g = seq.grammar  # grammar needs (SmolLM2 has no byte 0xF1: U+42221 is beyond it)
+                    g.why, g.status = ("structured output: no token of the model's vocabulary can continue the "
+                                       "constraint (it needs a character the tokenizer cannot write)"), 400
                 if i == len(drafts) or not m.accept_token(drafts[i]):
                     break
                 accepted += 1

@@ -51,6 +51,8 @@ def test_beam_with_eos_and_length_penalty(tiny_models):  # type: ignore[no-untyp
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         assert [o.token_ids for o in out.outputs] == hf_beam(hf, prompt, 3, 3, 10, eos=eos, lp=lp)
         assert any(o.finish_reason == "stop" for o in out.outputs)
+        # a hypothesis ended by a stop_token_ids token names it (vLLM's stop_reason; it was None)
+        assert all(o.stop_reason == (eos if o.finish_reason == "stop" else None) for o in out.outputs)
     assert llm.stats().used_blocks == 0
 
 

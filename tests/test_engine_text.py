@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lmserve import LLM, SamplingParams
 from lmserve.sequence import SamplingParams as SP
@@ -376,3 +377,99 @@ def test_chat_takes_a_chat_template_by_vllms_name(smol):  # type: ignore[no-unty
     out = smol.chat(msgs, SamplingParams(max_tokens=1, temperature=0),
                     chat_template="{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")[0]
     assert out.prompt_token_ids == smol.tokenizer.encode("<<hi>>", add_special_tokens=False)
+
+
+def test_generate_from_two_threads_and_from_inside_a_step(smol, monkeypatch):  # type: ignore[no-untyped-def]
+    """Two threads' generate() calls on one LLM run one after the other, each with its own outputs (they
+    interleaved steps: one thread waited forever, the other's step failed on an empty batch); a call
+    from inside a running one is a RuntimeError, and the outer call still ends."""
+    import threading
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    prompts = ["Hello there", "The capital of France is"]
+    ref = {p: smol.generate([p], sp, use_tqdm=False)[0].outputs[0].text for p in prompts}
+    got: dict = {}
+    go = threading.Barrier(2)
+
+    def worker(p: str) -> None:
+        go.wait()
+        got[p] = [o.outputs[0].text for o in smol.generate([p] * 3, sp, use_tqdm=False)]
+
+    threads = [threading.Thread(target=worker, args=(p,), daemon=True) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and got == {p: [ref[p]] * 3 for p in prompts}
+    inner: list = []
+    real = smol.engine.output.process
+
+    def process(*a, **k):  # type: ignore[no-untyped-def]
+        if not inner:
+            try:
+                smol.generate(["x"], sp, use_tqdm=False)
+            except RuntimeError as e:
+                inner.append(e)
+        return real(*a, **k)
+
+    monkeypatch.setattr(smol.engine.output, "process", process)
+    out = smol.generate([prompts[0]], sp, use_tqdm=False)
+    assert "from inside" in str(inner[0]) and out[0].outputs[0].text == ref[prompts[0]]
+    assert not smol.engine.has_unfinished_requests()
+
+
+def test_prompts_in_every_form(smol):  # type: ignore[no-untyped-def]
+    """vLLM's {"prompt"} / {"prompt_token_ids"} dicts, alone or in a list (a lone dict generated for
+    its key, the word 'prompt'), a tuple, a numpy array or a tensor of ids, numpy integers."""
+    import numpy as np
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    ref = smol.generate(["The capital of France is"], sp, use_tqdm=False)[0]
+    ids = ref.prompt_token_ids
+    for form in ({"prompt": "The capital of France is"}, [{"prompt_token_ids": ids}], tuple(ids), np.array(ids),
+                 torch.tensor([ids]), [np.int64(t) for t in ids]):
+        out = smol.generate(form, sp, use_tqdm=False)
+        assert len(out) == 1 and out[0].prompt_token_ids == ids and out[0].outputs[0].text == ref.outputs[0].text
+    for bad in ({"prompt": "x", "prompt_token_ids": [1]}, [{"text": "x"}]):
+        with pytest.raises(ValueError, match=r"prompts\[0\]"):
+            smol.generate(bad, sp, use_tqdm=False)
+
+
+def test_requests_added_by_hand_keep_their_outputs(smol):  # type: ignore[no-untyped-def]
+    """generate() while the engine holds a request added by hand is refused (that request's output was
+    consumed and dropped inside the call); the request goes on and ends with its output."""
+    eng = smol.engine
+    eng.add_request("mine", "my own request", SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(RuntimeError, match="engine.add_request"):
+        smol.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in outs] == ["mine"] and len(outs[0].outputs[0].token_ids) == 3
+
+
+def test_an_interrupted_generate_leaves_no_block_held(smol, monkeypatch):  # type: ignore[no-untyped-def]
+    """Ctrl-C during the step after a fork (n = 3 children copying their parent's last block): the
+    copies' pinned sources are let go with the aborted requests (2 blocks stayed held, nothing running)."""
+    eng, calls = smol.engine, [0]
+    real = eng.runner.execute
+
+    def execute(out):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return real(out)
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    with pytest.raises(KeyboardInterrupt):
+        smol.generate(["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time"],
+                      SamplingParams(max_tokens=6, temperature=0.8, seed=1, n=3), use_tqdm=False)
+    assert calls[0] == 2 and not eng.has_unfinished_requests()
+    assert smol.stats().used_blocks == 0 and not eng.block_manager.pins
+
+
+def test_a_request_id_must_be_a_string_and_a_device_a_device(smol):  # type: ignore[no-untyped-def]
+    for rid in (None, 7, ("a", 1)):
+        with pytest.raises(TypeError, match="request_id"):
+            smol.engine.add_request(rid, "Hi", SamplingParams(max_tokens=2))
+    assert not smol.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="device"):
+        LLM(device="tpu")

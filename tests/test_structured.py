@@ -536,3 +536,23 @@ def test_server_names_the_constraint_as_sent_and_answers_busy_with_429(smol, mon
         monkeypatch.setattr(st_mod.StructuredOutputs, "compile", busy)
         r = chat({"guided_regex": "[0-9]+"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1" and "busy" in r.json()["error"]["message"]
+
+
+def test_a_constraint_the_vocabulary_cannot_write_is_a_400(smol):  # type: ignore[no-untyped-def]
+    """SmolLM2's byte-level vocabulary has no token for the byte 0xF1, so U+42221 cannot be written: the
+    grammar allows no token at all. The request ends with an error saying so, which the server answers
+    as a 400 (found by schemathesis: it was a 500, 'the model produced a token its grammar does not
+    allow', after the sampler picked from an all -inf row); the request beside it is unaffected."""
+    from starlette.testclient import TestClient
+
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    tok = smol.tokenizer
+    assert tok.decode(tok.encode("\U00042221", add_special_tokens=False)) != "\U00042221"  # the premise
+    bad, ok = smol.generate(["Hi", "Hi"], [greedy(8, choice=["\U00042221"]), greedy(8, choice=["yes"])], use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and "can continue the constraint" in bad.outputs[0].error
+    assert ok.outputs[0].text == "yes" and smol.stats().used_blocks == 0
+    with TestClient(build_app(AsyncEngine(smol.engine), "smollm2-135m")) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                                  "guided_choice": ["\U00042221"]})
+        assert r.status_code == 400 and "can continue the constraint" in r.json()["error"]["message"], r.text

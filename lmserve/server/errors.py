@@ -41,6 +41,8 @@ class ApiError(Exception):
         if status == 503:
             return cls(503, f"request not served: {error}", type_="server_error", code="queue_timeout",
                        headers={"Retry-After": "1"})
+        if status == 400:  # the request asked for what the model cannot do (a constraint its vocabulary cannot write)
+            return cls(400, f"request cannot be served: {error}")
         return cls(status, f"request failed inside the engine: {error}", type_="server_error")
 
     def body(self) -> dict[str, Any]:
