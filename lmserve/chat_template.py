@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from datetime import datetime
+from collections.abc import Iterable
 from typing import Any
 
 # Gemma 3's chat template (text turns), for GGUF files that carry none: a system message is folded
@@ -27,6 +28,12 @@ TEMPLATE_MAX_SECONDS = 2.0  # and one that takes longer to render
 _render = threading.local()  # this thread's render deadline (requests render on worker threads)
 
 
+def join_text(texts: Iterable[str]) -> str:
+    """A message's text parts as one string, joined with newlines: vLLM's rule for templates that read
+    a string (every API here: chat, Responses, Messages)."""
+    return "\n".join(texts)
+
+
 def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with each content given as text parts ([{"type": "text", "text": ...}]) joined
     into one string with newlines (vLLM's rule for templates that read a string); ValueError naming
@@ -41,7 +48,7 @@ def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                    for p in content):
                 raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
                                  f"supported")
-            m = {**m, "content": "\n".join(p["text"] for p in content)}
+            m = {**m, "content": join_text(p["text"] for p in content)}
         out.append(m)
     return out
 

@@ -65,8 +65,13 @@ class LLM:
             requests = [dataclasses.replace(r, priority=x) for r, x in zip(requests, priority)]
         with self._alone():
             ids = [f"gen-{next(self._ids)}" for _ in prompts]
-            for rid, req in zip(ids, requests):
-                self.engine.add_request(rid, req, final_only=True)
+            try:
+                for rid, req in zip(ids, requests):
+                    self.engine.add_request(rid, req, final_only=True)
+            except BaseException:  # (Ctrl-C between two adds): none of this call's requests stays queued
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                raise
             return self._run(ids, use_tqdm)
 
     @contextmanager

@@ -76,6 +76,7 @@ class PlanModel:
     mla_rope: int = 0  # MLA: decoupled rope key width
     mla_nope: int = 0  # MLA: a head's q.k width besides the rope part (its value width is head_dim)
     windows: tuple[int | None, ...] | None = None  # per layer: its sliding window (None: full attention)
+    split_embedding: bool = True  # params hold an input embedding apart from the LM head (false: --params as given)
 
     def __post_init__(self) -> None:
         if self.params is None:
@@ -91,7 +92,7 @@ class PlanModel:
     def step_params(self) -> float:
         """The weights a decode step reads and multiplies: the active ones but the input embedding
         table, of which a step looks up a row per token (tied, it is the LM head: read whole)."""
-        return self.active_params - (0 if self.tied else self.vocab * self.hidden)
+        return self.active_params - (self.vocab * self.hidden if self.split_embedding and not self.tied else 0)
 
     def attn_flops_per_token(self, prefill: bool = False) -> float:
         """FLOPs of one query token against one kept context token in one layer: q.k and the weighted
@@ -137,9 +138,7 @@ class PlanModel:
 
     def kept_layer_tokens(self, seq_len: int) -> int:
         """Sum over layers of the tokens of a seq_len-token sequence each layer keeps in its cache."""
-        if not self.windows:
-            return self.layers * seq_len
-        return sum(seq_len if w is None else min(seq_len, w) for w in self.windows)
+        return sum(seq_len if w is None else min(seq_len, w) for w in (self.windows or (None,) * self.layers))
 
 
 SHAPE_FLAGS = ("heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "params")
@@ -156,7 +155,7 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
             raise ValueError(f"--heads: {heads} query heads must be a multiple of the {a.kv_heads} KV heads")
         hidden = a.hidden or heads * a.head_dim
         return PlanModel("custom", a.layers, heads, a.kv_heads, a.head_dim, hidden,
-                         a.intermediate or 4 * hidden, a.vocab or 32000, params=a.params)
+                         a.intermediate or 4 * hidden, a.vocab or 32000, params=a.params, split_embedding=a.params is None)
     given = [n for n in SHAPE_FLAGS if getattr(a, n) is not None]
     if given:  # a flag the plan would ignore is refused
         raise ValueError(f"--{given[0].replace('_', '-')}: describes an explicit shape: give it with --layers")

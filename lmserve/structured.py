@@ -47,12 +47,13 @@ class CompilerBusy(ValueError):
 
 # Escapes xgrammar's regex reader does not know: it matches the letter itself (\A as "A"), where any
 # other regex engine reads an anchor or refuses it. (Its known ones: a d D e f n r s S t v w W 0 x u c k
-# p P b B, the last six refused or parsed on their own.)
+# p P b B, the last six refused or parsed on their own, and U followed by 8 hex digits, a code point.)
 UNKNOWN_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ")
+HEX = frozenset("0123456789abcdefABCDEF")
 # JSON-schema keywords xgrammar (0.2.x) accepts and does not enforce, measured on its grammars: a schema
 # holding one gets outputs that break it, so it is refused (vLLM screens the same way).
-UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "propertyNames", "dependentRequired",
-              "dependentSchemas", "dependencies", "not", "if")
+UNENFORCED = ("uniqueItems", "contains", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+              "not", "if")  # (minContains / maxContains count only beside contains)
 SUBSCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems")  # a schema each
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
@@ -63,7 +64,8 @@ def unenforced_regex(regex: str) -> str | None:
     i = 0
     while i < len(regex) - 1:
         if regex[i] == "\\":
-            if regex[i + 1] in UNKNOWN_ESCAPES:
+            code_point = regex[i + 1] == "U" and len(regex) >= i + 10 and set(regex[i + 2:i + 10]) <= HEX
+            if regex[i + 1] in UNKNOWN_ESCAPES and not code_point:
                 hint = " (the whole output is matched: no anchors are needed)" if regex[i + 1] in "AZz" else ""
                 return f"\\{regex[i + 1]} at {i} is not an escape the grammar engine knows (it would match the " \
                        f"letter {regex[i + 1]}){hint}"
@@ -73,20 +75,26 @@ def unenforced_regex(regex: str) -> str | None:
     return None
 
 
-def unenforced_schema(schema: Any, path: str = "") -> str | None:
+def unenforced_schema(schema: Any, path: str = "", branch: bool = False) -> str | None:
     """The first part of a JSON schema the grammar engine would accept without enforcing it, with its
-    path ("properties.tags.uniqueItems"); None when every part is enforced."""
+    path ("properties.tags.uniqueItems"); None when every part is enforced. branch: an anyOf / oneOf /
+    allOf member (its `required` may name its parent's properties)."""
     if not isinstance(schema, dict):
         return None
     at = (lambda key: f"{path}.{key}" if path else key)  # noqa: E731
     for key in UNENFORCED:
-        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+        trivial = schema.get(key) in ({}, [], None) or key == "uniqueItems" and schema[key] is False
+        if key in schema and not trivial:
             return f"{at(key)} is not enforced by the grammar engine"
     for key in ("unevaluatedProperties", "unevaluatedItems"):
-        if key in schema and schema[key] is not False:
-            return f"{at(key)} is not enforced by the grammar engine (only false is)"
-    if "multipleOf" in schema and schema.get("type") != "integer":
+        if isinstance(schema.get(key), dict):  # (true constrains nothing; false is the engine's default)
+            return f"{at(key)} with a schema is not enforced by the grammar engine"
+    types = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    if "multipleOf" in schema and ("integer" not in types or "number" in types):
         return f"{at('multipleOf')} is enforced for integers only"
+    for regex in [schema.get("pattern"), *(schema.get("patternProperties") or {})]:
+        if isinstance(regex, str) and (problem := unenforced_regex(regex)):
+            return f"{at('pattern')}: {problem}"
     lengths = [k for k in ("minLength", "maxLength") if k in schema]
     if lengths and ("format" in schema or "pattern" in schema) or "format" in schema and "pattern" in schema:
         both = " and ".join([*[k for k in ("format", "pattern") if k in schema], *lengths])
@@ -97,8 +105,10 @@ def unenforced_schema(schema: Any, path: str = "") -> str | None:
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         return f"{at('$ref')}: only references inside the schema (#/...) are followed, got {ref!r}"
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    missing = [k for k in schema.get("required", []) if isinstance(k, str) and k not in props] \
-        if isinstance(schema.get("required"), list) else []
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    if branch and required and not props:
+        return f"{at('required')} in a branch without properties of its own is not enforced by the grammar engine"
+    missing = [k for k in required if isinstance(k, str) and k not in props]
     if missing:
         return f"{at('required')}: {missing[0]!r} is not in properties (the grammar engine cannot produce it)"
     for key in SUBSCHEMAS:
@@ -111,7 +121,7 @@ def unenforced_schema(schema: Any, path: str = "") -> str | None:
                 return found
     for key in SCHEMA_LISTS:
         for i, sub in enumerate(schema.get(key) or []) if isinstance(schema.get(key), list) else ():
-            if (found := unenforced_schema(sub, at(f"{key}[{i}]"))):
+            if (found := unenforced_schema(sub, at(f"{key}[{i}]"), key in ("anyOf", "oneOf", "allOf"))):
                 return found
     return None
 

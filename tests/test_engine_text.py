@@ -473,3 +473,20 @@ def test_a_request_id_must_be_a_string_and_a_device_a_device(smol):  # type: ign
     assert not smol.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="device"):
         LLM(device="tpu")
+
+
+def test_generate_interrupted_while_adding_queues_nothing(smol, monkeypatch):  # type: ignore[no-untyped-def]
+    """Ctrl-C between two of generate()'s adds: the requests already added leave with it (they stayed
+    queued, and every later generate() was refused as holding requests added by hand)."""
+    real, calls = smol.engine.add_request, [0]
+
+    def add(*a, **k):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(smol.engine, "add_request", add)
+    with pytest.raises(KeyboardInterrupt):
+        smol.generate(["a", "b", "c"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert calls[0] == 2 and not smol.engine.has_unfinished_requests()

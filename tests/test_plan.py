@@ -240,3 +240,14 @@ def test_plan_flags_it_would_ignore_or_misread_are_refused(capsys):  # type: ign
         assert main(["plan", *bad]) == 2
         err = capsys.readouterr().err
         assert said in err, (bad, err)
+
+
+def test_an_explicit_parameter_count_is_read_whole():  # type: ignore[no-untyped-def]
+    """--params counts what the user says: a decode step reads all of it (the input embedding of the
+    shape's vocabulary was taken off it: 1e6 parameters with a 32,000 x 128 table planned negative bytes)."""
+    import argparse
+    from lmserve.plan import model_from_args
+    a = argparse.Namespace(layers=2, heads=None, kv_heads=1, head_dim=64, hidden=None, intermediate=None, vocab=None,
+                           params=1e6, model="smollm2-135m")
+    r = plan(model_from_args(a), DEVICES["h100"], "bf16", seq_len=16)
+    assert math.isclose(r["decode"]["bytes_moved_gb"] * 1e9, 1e6 * 2 + r["kv_bytes_per_seq"]) and r["decode"]["step_ms"] > 0

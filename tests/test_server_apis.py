@@ -103,7 +103,7 @@ def test_responses_input_items_are_the_chat_messages(client, server):  # type: i
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bonjour !"}]},
              {"role": "user", "content": "How are you?"}]
     r = client.responses.create(model=MODEL, input=items, max_output_tokens=3, temperature=0)
-    chat = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello!"},
+    chat = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello\n!"},  # parts: lines
             {"role": "assistant", "content": "Bonjour !"}, {"role": "user", "content": "How are you?"}]
     assert r.usage.input_tokens == prompt_tokens(server, chat)
     plain = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=3, temperature=0)
@@ -196,7 +196,8 @@ def test_messages_system_prompt_and_count_tokens(claude, server):  # type: ignor
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
     system = [{"type": "text", "text": "You answer in one word."}]
     m = claude.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, system=system, messages=msgs)
-    chat = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a colour."}]
+    # text blocks join with newlines, as the chat route joins text parts (vLLM's rule; they joined with nothing)
+    chat = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a \ncolour."}]
     n = prompt_tokens(server, chat)
     assert m.usage.input_tokens == n
     plain = post(server, "/v1/chat/completions", {"messages": chat, "max_tokens": 4, "temperature": 0}).json()

@@ -428,6 +428,9 @@ UNENFORCED_SCHEMAS = [  # (schema, the keyword named, a document xgrammar's gram
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
       "dependentRequired": {"a": ["b"]}}, "dependentRequired", '{"a": 1}'),
     ({"$ref": "http://example.com/schema.json"}, "$ref", '"x"'),
+    ({"type": "string", "pattern": "\\Aab"}, "pattern", '"Aab"'),  # a JSON schema's regex is screened too
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "required", "{}"),  # a branch naming its parent's keys
 ]
 
 
@@ -456,7 +459,12 @@ def test_schemas_the_grammar_engine_enforces_are_taken(smol):  # type: ignore[no
                                                                           "minimum": 1, "maximum": 20},
           {"type": "string", "format": "date"}, {"type": "string", "pattern": "^[ab]{2}$"},
           {"$defs": {"n": {"type": "integer", "minimum": 0, "maximum": 5}}, "type": "object",
-           "properties": {"not": {"$ref": "#/$defs/n"}}, "required": ["not"], "additionalProperties": False}]
+           "properties": {"not": {"$ref": "#/$defs/n"}}, "required": ["not"], "additionalProperties": False},
+          # (a review found these refused: a nullable integer's multipleOf, constraints that constrain nothing)
+          {"type": ["integer", "null"], "multipleOf": 2, "minimum": 0, "maximum": 9},
+          {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+           "unevaluatedProperties": True, "dependentRequired": {}},
+          {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 2, "minContains": 1}]
     outs = smol.generate(["Some JSON:"] * len(ok), [greedy(40, json=s) for s in ok], use_tqdm=False)
     for schema, o in zip(ok, outs):
         assert o.outputs[0].finish_reason == "stop", (schema, o.outputs[0].text)
@@ -473,6 +481,7 @@ def test_a_regex_escape_the_grammar_engine_reads_as_a_letter_is_refused(smol, re
         smol.generate(["hi"], greedy(4, regex=regex), use_tqdm=False)
     assert _is_grammar_accept_string(xgr.Grammar.from_regex(r"\Aab"), "Aab") and not re.fullmatch(r"\Aab", "Aab")
     assert smol.generate(["hi"], greedy(4, regex=r"\\A[0-9]"), use_tqdm=False)[0].outputs[0].text[:2] == "\\A"
+    assert smol.generate(["hi"], greedy(8, regex=r"\U0001F600"), use_tqdm=False)[0].outputs[0].text == "\U0001F600"
 
 
 def test_a_schema_that_is_not_json_is_a_value_error():  # type: ignore[no-untyped-def]
@@ -536,6 +545,9 @@ def test_server_names_the_constraint_as_sent_and_answers_busy_with_429(smol, mon
         monkeypatch.setattr(st_mod.StructuredOutputs, "compile", busy)
         r = chat({"guided_regex": "[0-9]+"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1" and "busy" in r.json()["error"]["message"]
+        r = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4, "text": {
+            "format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}})
+        assert r.status_code == 429 and r.json()["error"]["message"].startswith("text.format.schema:"), r.text
 
 
 def test_a_constraint_the_vocabulary_cannot_write_is_a_400(smol):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool, field_validator
 
+from lmserve.chat_template import join_text
 from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
@@ -73,7 +74,7 @@ def text_of(content: Any, at: str) -> str:
         return content
     if not isinstance(content, list):
         raise ValueError(f"{at}: must be a string or a list of text blocks")
-    return "".join(field(block(b, f"{at}[{j}]", ("text",)), "text", str, f"{at}[{j}]") for j, b in enumerate(content))
+    return join_text(field(block(b, f"{at}[{j}]", ("text",)), "text", str, f"{at}[{j}]") for j, b in enumerate(content))
 
 
 class ToolChoice(_Body):
@@ -128,27 +129,27 @@ class CountTokensRequest(BaseRequest):
             at = f"messages[{i}].content"
             blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
             if m.role == "assistant":
-                text, calls = "", []
+                texts, calls = [], []
                 for j, b in enumerate(blocks):
                     b = block(b, f"{at}[{j}]", ("text", "tool_use"))
                     if b["type"] == "text":
-                        text += field(b, "text", str, f"{at}[{j}]")
+                        texts.append(field(b, "text", str, f"{at}[{j}]"))
                         continue
                     uid = field(b, "id", str, f"{at}[{j}]")
                     uses.add(uid)
                     calls.append({"id": uid, "type": "function", "function": {
                         "name": field(b, "name", str, f"{at}[{j}]"),
                         "arguments": json.dumps(field(b, "input", dict, f"{at}[{j}]"), ensure_ascii=False)}})
-                msgs.append({"role": "assistant", "content": text, "tool_calls": calls or None})
+                msgs.append({"role": "assistant", "content": join_text(texts), "tool_calls": calls or None})
                 continue
             user: dict[str, Any] | None = None  # the user message this message's text blocks go to
             for j, b in enumerate(blocks):
                 b = block(b, f"{at}[{j}]", ("text", "tool_result"))
                 if b["type"] == "text":
                     if user is None:
-                        user = {"role": "user", "content": ""}
+                        user = {"role": "user", "content": []}  # its text blocks, joined below
                         msgs.append(user)
-                    user["content"] += field(b, "text", str, f"{at}[{j}]")
+                    user["content"].append(field(b, "text", str, f"{at}[{j}]"))
                     continue
                 uid = field(b, "tool_use_id", str, f"{at}[{j}]")
                 if uid not in uses:
@@ -157,7 +158,8 @@ class CountTokensRequest(BaseRequest):
                 msgs.append({"role": "tool", "tool_call_id": uid,
                              "content": f"Error: {result}" if b.get("is_error") is True else result})
                 user = None
-        return [ChatMessage(**m) for m in msgs]
+        return [ChatMessage(**{**m, "content": join_text(m["content"]) if isinstance(m["content"], list) else m["content"]})
+                for m in msgs]
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The tools in the chat form, checked (tool_parsers.check_tools); ValueError naming the (chat) field."""

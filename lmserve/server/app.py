@@ -119,7 +119,7 @@ class OpenAIServer:
                                            max_chars=lim.template_max_chars, max_seconds=lim.template_max_seconds,
                                            **(template_kwargs or {}))
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
-            if isinstance(e, ValueError) and str(e).startswith(("messages:", "chat_template:")):
+            if isinstance(e, ValueError) and str(e).startswith(("messages:", "chat_template:", "continue_final_message:")):
                 raise ApiError.invalid(e) from None  # names its field already
             raise ApiError(400, f"messages: {e}", param="messages") from None
         try:

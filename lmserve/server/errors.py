@@ -81,6 +81,8 @@ def invalid_request(renames: Renames = ()) -> Iterator[None]:
     except ValueError as e:
         raise ApiError.invalid(ValueError(renamed(str(e), renames))) from None
     except ApiError as e:
-        if e.status != 400 or not renames:
+        if e.status not in (400, 429) or not renames:
             raise
+        if e.status == 429:  # a busy compiler's: the field as this API names it, still a 429
+            raise ApiError(429, renamed(e.message, renames), type_=e.type, headers=e.headers) from None
         raise ApiError.invalid(ValueError(renamed(e.message, renames))) from None

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
+from lmserve.chat_template import join_text
 from lmserve.sequence import SamplingParams, StructuredOutputsParams
 from lmserve.server.tool_schema import check_tools, tools_json_schema
 
@@ -274,7 +275,7 @@ class ChatMessage(_Body):
             if p.type != "text":
                 raise ValueError(f"content part type {p.type!r} is not supported (text only)")
             parts.append(p.text or "")
-        return "\n".join(parts)  # (vLLM's join for templates that read a string)
+        return join_text(parts)
 
     def for_template(self) -> dict[str, Any]:
         """The message as a chat template reads it (a call's JSON arguments as an object, which is what
@@ -304,9 +305,7 @@ class TemplateArgs(BaseRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
-    def check(self) -> None:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it to false)")
+    def check(self) -> None:  # (continue_final_message with add_generation_prompt: the template's renderer says no)
         if self.tools is not None:
             self.tools = check_tools(self.tools)  # ValueError naming tools[i]...
         super().check()

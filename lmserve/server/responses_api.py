@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field, StrictBool, ValidationError, field_validator
 
+from lmserve.chat_template import join_text
 from lmserve.outputs import RequestOutput
 from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
@@ -87,7 +88,7 @@ def text_of(content: str | list[Any], at: str) -> str:
             raise ValueError(f"{at}[{j}].type: {kind!r} is not supported (input_text and output_text parts only)")
         if not isinstance(p.get("text"), str):
             raise ValueError(f"{at}[{j}].text: must be a string")
-    return "".join(p["text"] for p in content)
+    return join_text(p["text"] for p in content)
 
 
 class ResponsesRequest(BaseRequest):
