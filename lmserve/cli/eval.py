@@ -1,4 +1,7 @@
 """`lmserve eval perplexity`: what a quantization (of the weights, of the KV cache) costs on real text.
+On a CPU whose tile kernel takes int8 activations (VNNI, or AVX2's avx2int8 path) a quantized model's
+linears also round their inputs to int8 per 32 columns: its label says `acts=int8`, and the figure is
+that of weights and activations together, as the engine serves it (LMSERVE_ISA=avx2: float inputs).
 
 Sliding-window perplexity over a fixed text through the engine's own forward (LLM.score: teacher-
 forced through the paged cache), and the top-1 agreement, position by position, with a reference: the
@@ -51,8 +54,11 @@ def add_parser(sub: Any) -> None:
 
 
 def _label(model: str, kw: dict[str, Any]) -> str:
-    return (f"{model} {kw.get('dtype', 'auto')} weights={kw.get('quantization') or 'none'} "
-            f"kv={kw.get('kv_cache_dtype', 'auto')}")
+    from lmserve.layers import cpu_native
+    int8_acts = (kw.get("quantization") in ("int8", "int4", "gguf", "awq") and str(kw.get("device", "cpu")) == "cpu"
+                 and cpu_native.isa() in ("vnni", "avx2int8"))  # the tile kernel rounds x to int8 per 32 columns
+    return (f"{model} {kw.get('dtype', 'auto')} weights={kw.get('quantization') or 'none'}"
+            f"{' acts=int8' if int8_acts else ''} kv={kw.get('kv_cache_dtype', 'auto')}")
 
 
 def _timed(score: Any, spent: dict[str, float], name: str) -> Any:
@@ -84,9 +90,22 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     ref_kw = {**kw, "quantization": None if a.reference_quantization == "none" else a.reference_quantization,
               "kv_cache_dtype": a.reference_kv_cache_dtype, "dtype": a.reference_dtype or kw["dtype"]}
     ref_model = a.reference_model or a.model
+    from lmserve.config import resolve_dtype
     from lmserve.models.loader import resolve_model, resolve_quantization
+    from lmserve.quant.checkpoint import read_quantization_config
+    if a.reference_dtype is not None:
+        try:
+            resolve_dtype(a.reference_dtype, kw["device"])
+        except ValueError as e:
+            raise ValueError(f"reference-dtype: {str(e).partition(': ')[2]}") from None
     for m, k in ((a.model, kw), (ref_model, ref_kw)):  # `auto` as it resolves for that model: labels, sameness
-        k["quantization"] = resolve_quantization(k["quantization"], resolve_model(m).kind, k["device"])
+        src = resolve_model(m)
+        k["quantization"] = resolve_quantization(k["quantization"], src.kind, k["device"])
+        if src.kind == "hf" and read_quantization_config(src.path) is not None:
+            k["quantization"] = "awq"  # an AutoAWQ folder loads as awq, asked or not (loader._quantize)
+    if ref_kw["quantization"] == "awq" and a.reference_quantization == "none":
+        raise ValueError(f"reference-model: {ref_model!r} is an AWQ checkpoint, with no unquantized weights to compare "
+                         f"with; give --reference-model (the float model it was made from)")
     t0 = time.perf_counter()
     ref = LLM(ref_model, **ref_kw)
     same = ref_model == a.model and ref_kw == kw
