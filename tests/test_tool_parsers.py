@@ -669,3 +669,31 @@ def test_arguments_no_client_can_read_are_content(args):  # type: ignore[no-unty
     assert not r.calls and r.content == text
     good = hermes().extract(f'{OPEN}{{"name": "f", "arguments": {{"a": 1e300, "s": "\\u00e9"}}}}{CLOSE}')
     assert calls_of(good) == [("f", {"a": 1e300, "s": "é"})]
+
+
+def test_llama3_stream_scans_a_run_of_whitespace_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A stream of whitespace deltas (a client can force one with logit_bias) before or after a call: each
+    character is scanned once (the held text was rescanned from its start on every delta: 20,000 deltas
+    took 23 s of the event loop, found by review). Counted in characters _skip_ws passes over."""
+    from lmserve.server import tool_parsers as tp
+    from lmserve.server.tool_parsers import ContentDelta, Llama3JsonToolParser
+    scanned = [0]
+    real = tp._skip_ws
+
+    def counting(buf: str, i: int) -> int:
+        j = real(buf, i)
+        scanned[0] += j - i
+        return j
+
+    monkeypatch.setattr(tp, "_skip_ws", counting)
+    n = 2000
+    for opening in ("", '{"name": "f", "parameters": {}}'):
+        s = Llama3JsonToolParser().streaming()
+        if opening:
+            s.feed(opening)
+        scanned[0] = 0
+        for _ in range(n):
+            s.feed("\n")
+        assert scanned[0] <= 2 * n, (opening, scanned[0])  # linear (quadratic: ~n * n / 2 = 2,000,000)
+        deltas = s.feed('Then some text.') + s.finish()
+        assert "".join(d.text for d in deltas if isinstance(d, ContentDelta)).strip() == "Then some text."

@@ -195,12 +195,14 @@ class _Llama3Scanner(_Scanner):
     def __init__(self) -> None:
         self.mode = "start"  # "start": nothing decided; "calls": after a call; "text": the rest is content
         self.seen = 0  # of a held call, how much was decoded before (it can only end at a later "}")
+        self.skip = 0  # how much of the held text is known to be skippable (whitespace, the tag, ";")
 
     def step(self, buf: str, final: bool) -> tuple[list[Found], int]:
         out: list[Found] = []
         i, seen, self.seen = 0, self.seen, 0  # buf[:i] decided
+        skip, self.skip = self.skip, 0  # (rescanning it from 0 each delta was quadratic in a run of whitespace)
         while self.mode != "text":
-            p = _skip_ws(buf, i)
+            p = _skip_ws(buf, max(i, skip))
             if self.mode == "start" and buf.startswith(PYTHON_TAG, p):
                 p = _skip_ws(buf, p + len(PYTHON_TAG))
             elif self.mode == "start" and PYTHON_TAG.startswith(buf[p:]) and p < len(buf) and not final:
@@ -208,6 +210,7 @@ class _Llama3Scanner(_Scanner):
             elif self.mode == "calls" and buf.startswith(";", p):
                 p = _skip_ws(buf, p + 1)
             if p == len(buf) and not final:
+                self.skip = p - i  # (the caller keeps buf[i:] and appends to it)
                 return out, i
             if not buf.startswith("{", p):
                 break
