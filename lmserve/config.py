@@ -327,6 +327,11 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.deterministic and (self.kv_cache_dtype == "fp8" or self.kv_cache_dtype == "auto"
+                                   and resolve_dtype(self.dtype, self.device) == torch.float16):
+            raise ValueError("deterministic: our attention kernel reads float32, bf16 and int8 KV caches; an fp8 or "
+                             "float16 one goes to the torch path, which is not batch-invariant (use kv_cache_dtype "
+                             "int8, or auto with float32 / bf16)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
