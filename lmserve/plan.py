@@ -104,6 +104,10 @@ class PlanModel:
             return 2 * self.heads * (self.mla_nope + self.mla_rope + self.head_dim)
         return 2 * self.heads * (2 * self.mla_latent + self.mla_rope)
 
+    def decode_flops(self, batch: int, seq_len: int) -> float:
+        """One decode step's FLOPs: the weights it reads, and attention over the tokens each layer keeps."""
+        return 2 * self.step_params * batch + batch * self.attn_flops_per_token() * self.kept_layer_tokens(seq_len)
+
     def causal_pairs(self, seq_len: int) -> int:
         """Sum over layers of the (query, key) pairs a causal prefill of seq_len tokens computes (a
         sliding-window layer: at most its window a query)."""
@@ -223,13 +227,11 @@ def plan(m: PlanModel, device: tuple[float, float, float], dtype: str = "bf16", 
     fit = max(0, int(usable // kv_seq)) if kv_seq else 0
     fit_blind = max(0, int(usable // kv_seq_blind)) if kv_seq_blind else 0
     ridge = peak / bw
-    group = m.heads // max(1, m.kv_heads)
 
     def step(b: int) -> dict[str, Any]:
         kv_read = b * kv_seq  # a sliding-window layer reads its window only
         bytes_moved = m.step_params * wb + kv_read
-        attn_flops = b * m.attn_flops_per_token() * m.kept_layer_tokens(seq_len)
-        flops = 2 * m.step_params * b + attn_flops
+        flops = m.decode_flops(b, seq_len)
         t_mem, t_cmp = bytes_moved / bw, flops / peak
         t = max(t_mem, t_cmp)
         return {"batch": b, "kv_gb": b * kv_seq / 1e9, "fits": b * kv_seq <= max(usable, 0),
@@ -289,8 +291,7 @@ def tensor_parallel(m: PlanModel, tp: int, wb: float, kv_tok: float, kv_seq: flo
 
     def bound(ranks: int) -> float:
         moved = m.step_params * wb / ranks + batch * kv_seq * (kv_heads / m.kv_heads if ranks > 1 else 1)
-        return max(moved / bw, (2 * m.step_params * batch + batch * m.attn_flops_per_token() * m.kept_layer_tokens(seq_len))
-                   / ranks / peak)
+        return max(moved / bw, m.decode_flops(batch, seq_len) / ranks / peak)
 
     t1, tn = bound(1), bound(tp) + t_comm
     return {"size": tp, "weight_bytes_per_rank": m.params * wb / tp, "kv_heads_per_rank": kv_heads, "kv_replicated": m.kv_heads < tp,

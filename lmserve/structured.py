@@ -54,7 +54,7 @@ HEX = frozenset("0123456789abcdefABCDEF")
 # holding one gets outputs that break it, so it is refused (vLLM screens the same way).
 UNENFORCED = ("uniqueItems", "contains", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
               "not", "if")  # (minContains / maxContains count only beside contains)
-SUBSCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems")  # a schema each
+SUBSCHEMAS = ("items", "additionalProperties")  # a schema each (unevaluated* with a schema: refused above)
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
@@ -95,10 +95,9 @@ def unenforced_schema(schema: Any, path: str = "", branch: bool = False) -> str 
     for regex in [schema.get("pattern"), *(schema.get("patternProperties") or {})]:
         if isinstance(regex, str) and (problem := unenforced_regex(regex)):
             return f"{at('pattern')}: {problem}"
-    lengths = [k for k in ("minLength", "maxLength") if k in schema]
-    if lengths and ("format" in schema or "pattern" in schema) or "format" in schema and "pattern" in schema:
-        both = " and ".join([*[k for k in ("format", "pattern") if k in schema], *lengths])
-        return f"{at(both.split(' and ')[-1])}: {both} together are not enforced by the grammar engine"
+    together = [k for k in ("format", "pattern", "minLength", "maxLength") if k in schema]
+    if len(together) > 1 and together[0] in ("format", "pattern"):  # (minLength + maxLength alone are enforced)
+        return f"{at(together[-1])}: {' and '.join(together)} together are not enforced by the grammar engine"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"{at('allOf')} with more than one schema is not enforced by the grammar engine"
     ref = schema.get("$ref")
@@ -208,10 +207,6 @@ class StructuredOutputs:
         beyond either, a new grammar is refused at once (a ValueError saying the compiler is busy)."""
         kind, text = spec.key()
         key = (kind, text)
-        problem = unenforced_schema(json.loads(text)) if kind == "json" else \
-            unenforced_regex(text) if kind == "regex" else None
-        if problem:
-            raise ValueError(f"structured_outputs.{kind}: {problem}")
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -254,6 +249,10 @@ class StructuredOutputs:
                 self._stragglers.discard((kind, text))
 
     def _compile(self, compiler: Any, kind: str, text: str) -> Any:
+        problem = unenforced_schema(json.loads(text)) if kind == "json" else \
+            unenforced_regex(text) if kind == "regex" else None
+        if problem:  # what xgrammar would take without enforcing it
+            raise ValueError(f"structured_outputs.{kind}: {problem}")
         try:
             if kind == "json":
                 compiled = compiler.compile_json_schema(text, any_whitespace=False)
