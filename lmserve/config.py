@@ -252,8 +252,8 @@ class EngineConfig:
     # structured output: seconds a grammar (JSON schema, regex, EBNF) may take to compile; slower: a 400
     grammar_compile_timeout: float = 10.0
     # batch-invariant outputs: a request's tokens and logprobs bit-identical whatever else runs beside it,
-    # however its prompt is chunked, whatever the prefix cache holds (CPU; linears over fixed row blocks,
-    # attention a token at a time)
+    # however its prompt is chunked, whatever the prefix cache holds (linears over fixed row blocks,
+    # attention a token at a time: our C kernel on the CPU, attention/triton_invariant.py with triton)
     deterministic: bool = False
     max_waiting_time: float | None = None  # s before a first step; past it a 503 (a started request: never cut)
     # preemption: host memory for swapped-out KV (bytes or "4GiB"; 0: recompute only); auto swaps when that
@@ -327,10 +327,11 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.deterministic and (self.kv_cache_dtype == "fp8" or self.kv_cache_dtype == "auto"
-                                   and resolve_dtype(self.dtype, self.device) == torch.float16):
-            raise ValueError("deterministic: our attention kernel reads float32, bf16 and int8 KV caches; an fp8 or "
-                             "float16 one goes to the torch path, which is not batch-invariant (use kv_cache_dtype "
+        if self.deterministic and not on_cuda and self.attention_backend != "triton" and (
+                self.kv_cache_dtype == "fp8" or self.kv_cache_dtype == "auto"
+                and resolve_dtype(self.dtype, self.device) == torch.float16):
+            raise ValueError("deterministic: our CPU attention kernel reads float32, bf16 and int8 KV caches; an fp8 "
+                             "or float16 one goes to the torch path, which is not batch-invariant (use kv_cache_dtype "
                              "int8, or auto with float32 / bf16)")
 
     @property

@@ -169,7 +169,7 @@ def graphs_wanted(c: EngineConfig) -> bool:
     backend that can be captured."""
     if c.enforce_eager or c.tensor_parallel_size > 1 or not str(c.device).startswith("cuda"):
         return False
-    if not get_backend(c.attention_backend, c.device).supports_cuda_graphs:
+    if not get_backend(c.attention_backend, c.device, c.deterministic).supports_cuda_graphs:
         log.info("attention backend %r cannot run in a CUDA graph: decode runs eagerly", c.attention_backend)
         return False
     return True

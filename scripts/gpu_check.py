@@ -12,7 +12,8 @@ margin-aware argmax gate), host overhead (host work per decode step at batch 256
 (against the `lmserve plan` bound, with and without CUDA graphs), quant matmul (the Triton
 dequantize-in-matmul kernels against float64, and batch-1 decode's linears of a Llama-3.1-8B shape
 with bf16 / int8 / int4 / fp8 weights), throughput (the 256-request workload), hf baseline (HF
-transformers on the same workload and at batch 1).
+transformers on the same workload and at batch 1), deterministic (the batch-invariant attention
+kernels, and the needle test: a prompt alone against the same among 64 others, bit for bit).
 
 Each part runs in its own process (forked from a server that imported torch once), so a crash or a
 sticky CUDA error ends that part only; it writes $OUT/parts/<part>.json after every result, so a
@@ -825,6 +826,105 @@ def part_throughput(p: Part, s: dict) -> None:
         p.fail("recompiled while timed")
 
 
+def _needle(llm: Any, crowd: int, needle_len: int, seeded: bool, share: bool, max_tokens: int = 16
+            ) -> tuple[Any, Any]:
+    """The needle test's two runs: one prompt alone, then the same inside `crowd` random requests (mixed
+    lengths, greedy and sampled; with `share`, one of them starts with the needle's first 60%, a
+    prefix-cache hit computed in other chunks). Each: (token ids, logprobs (T, 3): the chosen token's and
+    the top two)."""
+    import torch
+
+    from lmserve import SamplingParams
+    rng = random.Random(0)
+    v = llm.engine.vocab_size
+    needle = [rng.randrange(10, v) for _ in range(needle_len)]
+    p = SamplingParams(max_tokens=max_tokens, temperature=0.8 if seeded else 0, seed=5 if seeded else None,
+                       logprobs=2, ignore_eos=True)
+    others = [[rng.randrange(10, v) for _ in range(rng.randint(5, needle_len // 2))] for _ in range(crowd)]
+    if share:
+        others[0] = needle[:needle_len * 3 // 5] + others[0]
+    params = [SamplingParams(max_tokens=rng.randint(2, max_tokens + 8), temperature=rng.choice([0, 0.9]), seed=i,
+                             ignore_eos=True) for i in range(crowd)]
+
+    def row(o: Any) -> tuple[list[int], Any]:
+        return o.token_ids, torch.tensor([[x.logprob, *sorted(x.top.values())] for x in o.logprobs])
+    alone = llm.generate([needle], p, use_tqdm=False)[0].outputs[0]
+    half = crowd // 2
+    outs = llm.generate(others[:half] + [needle] + others[half:], params[:half] + [p] + params[half:], use_tqdm=False)
+    return row(alone), row(outs[half].outputs[0])
+
+
+def part_deterministic(p: Part, s: dict) -> None:
+    """Deterministic mode on the device (issue #18): the batch-invariant attention kernels
+    (attention/triton_invariant.py) against float64, and bit for bit across four batchings of a
+    sequence beside the fast kernels' drift; then the engine's needle test (Triton attention, fused
+    kernels, CUDA-graph decode): one prompt alone against the same inside 64 random requests (greedy;
+    seeded sampling with a prefix-cache hit), logprobs compared with torch.equal, and teacher-forced
+    logits as prefill chunks against one decode step a token; the needle with the mode off beside it."""
+    import torch
+
+    from lmserve import LLM
+    from lmserve.attention.testing import batching_outputs, check_kernels
+    from lmserve.attention.triton_attn import TritonAttention
+    from lmserve.attention.triton_invariant import InvariantTritonAttention
+    from lmserve.layers import dispatch
+    cpu, dev = s["device"] == "cpu", s["device"]
+    dtypes = [("fp32", torch.float32, 2e-4), ("bf16", torch.bfloat16, 3e-2)][:1 if cpu else 2]
+    for name, dt, tol in dtypes:
+        krows = check_kernels(dev, dt, backend=InvariantTritonAttention(), **({"d": 32, "cases": [1, 2]} if s["small"]
+                                                                             else {}))
+        errs = [r[k] for r in krows for k in ("triton_err", "static_err") if k in r]
+        ok = sum(e < tol for e in errs) + sum(r["store_equal"] and r.get("static_store_equal", True)
+                                              and r.get("static_pad_zero", True) for r in krows)
+        p.put(**{f"invariant_kernels_{name}": krows})
+        p.row(f"invariant attention kernels {name}: checks passed",
+              f"{ok} of {len(errs) + len(krows)} (max err {max(errs):.1e}, tol {tol:g})")
+        if ok != len(errs) + len(krows):
+            p.fail(f"invariant kernels {name}")
+        for window, kv in ((None, None),) if s["small"] else ((None, None), (24, "int8")):
+            inv = batching_outputs(InvariantTritonAttention(split_keys=32), dev, dt, window, kv)
+            fast = batching_outputs(TritonAttention(), dev, dt, window, kv)
+            same = all(torch.equal(o, inv["one chunk"]) for o in inv.values())
+            drift = max((o - fast["one chunk"]).abs().max().item() for o in fast.values())
+            p.row(f"4 batchings of a sequence, {name}, window {window}, {kv or 'float'} KV",
+                  f"invariant {'bit-identical' if same else 'DIFFER'}; fast kernels differ by up to {drift:.1e}")
+            if not same:
+                p.fail(f"invariant attention {name} window {window} {kv}")
+    crowd, needle_len, new = (2, 14, 3) if s["small"] else (64, 260, 16)
+    opts = dict(device=dev, attention_backend="triton", kv_cache_memory="8MiB" if cpu else s["kv_small"],
+                max_num_batched_tokens=8 if s["small"] else 512, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 64, 72],
+                max_model_len=64 if s["small"] else None)
+    with dispatch.use_fused(True if cpu else None):  # on the CPU the fused kernels run under the interpreter
+        det = LLM(s["model"], deterministic=True, **opts)
+        if cpu:  # the padded static-buffer decode path a graph replays, run without one
+            det.engine.runner.enable_graphs([1, 2, 4], det.engine.max_model_len, capture=False)
+        for seeded, share in ((False, False),) if cpu else ((False, False), (True, True)):  # (the interpreter: slow)
+            t0 = time.perf_counter()
+            (ta, la), (tc, lc) = _needle(det, crowd, needle_len, seeded, share, new)
+            same = ta == tc and torch.equal(la, lc)
+            p.row(f"needle alone vs in {crowd} others, {'seeded, prefix hit' if share else 'greedy'}",
+                  f"{'bit-identical' if same else 'DIFFER'} ({len(ta)} tokens; max |logprob diff| "
+                  f"{(la - lc).abs().max().item():.1e}; {time.perf_counter() - t0:.1f} s)")
+            if not same:
+                p.fail(f"needle {'seeded' if seeded else 'greedy'}")
+        toks = [random.Random(1).randrange(10, det.engine.vocab_size) for _ in range(needle_len)]
+        chunks, decodes = det.score(toks), det.score(toks, decode_from=len(toks) // 4)  # (P, V) each
+        replays = det.engine.runner.graphs.replays if det.engine.runner.graphs else 0
+        p.row("teacher-forced logits: prefill chunks vs decode steps",
+              f"{'bit-identical' if torch.equal(chunks, decodes) else 'DIFFER'} "
+              f"(max {(chunks - decodes).abs().max().item():.1e}); decode steps through the graph path: {replays}")
+        if not torch.equal(chunks, decodes):
+            p.fail("prefill vs decode")
+        del det
+        _free(dev)
+        off = LLM(s["model"], **opts)
+        (ta, la), (tc, lc) = _needle(off, crowd, needle_len, False, False, new)
+    n = min(len(la), len(lc))
+    p.row("the mode off: needle alone vs in the crowd",
+          f"{'bit-identical' if ta == tc and torch.equal(la, lc) else 'differ'} (max |logprob diff| "
+          f"{(la[:n] - lc[:n]).abs().max().item():.1e}; tokens {'equal' if ta == tc else 'diverge'})")
+
+
 def near_tie_divergences(got: list[list[int]], ref: list[list[int]], ref_logprobs: list[list[Any]],
                          tie: float) -> tuple[int, int, list[tuple[int, int, float]]]:
     """Greedy outputs against a reference run's (with its top-2 logprobs): (equal, diverging first at a
@@ -928,8 +1028,9 @@ PARTS: list[tuple[str, float, float, PartFn]] = [
     ("swap", 30, 6, part_swap),
     ("host overhead", 40, 6, part_host),
     ("quant matmul", 90, 8, part_quant_matmul),
+    ("deterministic", 60, 35, part_deterministic),  # #18's CUDA half; a cut first run: --parts deterministic
 ]
-NEEDS_TRITON = {"fusions", "kernels", "correctness", "quant matmul"}
+NEEDS_TRITON = {"fusions", "kernels", "correctness", "deterministic", "quant matmul"}
 
 
 def skip_without_triton(name: str, settings: dict) -> str | None:

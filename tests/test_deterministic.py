@@ -101,3 +101,17 @@ def test_mla_and_moe_needle_is_bit_identical(deepseek_v3):  # type: ignore[no-un
         other = needle_logprobs(budget, crowd)
         assert alone[0] == other[0]
         assert torch.equal(alone[1], other[1]), (budget, crowd, (alone[1] - other[1]).abs().max())
+
+
+def test_mla_with_the_triton_backend_attends_a_token_at_a_time(deepseek_v3):  # type: ignore[no-untyped-def]
+    """deterministic with attention_backend="triton" (CUDA's default; here under TRITON_INTERPRET=1 when
+    the suite set it, else Triton's compiler is never reached: MLA attends in torch ops in the mode):
+    teacher-forced logits of prefill chunks equal those of one decode step a token, bit for bit. The
+    latent decode kernel (attention/triton_mla.py) would round differently from the chunks' path."""
+    pytest.importorskip("triton")
+    llm = LLM(str(deepseek_v3), deterministic=True, attention_backend="triton", max_num_batched_tokens=16)
+    assert all(not layer.self_attn.triton and layer.self_attn.token_at_a_time
+               for layer in llm.engine.model.layers)
+    toks = [random.Random(2).randrange(3, llm.engine.model_config.vocab_size) for _ in range(40)]
+    chunks, decodes = llm.score(toks), llm.score(toks, decode_from=10)  # (40, V) each
+    assert torch.equal(chunks, decodes), (chunks - decodes).abs().max()

@@ -11,17 +11,21 @@ def get_backend(name: str, device: str = "cpu", deterministic: bool = False) -> 
     as torch), 'triton' (paged kernels; CUDA, or the CPU under TRITON_INTERPRET=1), 'auto' (triton on
     CUDA when it imports, cpu on the CPU when our kernels build, else torch).
 
-    deterministic: every token's attention computed alone, the same way whatever else is in the step
-    (the cpu backend with every step as kernel rows); only the CPU has that yet."""
+    deterministic: every token's attention computed alone, the same way whatever else is in the step:
+    on the CPU the cpu backend with every step as kernel rows, with triton (CUDA's default) the
+    batch-invariant kernels of attention/triton_invariant.py; the torch reference has no such mode."""
     from lmserve.layers import cpu_native
     if name == "auto":
         from lmserve.utils import triton_available
         on_cuda = str(device).startswith("cuda")
         name = "triton" if on_cuda and triton_available() else "cpu" if not on_cuda and cpu_native.available() else "torch"
     if deterministic:
-        if str(device).startswith("cuda") or name != "cpu" or not cpu_native.available():
-            raise ValueError(f"deterministic: needs the cpu attention backend on the CPU (our C kernels), got "
-                             f"{name!r} on {device} (batch-invariant GPU kernels are not built yet)")
+        if name == "triton":
+            from lmserve.attention.triton_invariant import InvariantTritonAttention
+            return InvariantTritonAttention()
+        if name != "cpu" or str(device).startswith("cuda") or not cpu_native.available():
+            raise ValueError(f"deterministic: needs batch-invariant attention: the cpu backend on the CPU (our C "
+                             f"kernels) or triton, got {name!r} on {device}")
         from lmserve.attention.cpu_attn import CpuAttention
         return CpuAttention(rows_per_seq=None)
     if name == "cpu":

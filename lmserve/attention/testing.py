@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lmserve.attention.backend import AttentionMetadata, pack_block_tables
+from lmserve.attention.backend import AttentionBackend, AttentionMetadata, pack_block_tables
 from lmserve.kv.cache import QuantizedKV, kv_quant_dtype
 from lmserve.kv.cache import slots as slots_of
 
@@ -100,13 +100,16 @@ def case_inputs(idx: int, hkv: int, d: int, device: str, dtype: torch.dtype, see
 
 
 def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
-                  cases: list[int] | None = None, fp32_dot: str = "ieee") -> list[dict]:
+                  cases: list[int] | None = None, fp32_dot: str = "ieee",
+                  backend: AttentionBackend | None = None) -> list[dict]:
     """KERNEL_CASES (all, or those indexed by `cases`; decode-only ones also as a padded static
     batch) through the Triton backend and the torch reference on `device` in `dtype`, against
     float64. One row of errors per case. float32 prefill dots run in `fp32_dot` precision: "ieee",
-    since on a GPU Triton's default (tf32, 10 mantissa bits) alone costs ~3e-3 of error."""
+    since on a GPU Triton's default (tf32, 10 mantissa bits) alone costs ~3e-3 of error. backend: the
+    Triton backend checked (default TritonAttention; triton_invariant's for deterministic mode)."""
     from lmserve.attention.torch_ref import TorchAttention
     from lmserve.attention.triton_attn import TritonAttention
+    tri_backend = backend or TritonAttention(fp32_dot=fp32_dot)
     rows = []
     for idx, (ctx, qlens, group, bs, window) in enumerate(KERNEL_CASES):
         if cases is not None and idx not in cases:
@@ -115,7 +118,7 @@ def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
         n, scale = sum(qlens), d ** -0.5
         ref_cache, tri_cache = cache.clone(), cache.clone()
         ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale, window)
-        tri = TritonAttention(fp32_dot=fp32_dot).forward(q, k, v, tri_cache, meta, scale, window)
+        tri = tri_backend.forward(q, k, v, tri_cache, meta, scale, window)
         exact = float64_attention(q, ref_cache, meta, tables, scale, window)
         row = {"case": idx, "group": group, "block_size": bs, "window": window,
                "store_equal": bool(torch.equal(tri_cache, ref_cache)),
@@ -126,8 +129,8 @@ def check_kernels(device: str, dtype: torch.dtype, d: int = 64, hkv: int = 2,
             pad = 3
             z = torch.zeros(pad, *q.shape[1:], dtype=dtype, device=device)
             zk = torch.zeros(pad, *k.shape[1:], dtype=dtype, device=device)
-            st = TritonAttention(fp32_dot=fp32_dot).forward(torch.cat([q, z]), torch.cat([k, zk]), torch.cat([v, zk]),
-                                                            st_cache, pad_static_decode(meta, pad), scale, window)
+            st = tri_backend.forward(torch.cat([q, z]), torch.cat([k, zk]), torch.cat([v, zk]),
+                                     st_cache, pad_static_decode(meta, pad), scale, window)
             row["static_err"] = (st[:n].double().cpu() - exact).abs().max().item()
             row["static_pad_zero"] = bool((st[n:] == 0).all())
             row["static_store_equal"] = bool(torch.equal(st_cache, ref_cache))
@@ -141,8 +144,8 @@ QUANT_ATTN_BOUND = {"int8": 0.03, "fp8": 0.15}
 
 
 def check_quant_kernels(device: str, dtype: torch.dtype, kv_cache_dtype: str = "int8", d: int = 64, hkv: int = 2,
-                        cases: list[int] | None = None, fp32_dot: str = "ieee", target_programs: int = 264
-                        ) -> list[dict]:
+                        cases: list[int] | None = None, fp32_dot: str = "ieee", target_programs: int = 264,
+                        backend: AttentionBackend | None = None) -> list[dict]:
     """KERNEL_CASES through both backends with a quantized cache (kv_cache_dtype int8 / fp8): each
     case's earlier context quantized as the store path would have written it, the step's new K/V
     quantized by each backend's store. Per case: store_equal (elements and scales, byte for byte),
@@ -150,11 +153,12 @@ def check_quant_kernels(device: str, dtype: torch.dtype, kv_cache_dtype: str = "
     error), triton_quant_err / torch_quant_err against float64 attention over the float cache (what
     quantization costs); decode-only cases also as a padded static batch (static_err, against the
     dequantized oracle; static_pad_zero; static_store_equal). target_programs: the decode split
-    heuristic's aim (fewer programs under the interpreter)."""
+    heuristic's aim (fewer programs under the interpreter); backend: the Triton backend checked (default
+    TritonAttention with those settings)."""
     from lmserve.attention.torch_ref import TorchAttention
     from lmserve.attention.triton_attn import TritonAttention
     qdtype = kv_quant_dtype(kv_cache_dtype)
-    backend = TritonAttention(fp32_dot=fp32_dot, target_programs=target_programs)
+    backend = backend or TritonAttention(fp32_dot=fp32_dot, target_programs=target_programs)
     rows = []
     for idx, (ctx, qlens, group, bs, window) in enumerate(KERNEL_CASES):
         if cases is not None and idx not in cases:
@@ -190,3 +194,53 @@ def check_quant_kernels(device: str, dtype: torch.dtype, kv_cache_dtype: str = "
 
 def _same_bytes(a: QuantizedKV, b: QuantizedKV) -> bool:
     return bool(torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale))
+
+
+def batching_outputs(backend: AttentionBackend, device: str, dtype: torch.dtype, window: int | None = None,
+                     kv_cache_dtype: str | None = None, h: int = 2, hkv: int = 1, d: int = 16, bs: int = 16,
+                     seed: int = 7) -> dict[str, torch.Tensor]:
+    """One sequence (48 tokens) computed four ways through `backend` (each on a fresh copy of one random
+    cache, float or quantized): as one prefill chunk, as three chunks ending mid-block, as a chunk then
+    one decode step a token, and inside a crowd of two other sequences prefilling and decoding beside
+    it. Returns each way's outputs (48, H, d) on the CPU: a batch-invariant backend gives them bit for
+    bit equal (deterministic mode), a fast one within rounding."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = {0: 48, 1: 12, 2: 9}
+    perm = torch.randperm(16, generator=g).tolist()
+    tables: dict[int, list[int]] = {}
+    used = 0
+    for s, n in lengths.items():
+        pages = -(-(n + 8) // bs)
+        tables[s], used = perm[used:used + pages], used + pages
+    qkv = {s: tuple(torch.randn(n + 8, x, d, generator=g).to(device, dtype) for x in (h, hkv, hkv))
+           for s, n in lengths.items()}
+    base = torch.randn(2, 16 * bs, hkv, d, generator=g).to(device, dtype)
+    a, b, n0, (n1, n2) = 21, 37, lengths[0], (lengths[1], lengths[2])  # chunk ends mid-block
+    crowd = [[(1, 0, 5), (0, 0, a), (2, 0, n2)], [(2, n2, 1), (0, a, b - a), (1, 5, n1 - 5)],
+             [(0, b, n0 - b - 3), (1, n1, 1)]]
+    crowd += [[(1, n1 + 1 + i, 1), (0, n0 - 3 + i, 1), (2, n2 + 1 + i, 1)] for i in range(3)]
+    ways = {"one chunk": [[(0, 0, n0)]], "three chunks": [[(0, 0, a)], [(0, a, b - a)], [(0, b, n0 - b)]],
+            "chunk then decodes": [[(0, 0, n0 - 4)]] + [[(0, n0 - 4 + i, 1)] for i in range(4)], "in a crowd": crowd}
+    res = {}
+    for name, steps in ways.items():
+        cache = QuantizedKV.from_float(base, kv_quant_dtype(kv_cache_dtype)) if kv_cache_dtype else base.clone()
+        out = torch.full((n0, h, d), float("nan"))
+        for step in steps:  # (sequence, first new position, new tokens) a sequence
+            slots, qsl, pos, lens = [], [0], [], []
+            for s, start, n in step:
+                slots.extend(slots_of(tables[s], start, n, bs))
+                pos.extend(range(start, start + n))
+                qsl.append(qsl[-1] + n)
+                lens.append(start + n)
+            t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            meta = AttentionMetadata(slot_mapping=t(slots), query_start_loc=t(qsl), seq_lens=t(lens),
+                                     block_tables=pack_block_tables([tables[s] for s, _, _ in step]).to(device),
+                                     positions=t(pos), block_size=bs, query_lens_host=[n for _, _, n in step],
+                                     seq_lens_host=lens)
+            q, k, v = (torch.cat([qkv[s][i][start:start + n] for s, start, n in step]) for i in range(3))
+            o = backend.forward(q, k, v, cache, meta, d ** -0.5, window).float().cpu()
+            for (s, start, n), first in zip(step, qsl):
+                if s == 0:
+                    out[start:start + n] = o[first:first + n]
+        res[name] = out
+    return res

@@ -128,6 +128,21 @@ def store_kv_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                                  QMAX=448.0 if fp8 else 127.0, FP8=fp8)
 
 
+def store_step(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV, slot_mapping: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """Store the step's new K/V (N, Hkv, d) in the cache; returns what the attention kernels read: the
+    K and V caches (S, Hkv, d), their scales (S, Hkv, G; the caches themselves, unread, when not
+    quantized) and whether the cache is quantized."""
+    if isinstance(kv_cache, QuantizedKV):
+        k_cache, v_cache = kv_cache.data[0], kv_cache.data[1]
+        k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]  # (S, Hkv, G) each
+        store_kv_quant(k.contiguous(), v.contiguous(), k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        return k_cache, v_cache, k_scale, v_scale, True
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping)
+    return k_cache, v_cache, k_cache, v_cache, False
+
+
 @triton.jit
 def _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row_ptr, j, end_page, lo_key, ctx, kvh, stride_cs, stride_ch,
                    stride_ss, dd, d_ok, BS: tl.constexpr, PAGES: tl.constexpr, QUANT: tl.constexpr,
@@ -356,15 +371,7 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV,
                 meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
         """q: (N, H, d), k/v: (N, Hkv, d), kv_cache: (2, S, Hkv, d) or a QuantizedKV -> (N, H, d)."""
-        quant = isinstance(kv_cache, QuantizedKV)
-        if quant:
-            k_cache, v_cache = kv_cache.data[0], kv_cache.data[1]
-            k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]  # (S, Hkv, G) each
-            store_kv_quant(k.contiguous(), v.contiguous(), k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
-        else:
-            k_cache, v_cache = kv_cache[0], kv_cache[1]
-            k_scale, v_scale = k_cache, v_cache  # unread (QUANT=False)
-            store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        k_cache, v_cache, k_scale, v_scale, quant = store_step(k, v, kv_cache, meta.slot_mapping)
         stride_ss = k_scale.stride(0) if quant else 0
         n, h, d = q.shape
         hkv = k.shape[1]

@@ -134,10 +134,11 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(self.h * self.v, cfg.hidden_size)
         self.rotary = rotary
         self.scale = softmax_scale(cfg)
-        # the Triton backend (the one that takes CUDA-graph batches): decode steps run the latent kernel
-        self.triton = bool(getattr(backend, "supports_cuda_graphs", False))
-        # deterministic mode (the cpu backend with every step as kernel rows): each token attends alone
+        # deterministic mode (a backend with every step as token rows, cpu or triton's invariant one): each
+        # token attends alone, in torch ops whose shapes follow the token only (no CUDA-graph batch then)
         self.token_at_a_time = getattr(backend, "rows_per_seq", 0) is None
+        # the Triton backend (the one that takes CUDA-graph batches): decode steps run the latent kernel
+        self.triton = bool(getattr(backend, "supports_cuda_graphs", False)) and not self.token_at_a_time
 
     def latent_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layer's cache (1, S, 1, L + R) as (S, L + R) rows (a view)."""
@@ -171,8 +172,9 @@ class MLAttention(nn.Module):
                                       meta.block_size)  # (B, H, L)
             o = torch.einsum("nhl,hvl->nhv", o_lat, w_uv)  # (B, H, v)
         else:
-            if meta.static_decode:
-                raise ValueError("MLA runs a static (CUDA-graph) decode batch on the Triton backend only")
+            if meta.static_decode:  # (the engine then serves eagerly: graphs.py)
+                raise ValueError("MLA runs a static (CUDA-graph) decode batch on the Triton backend only, "
+                                 "not in deterministic mode")
             mla.store(cache, c_kv, k_pe, meta.slot_mapping)
             o = mla.mla_attention(q_nope, q_pe, cache, meta, w_uk, w_uv, self.scale,
                                   token_at_a_time=self.token_at_a_time)  # (N, H, v)
