@@ -17,8 +17,14 @@ client, is marked down and the request goes to the next one (`retries`). A repli
 request may have run). A client that leaves before the first byte ends the request at the replica
 too (the upstream connection closes, and the replica aborts it); once bytes were streamed,
 a replica that dies ends the stream with an SSE error event (`replica_failed`), since a generation
-cannot be resumed elsewhere. A background task polls each replica's /health and /metrics (running +
-waiting: the load `least-load` and `prefix` balance on) and brings replicas back when they answer.
+cannot be resumed elsewhere (an event in the stream's own API: OpenAI's error then [DONE], Anthropic's
+`event: error`; an unstreamed body cut short is a cut connection, never a complete-looking reply). A
+replica that refuses (429, or 503 with Retry-After: the request did not run) sends the request to another
+replica that has not refused it; when all have, the client gets the last refusal. A background task
+polls each replica's /health and /metrics (running + waiting: the load `least-load` and `prefix`
+balance on) over its own connections (the forwarding pool may be full) and brings replicas back when
+they answer. Each replica has its own pool of `max_connections`; a request that finds every pool full
+for POOL_WAIT_S gets a 503 with Retry-After (the router is at its limit, the replicas are not down).
 """
 
 from __future__ import annotations
@@ -43,14 +49,51 @@ PUSH_HEADER = "x-lmserve-kv-push"  # = lmserve.server.disagg.PUSH_HEADER (the ro
 HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
        "proxy-authorization", "proxy-connection", "trailer"}
 NOT_FROM_CLIENTS = HOP | {PUSH_HEADER, "x-lmserve-kv-secret"}  # the instances' own headers
+NOT_TO_CLIENTS = (HOP - {"content-length"}) | {"date", "server"}  # uvicorn writes its own date and server
 SLOW = (httpx.ReadTimeout, httpx.WriteTimeout)  # a replica that answers slowly: not a replica that is down
+POOL_WAIT_S = 5.0  # a request waits this long for a free connection to its replica
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ANTHROPIC = "/v1/messages"  # = lmserve.server.anthropic_api.ROUTE: its errors have Anthropic's shape
+ANTHROPIC_TYPES = {404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error"}
 
 
-def error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The OpenAI error body, as the replicas answer."""
+def error(status: int, message: str, code: str, headers: dict[str, str] | None = None,
+          path: str = "") -> JSONResponse:
+    """The error body the replicas answer for this path: Anthropic's on /v1/messages, else OpenAI's."""
+    if is_anthropic(path):
+        kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status, headers=headers)
     return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
                                    "invalid_request_error", "param": None, "code": code}}, status, headers=headers)
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC or path.startswith(ANTHROPIC + "/")
+
+
+def stream_error(path: str, message: str) -> bytes:
+    """The event that ends a stream its replica failed, in the stream's API: OpenAI's error, then [DONE] (as
+    the server's own error path); Anthropic's `event: error`."""
+    if is_anthropic(path):
+        event = "event: error\ndata: " + json.dumps({"type": "error", "error": {"type": "api_error",
+                                                                                "message": message}}) + "\n\n"
+    else:
+        event = "data: " + json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                                 "code": "replica_failed"}}) + "\n\ndata: [DONE]\n\n"
+    return event.encode()
+
+
+def _after(data: bytes, sep: bytes) -> int:
+    """The index just after sep's last occurrence in data (0: none)."""
+    i = data.rfind(sep)
+    return i + len(sep) if i >= 0 else 0
+
+
+async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
 
 
 class _Metrics:
@@ -108,25 +151,31 @@ async def check(client: httpx.AsyncClient, rep: Replica) -> None:
 
 
 def build_router_app(router: Router, health_interval: float = 1.0, max_body_bytes: int = 4 << 20,
-                     timeout: float = 600.0, prefill: Router | None = None) -> FastAPI:
+                     timeout: float | None = 600.0, prefill: Router | None = None,
+                     max_connections: int = 1024) -> FastAPI:
     """The router's FastAPI app over `router` (replicas start down until their first health check);
-    with `prefill`, its replicas prefill for `router`'s, which decode (disaggregation)."""
+    with `prefill`, its replicas prefill for `router`'s, which decode (disaggregation). timeout: seconds a
+    replica may send nothing before the client gets a 504 (None: no limit); max_connections: open
+    connections to each replica (a stream holds one)."""
     metrics = _Metrics(router, prefill)
     state: dict[str, Any] = {}
+    everyone = router.replicas + (prefill.replicas if prefill is not None else [])
 
     async def health_loop() -> None:
         while True:
-            await asyncio.gather(*(check(state["client"], r) for r in everyone))
+            await asyncio.gather(*(check(state["health"], r) for r in everyone))
             await asyncio.sleep(health_interval)
-
-    everyone = router.replicas + (prefill.replicas if prefill is not None else [])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits) as client:
-            state["client"] = client
-            await asyncio.gather(*(check(client, r) for r in everyone))
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(256, max_connections))
+        async with contextlib.AsyncExitStack() as stack:
+            state["health"] = await stack.enter_async_context(httpx.AsyncClient(limits=httpx.Limits(
+                max_connections=2 * len(everyone))))
+            for rep in everyone:  # a pool a replica: one replica's streams never starve another's requests
+                state[rep.url] = await stack.enter_async_context(httpx.AsyncClient(
+                    timeout=httpx.Timeout(timeout, connect=5.0, pool=POOL_WAIT_S), limits=limits))
+            await asyncio.gather(*(check(state["health"], r) for r in everyone))
             task = asyncio.create_task(health_loop())
             try:
                 yield
@@ -134,6 +183,10 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                 task.cancel()
 
     app = FastAPI(title="lmserve router", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, e: Exception) -> Response:  # a router bug: still a JSON error
+        return error(500, f"router error: {type(e).__name__}", "router_error", path=request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -147,18 +200,19 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(request: Request, path: str) -> Response:
+        where = "/" + path
         if any(seg in (".", "..") for seg in path.split("/")):  # the upstream would collapse them: /x/../v1/...
-            return error(400, "dot segments are not allowed in the path", "bad_path")
+            return error(400, "dot segments are not allowed in the path", "bad_path", path=where)
         if path.startswith("v1/internal"):  # between instances only, never from a client
-            return error(404, "Not Found", "not_found")
+            return error(404, "Not Found", "not_found", path=where)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return error(413, f"request body over {max_body_bytes} bytes", "body_too_large")
+            return error(413, f"request body over {max_body_bytes} bytes", "body_too_large", path=where)
         parts, total = [], 0
         async for chunk in request.stream():  # bounded as it arrives (a chunked body has no length)
             total += len(chunk)
             if total > max_body_bytes:
-                return error(413, f"request body over {max_body_bytes} bytes", "body_too_large")
+                return error(413, f"request body over {max_body_bytes} bytes", "body_too_large", path=where)
             parts.append(chunk)
         body = b"".join(parts)
         try:
@@ -186,11 +240,11 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
         rep.in_flight += 1
         decode.in_flight += 1  # it will take this request: the next pick must see that
         try:
-            r = await state["client"].post(rep.url + url, content=body, headers=[
+            r = await state[rep.url].post(rep.url + url, content=body, headers=[
                 *((k, v) for k, v in headers if k.lower() != "content-type"), ("content-type", "application/json"),
                 (PUSH_HEADER, decode.url)])
             ok = r.status_code == 200
-        except SLOW:  # slow, not down: the decode replica computes the prompt itself
+        except (*SLOW, httpx.PoolTimeout):  # slow or busy, not down: the decode replica computes the prompt itself
             ok = False
         except httpx.TransportError:
             rep.healthy, rep.failures, ok = False, rep.failures + 1, False
@@ -203,12 +257,14 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
     async def send(request: Request, url: str, headers: list, body: bytes, text: str, t0: float,
                    first: Replica | None = None) -> Response:
         tried: set[str] = set()
-        client: httpx.AsyncClient = state["client"]
+        busy = 0  # replicas whose connection pool was full
+        path = request.url.path
         while True:
             rep = first if first is not None and first.healthy and not tried else router.pick(text, tried)
             if rep is None:
-                what = "every replica failed this request" if tried else "no replica is healthy"
-                return error(503, what, "no_healthy_replica", {"Retry-After": "1"})
+                what = ("every replica's connections are in use" if busy == len(tried) and tried else
+                        "every replica failed this request" if tried else "no replica is healthy")
+                return error(503, what, "no_healthy_replica", {"Retry-After": "1"}, path=path)
             if tried:
                 metrics.retries.inc()
             tried.add(rep.url)
@@ -216,6 +272,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
             rep.requests += 1
             metrics.requests.labels(rep.url).inc()
             opened: list[httpx.Response] = []
+            client: httpx.AsyncClient = state[rep.url]
 
             async def start() -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
                 up = await client.send(client.build_request(request.method, rep.url + url, headers=headers,
@@ -233,45 +290,78 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                         with contextlib.suppress(BaseException):
                             await task
                         raise ClientGone
-                upstream, chunks, first = task.result()
+                upstream, chunks, head = task.result()
             except BaseException as e:
                 task.cancel()
                 rep.in_flight -= 1
                 for up in opened:  # the closed connection aborts the request at the replica
                     await up.aclose()
                 if isinstance(e, ClientGone):
-                    return error(499, "client disconnected", "client_disconnected")
+                    return error(499, "client disconnected", "client_disconnected", path=path)
                 if isinstance(e, SLOW):  # slow, not down (its health check says which): no retry, it may have run
-                    return error(504, f"the replica sent nothing for {timeout:g} s", "replica_timeout")
+                    return error(504, f"the replica sent nothing for {timeout:g} s", "replica_timeout", path=path)
+                if isinstance(e, httpx.PoolTimeout):  # the router's own limit: try another, not a failure
+                    busy += 1
+                    continue
                 if not isinstance(e, httpx.TransportError):
                     raise
                 rep.healthy, rep.failures = False, rep.failures + 1
                 continue
-            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP}
+            if refused(upstream) and router.healthy(tried):  # it did not run the request: another may
+                rep.in_flight -= 1
+                await upstream.aclose()
+                continue
+            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in NOT_TO_CLIENTS}
+            if out_headers.get("location", "").startswith(rep.url):  # a redirect names the router, not the replica
+                out_headers["location"] = str(request.base_url).rstrip("/") + out_headers["location"][len(rep.url):]
             done = _Once(rep, upstream)
-            return _Relayed(relay(rep, first, chunks, done), done, upstream.status_code, headers=out_headers)
+            sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+            return _Relayed(relay(rep, head, chunks, done, path if sse else None), done, upstream.status_code,
+                            headers=out_headers)
 
-    async def relay(rep: Replica, first: bytes, chunks: AsyncIterator[bytes], done: "_Once") -> AsyncIterator[bytes]:
+    async def relay(rep: Replica, first: bytes, chunks: AsyncIterator[bytes], done: "_Once",
+                    sse_path: str | None) -> AsyncIterator[bytes]:
+        """The replica's bytes as they come; an event stream's whole events only (a half event held back
+        is dropped if the replica dies, and the stream's error event takes its place)."""
+        held = b""
         try:
-            if first:
-                yield first
-            async for chunk in chunks:
-                yield chunk
+            async for chunk in _chain(first, chunks):
+                if sse_path is None:
+                    yield chunk
+                    continue
+                held += chunk
+                end = max(_after(held, b"\n\n"), _after(held, b"\r\n\r\n"))  # after the last whole event
+                if end:
+                    out, held = held[:end], held[end:]
+                    yield out
+            if held:
+                yield held
         except httpx.TransportError as e:  # bytes were sent: the request cannot move; say so and end
             if not isinstance(e, SLOW):  # (a slow replica is not a dead one)
                 rep.healthy, rep.failures = False, rep.failures + 1
             metrics.broken.inc()
-            err = {"error": {"message": f"the replica serving this stream failed: {type(e).__name__}",
-                             "type": "server_error", "param": None, "code": "replica_failed"}}
-            yield f"data: {json.dumps(err)}\n\n".encode()
+            if sse_path is None:  # a body cut short: cut the client's connection too (not a complete reply)
+                raise Cut from e
+            yield stream_error(sse_path, f"the replica serving this stream failed: {type(e).__name__}")
         finally:
             await done()
 
     return app
 
 
+def refused(up: httpx.Response) -> bool:
+    """A replica's answer that says it did not run the request: 429, or 503 with Retry-After (its queue or
+    its drain)."""
+    return up.status_code == 429 or (up.status_code == 503 and "retry-after" in up.headers)
+
+
 class ClientGone(Exception):
     """The client disconnected before the replica's first byte."""
+
+
+class Cut(Exception):
+    """A replica died inside an unstreamed body: the client's connection is cut too (_Relayed), so its
+    truncated body is not taken for a whole one."""
 
 
 class _Once:
@@ -297,5 +387,7 @@ class _Relayed(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except* Cut:  # the response stays incomplete: the server closes the connection
+            pass
         finally:
             await self._done()

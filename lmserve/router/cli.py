@@ -25,11 +25,17 @@ def add_parser(sub: Any) -> None:
     add_router_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-body-bytes", type=at_least(1), default=4 << 20, help="request bodies above this get 413 "
+                   "(default 4 MiB, as a replica's)")
+    p.add_argument("--shutdown-timeout", type=at_least(0), default=30.0,
+                   help="on SIGTERM, seconds the open requests get to finish before they are cut")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_router)
 
 
-ROUTER_DEFAULTS = {"policy": "prefix", "balance": 4, "health_interval": 1.0}  # the router's own flags
+# the router's own flags (serve takes them for --data-parallel)
+ROUTER_DEFAULTS = {"policy": "prefix", "balance": 4, "health_interval": 1.0, "upstream_timeout": 600.0,
+                   "max_connections": 1024}
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -40,20 +46,47 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="prefix: requests of extra load a prefix match may cost")
     p.add_argument("--health-interval", type=above(0), default=ROUTER_DEFAULTS["health_interval"],
                    help="seconds between health checks")
+    p.add_argument("--upstream-timeout", type=at_least(0), default=ROUTER_DEFAULTS["upstream_timeout"],
+                   help="seconds a replica may send nothing (an unstreamed reply: all of its generation) before "
+                        "the client gets a 504; 0: no limit (default 600)")
+    p.add_argument("--max-connections", type=at_least(1), default=ROUTER_DEFAULTS["max_connections"],
+                   help="open connections to each replica (a stream holds one); past them a 503 (default 1024)")
 
 
-def serve_router(replicas: list[str], a: argparse.Namespace, prefill: list[str] = ()) -> int:  # type: ignore[assignment]
+def check_url(url: str, flag: str) -> str:
+    """An http(s)://host[:port] base URL without its trailing slash; ValueError naming the flag otherwise
+    (one without a scheme was taken and never became healthy)."""
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
+        raise ValueError(f"{flag}: {url!r} is not an http(s)://host:port URL")
+    return url.rstrip("/")
+
+
+def serve_router(replicas: list[str], a: argparse.Namespace, prefill: list[str] = (),  # type: ignore[assignment]
+                 on_exit: Any = None) -> int:
+    """The router on --host / --port until SIGTERM / SIGINT; on_exit() runs as the shutdown starts (the
+    data-parallel front stops its replicas then, so their drain's last events reach the clients)."""
     import uvicorn
 
     from lmserve.router.app import build_router_app
     from lmserve.router.policy import Replica, Router
-    router = Router([Replica(u.rstrip("/")) for u in replicas], a.policy, a.balance)
-    pre = Router([Replica(u.rstrip("/")) for u in prefill], "least-load") if prefill else None
-    app = build_router_app(router, a.health_interval, prefill=pre)
+    router = Router([Replica(check_url(u, "--replica")) for u in replicas], a.policy, a.balance)
+    pre = Router([Replica(check_url(u, "--prefill")) for u in prefill], "least-load") if prefill else None
+    app = build_router_app(router, a.health_interval, a.max_body_bytes, a.upstream_timeout or None, pre,
+                           a.max_connections)
     print(f"lmserve router: {a.policy} over {', '.join(replicas)}"
           + (f", prefill on {', '.join(prefill)}" if prefill else "") + f" on http://{a.host}:{a.port}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30)
+
+    class Front(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if on_exit is not None:
+                on_exit()
+            super().handle_exit(sig, frame)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (uvicorn raises it again once it has shut down)
+    # the replicas drain within --shutdown-timeout; the router waits for their last bytes
+    Front(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
+                         timeout_graceful_shutdown=a.shutdown_timeout + 10)).run()
     return 0
 
 
@@ -70,7 +103,7 @@ def _free_port() -> int:
 def replica_argv(argv: list[str]) -> list[str]:
     """`serve`'s command line without the flags that belong to the front (--data-parallel, --host, --port,
     the router's own)."""
-    drop = {"--data-parallel", "--host", "--port", "--policy", "--balance", "--health-interval"}
+    drop = {"--data-parallel", "--host", "--port", *("--" + k.replace("_", "-") for k in ROUTER_DEFAULTS)}
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -118,8 +151,13 @@ def run_data_parallel(a: argparse.Namespace, argv: list[str]) -> int:
                 return
 
     threading.Thread(target=watch, daemon=True).start()
+
+    def stop_replicas() -> None:  # at SIGTERM / SIGINT: they drain, and the front relays their last events
+        stop.set()
+        for p in procs:
+            p.terminate()
     try:
-        rc = serve_router([f"http://127.0.0.1:{p}" for p in ports], a)
+        rc = serve_router([f"http://127.0.0.1:{p}" for p in ports], a, on_exit=stop_replicas)
         return 1 if died else rc
     finally:
         stop.set()

@@ -47,9 +47,15 @@ def routing_text(path: str, body: Any) -> str:
         return ""
     if path.endswith("/completions") and "messages" not in body:
         prompt = body.get("prompt", "")
-        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+        try:
+            return prompt if isinstance(prompt, str) else json.dumps(prompt)
+        except (RecursionError, ValueError):
+            return ""
     parts = [body.get(k) for k in ("system", "instructions", "tools", "messages", "input") if body.get(k) is not None]
-    return "".join(p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in parts)
+    try:
+        return "".join(p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in parts)
+    except (RecursionError, ValueError):  # nested past json's depth: the replica refuses it (a 400), any route
+        return ""
 
 
 def chain(text: str) -> list[bytes]:
