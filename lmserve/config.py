@@ -327,6 +327,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.deterministic and self.tensor_parallel_size > 1:
+            raise ValueError("deterministic: a tensor-parallel all-reduce sums in an order that follows its message "
+                             "size (the batch); use tensor_parallel_size=1")
         if self.deterministic and not on_cuda and self.attention_backend != "triton" and (
                 self.kv_cache_dtype == "fp8" or self.kv_cache_dtype == "auto"
                 and resolve_dtype(self.dtype, self.device) == torch.float16):

@@ -86,7 +86,7 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, c.grammar_compile_timeout)
         self.runner = ModelRunner(self.model, self.kv_cache, c.device, self.structured)
         self.graph_capture_time: float | None = None  # seconds spent capturing decode CUDA graphs
-        if graphs_wanted(c):
+        if graphs_wanted(c, self.model):
             try:
                 self.graph_capture_time = self.runner.enable_graphs(c.graph_sizes, self.max_model_len)
             except Exception as e:  # a model or kernel that cannot be captured at all: serve eagerly, say so

@@ -164,13 +164,17 @@ class DecodeGraphs:
         return hidden[:b]
 
 
-def graphs_wanted(c: EngineConfig) -> bool:
-    """Whether decode steps run as CUDA graphs: on CUDA, one process, not enforce_eager, and an attention
-    backend that can be captured."""
+def graphs_wanted(c: EngineConfig, model: torch.nn.Module | None = None) -> bool:
+    """Whether decode steps run as CUDA graphs: on CUDA, one process, not enforce_eager, an attention
+    backend that can be captured, and a model that can (`cuda_graphs`, default yes: MLA in
+    deterministic mode cannot)."""
     if c.enforce_eager or c.tensor_parallel_size > 1 or not str(c.device).startswith("cuda"):
         return False
     if not get_backend(c.attention_backend, c.device, c.deterministic).supports_cuda_graphs:
         log.info("attention backend %r cannot run in a CUDA graph: decode runs eagerly", c.attention_backend)
+        return False
+    if not getattr(model, "cuda_graphs", True):
+        log.info("%s cannot run in a CUDA graph here: decode runs eagerly", type(model).__name__)
         return False
     return True
 

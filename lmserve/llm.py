@@ -145,6 +145,14 @@ class LLM:
         with self._alone():
             return self.engine.runner.score(seq, self.engine.block_manager, last_only, decode_from)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (the next prompts compute every token), as vLLM's LLM.reset_prefix_cache:
+        False, and nothing forgotten, while the engine holds any block (requests added by hand)."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError("LLM: reset_prefix_cache() called from inside a running generate() / score()")
+        with self._lock:  # (not while another thread's call runs)
+            return self.engine.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         """Cache and scheduler counters: blocks total/free/cached, prefix hits, preemptions."""
         return self.engine.stats()

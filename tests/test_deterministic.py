@@ -23,6 +23,7 @@ def _needle_vs_crowd(llm: LLM, seeded: bool, share_prefix: bool = False) -> tupl
     p = SamplingParams(max_tokens=16, temperature=0.8 if seeded else 0, seed=5 if seeded else None, logprobs=3,
                        ignore_eos=True)
     alone = llm.generate([needle], p, use_tqdm=False)[0].outputs[0]
+    assert llm.reset_prefix_cache()  # the crowd run computes the needle again (it hit 256 of its 260 tokens)
     crowd = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 150))] for _ in range(CROWD)]
     if share_prefix:  # the needle's first 160 tokens are cached by a request computed in other chunks
         crowd[0] = needle[:160] + crowd[0]
@@ -112,6 +113,24 @@ def test_mla_with_the_triton_backend_attends_a_token_at_a_time(deepseek_v3):  # 
     llm = LLM(str(deepseek_v3), deterministic=True, attention_backend="triton", max_num_batched_tokens=16)
     assert all(not layer.self_attn.triton and layer.self_attn.token_at_a_time
                for layer in llm.engine.model.layers)
-    toks = [random.Random(2).randrange(3, llm.engine.model_config.vocab_size) for _ in range(40)]
+    rng = random.Random(2)
+    toks = [rng.randrange(3, llm.engine.model_config.vocab_size) for _ in range(40)]
     chunks, decodes = llm.score(toks), llm.score(toks, decode_from=10)  # (40, V) each
     assert torch.equal(chunks, decodes), (chunks - decodes).abs().max()
+
+
+def test_mla_decodes_eagerly_and_tensor_parallel_is_refused_in_the_mode(deepseek_v3, tiny_models):  # type: ignore[no-untyped-def]
+    """On CUDA an MLA model in deterministic mode attends a token at a time on host lengths: no CUDA graph
+    (each size failed its warm-up, logged, before the engine fell back); other models keep them. A
+    tensor-parallel all-reduce sums in an order that follows the batch: refused."""
+    from lmserve.config import EngineConfig
+    from lmserve.graphs import graphs_wanted
+    pytest.importorskip("triton")
+    cuda = EngineConfig(device="cuda", deterministic=True, attention_backend="triton")
+    mla = LLM(str(deepseek_v3), deterministic=True, attention_backend="triton")
+    plain = LLM(str(tiny_models["llama"][0]), deterministic=True, attention_backend="triton")
+    assert not graphs_wanted(cuda, mla.engine.model) and graphs_wanted(cuda, plain.engine.model)
+    assert graphs_wanted(EngineConfig(device="cuda", attention_backend="triton"),
+                         LLM(str(deepseek_v3), attention_backend="triton").engine.model)
+    with pytest.raises(ValueError, match="deterministic.*tensor"):
+        EngineConfig(deterministic=True, tensor_parallel_size=2)

@@ -490,3 +490,24 @@ def test_generate_interrupted_while_adding_queues_nothing(smol, monkeypatch):  #
     with pytest.raises(KeyboardInterrupt):
         smol.generate(["a", "b", "c"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert calls[0] == 2 and not smol.engine.has_unfinished_requests()
+
+
+def test_reset_prefix_cache(tiny_models):  # type: ignore[no-untyped-def]
+    """LLM.reset_prefix_cache (vLLM's): the same prompt again hits the cache before a reset and not after;
+    refused (False, nothing forgotten) while a request added by hand holds blocks."""
+    llm = LLM(str(tiny_models["llama"][0]), block_size=4)
+    prompt, p = list(range(10, 50)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.generate([prompt], p, use_tqdm=False)
+    hits = llm.stats().prefix_hit_tokens
+    llm.generate([prompt], p, use_tqdm=False)
+    assert llm.stats().prefix_hit_tokens > hits and llm.stats().cached_blocks > 0
+    hits = llm.stats().prefix_hit_tokens
+    assert llm.reset_prefix_cache()
+    llm.generate([prompt], p, use_tqdm=False)
+    assert llm.stats().prefix_hit_tokens == hits  # computed again
+    llm.engine.add_request("held", prompt, p)
+    llm.engine.step()
+    assert not llm.reset_prefix_cache()
+    llm.engine.abort_request("held")
+    llm.generate([prompt], p, use_tqdm=False)
+    assert llm.stats().prefix_hit_tokens > hits  # the cache survived the refused reset

@@ -90,19 +90,29 @@ class AttentionMetadata:
         """The most new tokens any sequence has in this step."""
         return self.memo("max_query_len", lambda: max(self.query_lens_host, default=0))
 
-    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each new token as its own attention row, as a decode token is: its sequence's block table
-        (N, M) and the number of keys it sees (N,): the sequence's earlier tokens and the new ones up
-        to itself (causal within the step). All-decode steps: block_tables and seq_lens as they are."""
+    def token_seqs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each new token as its own attention row, as a decode token is: its sequence's index (N,) and
+        the number of keys it sees (N,): the sequence's earlier tokens and the new ones up to itself
+        (causal within the step). All-decode steps (a CUDA-graph batch too): arange(B) and seq_lens."""
         def build() -> tuple[torch.Tensor, torch.Tensor]:
+            dev = self.block_tables.device
             if self.all_decode:
-                return self.block_tables, self.seq_lens
+                return torch.arange(self.seq_lens.shape[0], device=dev), self.seq_lens
             q = np.asarray(self.query_lens_host, dtype=np.int64)  # (B,)
             seq = np.repeat(np.arange(len(q)), q)  # (N,) each token's sequence
             first = np.repeat(np.cumsum(q) - q, q)  # (N,) flat index of its sequence's first new token
             lens = np.asarray(self.seq_lens_host, dtype=np.int64)[seq] - q[seq] + np.arange(len(seq)) - first + 1
-            dev = self.block_tables.device
-            return self.block_tables[torch.from_numpy(seq).to(dev)], torch.from_numpy(lens).to(dev)
+            return torch.from_numpy(seq).to(dev), torch.from_numpy(lens).to(dev)
+        return self.memo("token_seqs", build)
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_seqs with each token's block table gathered: (N, M) and the keys it sees (N,).
+        All-decode steps: block_tables and seq_lens as they are."""
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            if self.all_decode:
+                return self.block_tables, self.seq_lens
+            seq, lens = self.token_seqs()
+            return self.block_tables[seq], lens
         return self.memo("token_rows", build)
 
     def memo(self, key: object, build):  # type: ignore[no-untyped-def]
@@ -113,7 +123,7 @@ class AttentionMetadata:
 
 
 # per-step memos that do not depend on a group's slots or tables: computed once, shared by every group
-_SHARED_MEMOS = ("qstarts", "all_decode", "max_query_len")
+_SHARED_MEMOS = ("qstarts", "all_decode", "max_query_len", "token_seqs")
 
 
 def pack_block_tables(tables: list[list[int]]) -> torch.Tensor:

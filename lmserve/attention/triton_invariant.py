@@ -4,8 +4,8 @@ alone, the same way whatever else is in the step and however its prompt was chun
 The fast backend (triton_attn.py) is not invariant, by design: a prefill token is a row of a tl.dot
 tile whose extent follows its chunk, and a decode token's keys are cut into as many splits as the
 step leaves programs for (the split count follows the batch), whose partial results then combine in
-another grouping. Here every token is a row of its own (AttentionMetadata.token_rows: its sequence's
-block table and the number of keys it sees); its keys are cut at fixed absolute positions
+another grouping. Here every token is a row of its own (AttentionMetadata.token_seqs: its sequence,
+whose block-table row it reads, and the number of keys it sees); its keys are cut at fixed absolute positions
 (`split_keys` keys a split, whatever the batch); each split is summed in one order (PAGES pages an
 iteration, the same compiled kernel for every token); and the splits combine one after another, in
 order. A token's output is then a function of its own query and keys alone: the grid, the other rows,
@@ -33,55 +33,58 @@ from lmserve.kv.cache import QuantizedKV
 _VARYING = ["len_ptr", "t0", "stride_on", "stride_oh", "stride_ln", "stride_lh"]
 
 
-@triton.jit(do_not_specialize=_VARYING + ["bt_ptr", "stride_btn"])
-def _split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, op_ptr, lse_ptr, bt_ptr, len_ptr, t0, scale, window,
-                  stride_qn, stride_qh, stride_cs, stride_ch, stride_ss, stride_btn,
+@triton.jit(do_not_specialize=_VARYING + ["bt_ptr", "seq_ptr", "stride_btb"])
+def _split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, op_ptr, lse_ptr, bt_ptr, seq_ptr, len_ptr, t0, scale, window,
+                  stride_qn, stride_qh, stride_cs, stride_ch, stride_ss, stride_btb,
                   stride_on, stride_oh, stride_os, stride_ln, stride_lh,
                   G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
                   PAGES: tl.constexpr, SPLIT_PAGES: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr,
                   GROUP: tl.constexpr, NGROUPS: tl.constexpr):
     """Token t0 + program 0 (x the G query heads of KV head program 1) over split program 2: pages
     [split * SPLIT_PAGES, (split + 1) * SPLIT_PAGES) of those it sees; writes the split's normalised
-    output and its LSE (-inf for a split with no keys: past the token's context, or a padding row)."""
+    output and its LSE. A split with no keys (past the token's context, before its window, a padding
+    row's) writes nothing: the combine reads the token's own splits only."""
     r = tl.program_id(0)  # the row in this launch's scratch
     t = t0 + r  # the token
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(len_ptr + t)  # keys [0, ctx) before the window; 0: a padding row
-    hig = tl.arange(0, G_P2)
-    h_ok = hig < G
-    head = kvh * G + hig
-    dd = tl.arange(0, BLOCK_D)
-    d_ok = dd < D
-    q = tl.load(q_ptr + t * stride_qn + head[:, None] * stride_qh + dd[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (G_P2, BLOCK_D)
     lo_key = 0
     if HAS_WINDOW:
         lo_key = tl.maximum(0, ctx - window)  # the query at ctx - 1 sees (ctx - 1 - window, ctx - 1]
     p_start = tl.maximum(split * SPLIT_PAGES, lo_key // BS)
     p_end = tl.minimum(split * SPLIT_PAGES + SPLIT_PAGES, (ctx + BS - 1) // BS)
-    m_i = tl.full([G_P2], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_P2], tl.float32)
-    acc = tl.zeros([G_P2, BLOCK_D], tl.float32)
-    for j in range(p_start, p_end, PAGES):
-        k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr + t * stride_btn, j, p_end,
-                                            lo_key, ctx, kvh, stride_cs, stride_ch, stride_ss, dd, d_ok, BS, PAGES,
-                                            QUANT, GROUP, NGROUPS)
-        k, v = k.to(tl.float32), v.to(tl.float32)  # (T, BLOCK_D) each
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, T)
-        s = tl.where(kv_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
-        m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-    tl.store(op_ptr + r * stride_on + head[:, None] * stride_oh + split * stride_os + dd[None, :], out,
-             mask=h_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + r * stride_ln + head * stride_lh + split, lse, mask=h_ok)
+    if p_start < p_end:
+        bt_row = bt_ptr + tl.load(seq_ptr + t) * stride_btb  # its sequence's block table
+        hig = tl.arange(0, G_P2)
+        h_ok = hig < G
+        head = kvh * G + hig
+        dd = tl.arange(0, BLOCK_D)
+        d_ok = dd < D
+        q = tl.load(q_ptr + t * stride_qn + head[:, None] * stride_qh + dd[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (G_P2, BLOCK_D)
+        m_i = tl.full([G_P2], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_P2], tl.float32)
+        acc = tl.zeros([G_P2, BLOCK_D], tl.float32)
+        for j in range(p_start, p_end, PAGES):
+            k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, j, p_end, lo_key, ctx, kvh,
+                                                stride_cs, stride_ch, stride_ss, dd, d_ok, BS, PAGES,
+                                                QUANT, GROUP, NGROUPS)
+            k, v = k.to(tl.float32), v.to(tl.float32)  # (T, BLOCK_D) each
+            s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, T)
+            s = tl.where(kv_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # (every split in range holds a key: l_i > 0)
+        lse = m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))
+        tl.store(op_ptr + r * stride_on + head[:, None] * stride_oh + split * stride_os + dd[None, :], out,
+                 mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + r * stride_ln + head * stride_lh + split, lse, mask=h_ok)
 
 
 @triton.jit(do_not_specialize=_VARYING)
@@ -144,7 +147,8 @@ class InvariantTritonAttention:
         out = torch.empty_like(q)
         if n == 0:
             return out
-        tables, lens = meta.token_rows()  # (N, M) each token's sequence's block table, (N,) keys it sees
+        seqs, lens = meta.token_seqs()  # (N,) each token's sequence, (N,) the keys it sees
+        tables = meta.block_tables  # (B, M)
         bs, g_p2, block_d = meta.block_size, triton.next_power_of_2(g), triton.next_power_of_2(d)
         pages = max(1, self.decode_keys // g_p2 // bs)
         split_pages = pages * max(1, self.split_keys // (pages * bs))
@@ -157,7 +161,7 @@ class InvariantTritonAttention:
         for t0 in range(0, n, rows):
             r = min(rows, n - t0)
             _split_kernel[(r, hkv, splits)](
-                q, k_cache, v_cache, k_scale, v_scale, part, lse, tables, lens, t0, scale, win,
+                q, k_cache, v_cache, k_scale, v_scale, part, lse, tables, seqs, lens, t0, scale, win,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if quant else 0,
                 tables.stride(0), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
                 G=g, G_P2=g_p2, D=d, BLOCK_D=block_d, BS=bs, PAGES=pages, SPLIT_PAGES=split_pages,

@@ -265,6 +265,15 @@ class BlockManager:
                 self.block_group[b] = g
                 self.hash_to_block[key] = b
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's reset_prefix_cache): False, and nothing forgotten,
+        while any block is held (a request running, waiting swapped out, or a pinned copy source)."""
+        if len(self.free_queue) < self.num_blocks:
+            return False
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def _release(self, b: int) -> None:
         if b == NULL_BLOCK:
             return

@@ -220,6 +220,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         if not cfg.is_mla:
             raise ValueError(f"{cfg.architecture}: kv_lora_rank must be positive (DeepSeek's MLA)")
         super().__init__(cfg, backend)
+        # graphs.graphs_wanted: deterministic mode attends a token at a time on host lengths (no graph)
+        self.cuda_graphs = getattr(backend, "rows_per_seq", 0) is not None
 
     def make_layers(self, cfg: ModelConfig, backend: AttentionBackend) -> nn.ModuleList:
         rotary = MLARotary(cfg)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmserve.layers.linear import row_blocks
 from lmserve.sequence import Logprob, SamplingParams, Sequence
 from lmserve.structured import apply_bitmask
 from lmserve.utils import to_device, triton_available
@@ -114,7 +115,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     k = torch.where(top_k > 0, top_k, V).clamp(max=V).unsqueeze(1)  # (B, 1)
     drop = sorted_logits < sorted_logits.gather(1, k - 1)  # below the k-th largest
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)  # (B, V)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    before = running_sum(probs) - probs  # mass strictly before each token
     # top_p = 1 is off: a float32 running sum reaches 1 before the vocabulary's tail does
     drop |= (before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1)
     drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
@@ -304,6 +305,13 @@ def read_logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: list[int | None
     return token_list, logprobs
 
 
+def running_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.cumsum(dim=-1) for (B, V), each row summed the same way whatever the batch: on CUDA over fixed
+    blocks of rows (torch's scan picks its threads by the number of rows, and hands a lone row to CUB's
+    look-back scan, so a row's sums, and a top-p cut or a draw on them, followed the batch)."""
+    return row_blocks(lambda t: t.cumsum(dim=-1), x) if x.is_cuda else x.cumsum(dim=-1)
+
+
 def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:  # type: ignore[type-arg]
     """Inverse-CDF draw per row with that row's random.Random (None: argmax). probs: (B, V) -> (B,).
 
@@ -311,7 +319,7 @@ def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:  # type: ignore
     host = torch.tensor([[g.random() if g is not None else 0.0 for g in generators],
                          [float(g is None) for g in generators]], dtype=torch.float64)  # (2, B)
     u, is_greedy = to_device(host, probs.device).unbind(0)  # (B,) each
-    cdf = probs.double().cumsum(dim=-1)  # (B, V)
+    cdf = running_sum(probs.double())  # (B, V)
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
     drawn.clamp_(max=probs.shape[1] - 1)
     if all(g is not None for g in generators):
