@@ -260,7 +260,11 @@ class Scheduler:
             self.bm.free(seq.block_tables)
             seq.num_computed_tokens = seq.num_cached_tokens = 0
             seq.status = Status.WAITING
-            self._queue(seq, ahead_of_equals=True)
+            sibs = [i for i, w in enumerate(self.waiting) if w.request_id == seq.request_id]
+            if sibs:  # behind the siblings deferred before it (children fork in index order)
+                self.waiting.insert(sibs[-1] + 1, seq)
+            else:
+                self._queue(seq, ahead_of_equals=True)
             return
         seq.status = Status.RUNNING
         self.running.insert(self.running.index(after) + 1, seq)
@@ -331,6 +335,10 @@ class Scheduler:
                 self.bm.cache_full_blocks(seq.block_tables, seq.token_ids, filled, seq.block_hashes, first=first)
             if stop is not None:
                 self.finish(seq, *stop)
+        for seq in restored - dict(out.scheduled).keys():  # back with 0 tokens (a beam sibling took the budget)
+            if seq.block_tables and min(seq.num_computed_tokens, seq.num_tokens) >= bs:
+                self.bm.cache_full_blocks(seq.block_tables, seq.token_ids, min(seq.num_computed_tokens, seq.num_tokens),
+                                          seq.block_hashes)
         return received
 
     def release_pins(self) -> None:

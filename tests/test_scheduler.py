@@ -526,3 +526,51 @@ def test_random_workload_invariants(events, num_blocks, block_size, budget, max_
     assert not d.families
     assert d.bm.num_free_blocks == num_blocks
     assert d.sched.swap_free == swap and not d.host
+
+
+def test_a_beam_swapped_back_in_with_no_tokens_registers_its_blocks():
+    """A beam family swapped back in on a 1-token budget: the first beam runs its token, the second comes
+    back with 0 (not in the step's scheduled list). Both beams' full blocks are in the prefix cache after
+    (before, the second's were never registered: update_from_output only visited scheduled sequences)."""
+    bm = BlockManager(64, 4, True)
+    sch = Scheduler(bm, 8, 1, swap_blocks=100, swap_pays=lambda s, n: True)
+    p = SamplingParams(max_tokens=20, use_beam_search=True, best_of=2, ignore_eos=True, temperature=0)
+    a, b = (Sequence("r", list(range(30, 42)), p, index=i) for i in range(2))
+    for s in (a, b):
+        sch.add(s)
+
+    def step(beam_tokens: bool = True) -> SchedulerOutput:
+        out = sch.schedule()
+        sch.update_from_output(out, {})
+        if beam_tokens and all(s.num_computed_tokens == s.num_tokens for s in (a, b)):  # the beam step
+            a.append_token(7)
+            b.append_token(8)
+        return out
+    while min(a.num_computed_tokens, b.num_computed_tokens) < 17:
+        step()
+    sch._preempt(b)
+    sch._preempt(a)  # the family preempted by swapping
+    assert a.swapped is not None and b.swapped is not None
+    other: list[list[int]] = []
+    bm.allocate(other, bm.num_free_blocks * 4)  # another request takes the pool: the old hashes are evicted
+    bm.free(other)
+    out = step(beam_tokens=False)
+    assert {s.index for s, _ in out.swap_in} == {0, 1} and [(s.index, n) for s, n in out.scheduled] == [(0, 1)]
+    for s in (a, b):
+        full = s.num_computed_tokens // 4
+        assert all((0, h) in bm.hash_to_block for h in bm.block_hashes(s.token_ids, full)), s.index
+
+
+def test_children_deferred_by_max_num_seqs_wait_in_index_order(tiny_models):  # type: ignore[no-untyped-def]
+    """n = 4 with max_num_seqs 2 and another request running: children 1, 2, 3 wait in that order (each was
+    queued ahead of the one before it: 3, 2, 1)."""
+    from lmserve import LLM
+    e = LLM(str(tiny_models["llama"][0]), max_num_seqs=2).engine
+    e.add_request("other", [9, 9, 9, 9], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    e.add_request("fam", list(range(10, 20)), SamplingParams(max_tokens=5, n=4, temperature=0.8, seed=1,
+                                                             ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    assert [(s.request_id, s.index) for s in e.scheduler.waiting] == [("fam", 1), ("fam", 2), ("fam", 3)]
+    while e.has_unfinished_requests():
+        e.step()
