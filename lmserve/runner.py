@@ -55,7 +55,7 @@ class ModelRunner:
         self.swap = HostSwap(kv_cache)  # host copies of swapped-out sequences' blocks
         self.block_size = kv_cache.block_size
         self.device = torch.device(device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(invariant=getattr(model, "batch_invariant", False))  # (deterministic mode)
         self.graphs: DecodeGraphs | None = None  # set by enable_graphs: decode steps replay CUDA graphs
 
     def enable_graphs(self, sizes: list[int], max_model_len: int, capture: bool = True) -> float:

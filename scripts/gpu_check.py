@@ -849,7 +849,8 @@ def _needle(llm: Any, crowd: int, needle_len: int, seeded: bool, share: bool, ma
     def row(o: Any) -> tuple[list[int], Any]:
         return o.token_ids, torch.tensor([[x.logprob, *sorted(x.top.values())] for x in o.logprobs])
     alone = llm.generate([needle], p, use_tqdm=False)[0].outputs[0]
-    llm.reset_prefix_cache()  # the crowd run computes the needle again (else it hits the alone run's blocks)
+    if not llm.reset_prefix_cache():  # the crowd run computes the needle again (else it hits the alone run's blocks)
+        raise RuntimeError("reset_prefix_cache refused: the engine holds blocks")
     half = crowd // 2
     outs = llm.generate(others[:half] + [needle] + others[half:], params[:half] + [p] + params[half:], use_tqdm=False)
     return row(alone), row(outs[half].outputs[0])
@@ -899,7 +900,8 @@ def part_deterministic(p: Part, s: dict) -> None:
                 p.fail(f"invariant attention {name} window {window} {kv}")
     from lmserve.sampling.sampler import running_sum
     x = torch.rand(64, 512 if s["small"] else 151936, device=dev).softmax(-1)  # (64, V)
-    alone = all(torch.equal(running_sum(x[i:i + 1]), running_sum(x[:n])[i:i + 1]) for i, n in ((0, 64), (5, 9)))
+    alone = all(torch.equal(running_sum(x[i:i + 1], True), running_sum(x[:n], True)[i:i + 1])
+                for i, n in ((0, 64), (5, 9)))
     raw = all(torch.equal(x[i:i + 1].cumsum(-1), x[:n].cumsum(-1)[i:i + 1]) for i, n in ((0, 64), (5, 9)))
     p.row("sampler running sums (top-p, inverse CDF): a row alone vs in 9 / 64",
           f"{'bit-identical' if alone else 'DIFFER'}; torch's cumsum {'equal too' if raw else 'differs'}")

@@ -130,7 +130,8 @@ def test_mla_decodes_eagerly_and_tensor_parallel_is_refused_in_the_mode(deepseek
     mla = LLM(str(deepseek_v3), deterministic=True, attention_backend="triton")
     plain = LLM(str(tiny_models["llama"][0]), deterministic=True, attention_backend="triton")
     assert not graphs_wanted(cuda, mla.engine.model) and graphs_wanted(cuda, plain.engine.model)
-    assert graphs_wanted(EngineConfig(device="cuda", attention_backend="triton"),
-                         LLM(str(deepseek_v3), attention_backend="triton").engine.model)
+    free = LLM(str(deepseek_v3), attention_backend="triton")
+    assert graphs_wanted(EngineConfig(device="cuda", attention_backend="triton"), free.engine.model)
+    assert mla.engine.runner.sampler.invariant and not free.engine.runner.sampler.invariant  # (its running sums)
     with pytest.raises(ValueError, match="deterministic.*tensor"):
         EngineConfig(deterministic=True, tensor_parallel_size=2)

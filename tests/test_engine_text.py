@@ -509,5 +509,6 @@ def test_reset_prefix_cache(tiny_models):  # type: ignore[no-untyped-def]
     llm.engine.step()
     assert not llm.reset_prefix_cache()
     llm.engine.abort_request("held")
+    hits = llm.stats().prefix_hit_tokens
     llm.generate([prompt], p, use_tqdm=False)
     assert llm.stats().prefix_hit_tokens > hits  # the cache survived the refused reset

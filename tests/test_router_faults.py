@@ -74,6 +74,18 @@ def replica(name: str, refuse: bool = False, streams: threading.Semaphore | None
             return StreamingResponse(held(), media_type="text/event-stream")
         return JSONResponse({"served_by": name})
 
+    @app.get("/echo/{rest:path}")
+    async def echo(request: Request) -> JSONResponse:  # the path and query as this replica received them
+        return JSONResponse({"raw": request.scope["raw_path"].decode(), "query": request.scope["query_string"].decode()})
+
+    @app.get("/v1/engine/stream")
+    async def view() -> StreamingResponse:  # a console view: open until `streams` is released
+        async def held():  # type: ignore[no-untyped-def]
+            yield "data: {}\n\n"
+            while not streams.acquire(blocking=False):  # type: ignore[union-attr]
+                await asyncio.sleep(0.05)
+        return StreamingResponse(held(), media_type="text/event-stream")
+
     @app.post("/old")
     async def old(request: Request) -> RedirectResponse:  # absolute, from its own address, as redirect_slashes
         return RedirectResponse(str(request.base_url) + "new", 307)
@@ -219,3 +231,79 @@ def test_replica_urls_are_checked_and_serve_passes_its_limits_to_the_front(monke
     assert stopped == [True]
     assert cli.replica_argv(["--model", "m", "--upstream-timeout", "5", "--max-connections=9", "--port", "1"]) \
         == ["--model", "m"]
+
+
+def test_the_path_goes_as_sent_and_a_console_view_is_no_load():
+    """A percent-encoded '?' in the path reaches the replica encoded (the router decoded it: the rest of
+    the path became a query); a long-lived GET (the web console's engine view) adds no load to the
+    replica it is on, a generating request does (views skewed least-load and prefix routing)."""
+    release = threading.Semaphore(0)
+    with serving(replica("a", streams=release)) as (rep, _):
+        router = Router([Replica(rep)], "least-load")
+        with serving(router_app.build_router_app(router, health_interval=0.1)) as (url, _):
+            time.sleep(0.3)
+            assert httpx.get(url + "/echo/x%3Fa=1?b=2").json() == {"raw": "/echo/x%3Fa=1", "query": "b=2"}
+            with httpx.Client(timeout=30) as c, c.stream("GET", url + "/v1/engine/stream") as view:
+                next(view.iter_lines())
+                assert router.replicas[0].in_flight == 0
+                with c.stream("POST", url + "/v1/completions", json={"hold": True}) as gen:
+                    next(gen.iter_lines())
+                    assert router.replicas[0].in_flight == 1
+                    release.release()
+                release.release()
+        assert router.replicas[0].in_flight == 0
+
+
+def test_a_client_gone_during_the_disaggregated_prefill_ends_it_there():
+    """The prefill instance is told at once (its connection closes) and the decode replica never gets the
+    request (before, the router noticed only when the decode request started)."""
+    seen: dict[str, float] = {}
+    slow = FastAPI()
+
+    @slow.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @slow.post("/v1/completions")
+    async def prefill(request: Request) -> JSONResponse:  # a long prompt: 10 s, unless the caller leaves
+        for _ in range(200):
+            if await request.is_disconnected():
+                seen["gone"] = time.monotonic()
+                break
+            await asyncio.sleep(0.05)
+        return JSONResponse({})
+    with serving(slow) as (pre, _), serving(replica("decode")) as (dec, _):
+        decode = Router([Replica(dec)], "least-load")
+        app = router_app.build_router_app(decode, 0.1, prefill=Router([Replica(pre)], "least-load"))
+        with serving(app) as (url, _):
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=0.5)
+            deadline = time.monotonic() + 5
+            while "gone" not in seen and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert seen["gone"] - t0 < 3
+            assert decode.replicas[0].requests == 0 and decode.replicas[0].in_flight == 0
+
+
+def test_a_cut_streams_last_event_is_in_its_routes_shape():
+    """Chat / completions: OpenAI's error then [DONE]; Messages: Anthropic's; Responses: its `error` event
+    (it never sends [DONE]); the web console's engine view: the `event: error` its reader looks for (the
+    first two only were shaped before; the others got OpenAI chat's)."""
+    from lmserve.router.errors import stream_error
+
+    def parse(raw: bytes) -> list[tuple[str | None, str]]:
+        out = []
+        for e in raw.decode().strip().split("\n\n"):
+            lines = dict(x.split(": ", 1) for x in e.split("\n"))
+            out.append((lines.get("event"), lines["data"]))
+        return out
+    chat = parse(stream_error("/v1/chat/completions", "gone"))
+    assert json.loads(chat[0][1])["error"]["code"] == "replica_failed" and chat[1] == (None, "[DONE]")
+    msg = parse(stream_error("/v1/messages", "gone"))
+    assert msg == [("error", json.dumps({"type": "error", "error": {"type": "api_error", "message": "gone"}}))]
+    (ev, data), = parse(stream_error("/v1/responses", "gone"))
+    assert ev == "error" and json.loads(data)["type"] == "error" and json.loads(data)["code"] == "replica_failed"
+    (ev, data), = parse(stream_error("/v1/engine/stream", "gone"))
+    assert ev == "error" and json.loads(data) == {"message": "gone"}

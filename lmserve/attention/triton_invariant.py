@@ -33,7 +33,7 @@ from lmserve.kv.cache import QuantizedKV
 _VARYING = ["len_ptr", "t0", "stride_on", "stride_oh", "stride_ln", "stride_lh"]
 
 
-@triton.jit(do_not_specialize=_VARYING + ["bt_ptr", "seq_ptr", "stride_btb"])
+@triton.jit(do_not_specialize=_VARYING + ["bt_ptr", "seq_ptr", "stride_btb", "stride_qn", "stride_qh"])
 def _split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, op_ptr, lse_ptr, bt_ptr, seq_ptr, len_ptr, t0, scale, window,
                   stride_qn, stride_qh, stride_cs, stride_ch, stride_ss, stride_btb,
                   stride_on, stride_oh, stride_os, stride_ln, stride_lh,

@@ -23,8 +23,9 @@ replica that refuses (429, or 503 with Retry-After: the request did not run) sen
 replica that has not refused it; when all have, the client gets the last refusal. A background task
 polls each replica's /health and /metrics (running + waiting: the load `least-load` and `prefix`
 balance on) over its own connections (the forwarding pool may be full) and brings replicas back when
-they answer. Each replica has its own pool of `max_connections`; a request that finds every pool full
-for POOL_WAIT_S gets a 503 with Retry-After (the router is at its limit, the replicas are not down).
+they answer. Each replica has its own pool of `max_connections`; a request waits up to POOL_WAIT_S at a
+full pool, then tries the next replica; when every pool was full, a 503 with Retry-After (the router is
+at its limit, the replicas are not down).
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from urllib.parse import quote
+
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from lmserve.router.errors import error, stream_error
 from lmserve.router.policy import Replica, Router, routing_text
 
 GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
@@ -53,36 +57,6 @@ NOT_TO_CLIENTS = (HOP - {"content-length"}) | {"date", "server"}  # uvicorn writ
 SLOW = (httpx.ReadTimeout, httpx.WriteTimeout)  # a replica that answers slowly: not a replica that is down
 POOL_WAIT_S = 5.0  # a request waits this long for a free connection to its replica
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-ANTHROPIC = "/v1/messages"  # = lmserve.server.anthropic_api.ROUTE: its errors have Anthropic's shape
-ANTHROPIC_TYPES = {404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error"}
-
-
-def error(status: int, message: str, code: str, headers: dict[str, str] | None = None,
-          path: str = "") -> JSONResponse:
-    """The error body the replicas answer for this path: Anthropic's on /v1/messages, else OpenAI's."""
-    if is_anthropic(path):
-        kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status, headers=headers)
-    return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
-                                   "invalid_request_error", "param": None, "code": code}}, status, headers=headers)
-
-
-def is_anthropic(path: str) -> bool:
-    return path == ANTHROPIC or path.startswith(ANTHROPIC + "/")
-
-
-def stream_error(path: str, message: str) -> bytes:
-    """The event that ends a stream its replica failed, in the stream's API: OpenAI's error, then [DONE] (as
-    the server's own error path); Anthropic's `event: error`."""
-    if is_anthropic(path):
-        event = "event: error\ndata: " + json.dumps({"type": "error", "error": {"type": "api_error",
-                                                                                "message": message}}) + "\n\n"
-    else:
-        event = "data: " + json.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                                 "code": "replica_failed"}}) + "\n\ndata: [DONE]\n\n"
-    return event.encode()
-
-
 def _after(data: bytes, sep: bytes) -> int:
     """The index just after sep's last occurrence in data (0: none)."""
     i = data.rfind(sep)
@@ -221,12 +195,13 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
             parsed = None  # the replica will say what is wrong with it
         text = routing_text("/" + path, parsed)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FROM_CLIENTS]
-        url = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+        raw = request.scope.get("raw_path") or where.encode()  # as sent: %3F stays %3F (decoded, it was a query)
+        url = quote(raw, safe="/%!$&'()*+,;=:@-._~") + (f"?{request.url.query}" if request.url.query else "")
         t0, first = time.monotonic(), None
         if prefill is not None and request.method == "POST" and "/" + path in GENERATING and isinstance(parsed, dict):
             first = router.pick(text)  # the decode replica, told to the prefill instance
-            if first is not None:
-                await prefill_for(first, url, headers, parsed, text)
+            if first is not None and not await unless_gone(request, prefill_for(first, url, headers, parsed, text)):
+                return error(499, "client disconnected", "client_disconnected", path=where)  # prefill aborted
         return await send(request, url, headers, body, text, t0, first)
 
     async def prefill_for(decode: Replica, url: str, headers: list, parsed: dict, text: str) -> None:
@@ -258,17 +233,21 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                    first: Replica | None = None) -> Response:
         tried: set[str] = set()
         busy = 0  # replicas whose connection pool was full
+        refusal: Response | None = None  # the last replica's refusal, the answer when no replica is left
         path = request.url.path
+        weight = int(request.method == "POST" and path in GENERATING)  # the load it adds (a console view: none)
         while True:
             rep = first if first is not None and first.healthy and not tried else router.pick(text, tried)
             if rep is None:
+                if refusal is not None:
+                    return refusal
                 what = ("every replica's connections are in use" if busy == len(tried) and tried else
                         "every replica failed this request" if tried else "no replica is healthy")
                 return error(503, what, "no_healthy_replica", {"Retry-After": "1"}, path=path)
             if tried:
                 metrics.retries.inc()
             tried.add(rep.url)
-            rep.in_flight += 1
+            rep.in_flight += weight
             rep.requests += 1
             metrics.requests.labels(rep.url).inc()
             opened: list[httpx.Response] = []
@@ -283,17 +262,13 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                 return up, chunks, await anext(chunks, b"")  # nothing reached the client yet: a failure retries
 
             task = asyncio.ensure_future(start())
-            try:
-                while not (await asyncio.wait({task}, timeout=0.25))[0]:  # an unstreamed answer comes whole:
-                    if await request.is_disconnected():  # a client gone meanwhile ends it at the replica
-                        task.cancel()
-                        with contextlib.suppress(BaseException):
-                            await task
-                        raise ClientGone
+            try:  # an unstreamed answer comes whole: a client gone meanwhile ends it at the replica
+                if not await unless_gone(request, task):
+                    raise ClientGone
                 upstream, chunks, head = task.result()
             except BaseException as e:
                 task.cancel()
-                rep.in_flight -= 1
+                rep.in_flight -= weight
                 for up in opened:  # the closed connection aborts the request at the replica
                     await up.aclose()
                 if isinstance(e, ClientGone):
@@ -308,13 +283,15 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                 rep.healthy, rep.failures = False, rep.failures + 1
                 continue
             if refused(upstream) and router.healthy(tried):  # it did not run the request: another may
-                rep.in_flight -= 1
+                rep.in_flight -= weight
+                refusal = Response(head + b"".join([c async for c in chunks]), upstream.status_code,
+                                   {k: v for k, v in upstream.headers.items() if k.lower() not in NOT_TO_CLIENTS})
                 await upstream.aclose()
                 continue
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in NOT_TO_CLIENTS}
             if out_headers.get("location", "").startswith(rep.url):  # a redirect names the router, not the replica
                 out_headers["location"] = str(request.base_url).rstrip("/") + out_headers["location"][len(rep.url):]
-            done = _Once(rep, upstream)
+            done = _Once(rep, upstream, weight)
             sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
             return _Relayed(relay(rep, head, chunks, done, path if sse else None), done, upstream.status_code,
                             headers=out_headers)
@@ -349,6 +326,24 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
     return app
 
 
+async def unless_gone(request: Request, work: Any) -> bool:
+    """Run a coroutine to its end (True), or cancel it when the client disconnects first (False): its
+    upstream connection closes, which aborts the request there."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=0.25))[0]:
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                return False
+    finally:  # this handler cancelled (the server's shutdown): the work goes too
+        if not task.done():
+            task.cancel()
+    task.result()
+    return True
+
+
 def refused(up: httpx.Response) -> bool:
     """A replica's answer that says it did not run the request: 429, or 503 with Retry-After (its queue or
     its drain)."""
@@ -368,14 +363,14 @@ class _Once:
     """Release a forwarded request's hold (the replica's in-flight count, the upstream connection) once,
     whether its stream ran to the end, failed, or never started (the client left first)."""
 
-    def __init__(self, rep: Replica, upstream: httpx.Response) -> None:
-        self.rep, self.upstream, self.done = rep, upstream, False
+    def __init__(self, rep: Replica, upstream: httpx.Response, weight: int) -> None:
+        self.rep, self.upstream, self.weight, self.done = rep, upstream, weight, False
 
     async def __call__(self) -> None:
         if self.done:
             return
         self.done = True
-        self.rep.in_flight -= 1
+        self.rep.in_flight -= self.weight
         await asyncio.shield(self.upstream.aclose())
 
 

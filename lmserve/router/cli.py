@@ -28,7 +28,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-body-bytes", type=at_least(1), default=4 << 20, help="request bodies above this get 413 "
                    "(default 4 MiB, as a replica's)")
     p.add_argument("--shutdown-timeout", type=at_least(0), default=30.0,
-                   help="on SIGTERM, seconds the open requests get to finish before they are cut")
+                   help="on SIGTERM, seconds the replicas' drain may take (the router waits 10 s more for their "
+                        "last bytes, then cuts what is open)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_router)
 
@@ -85,9 +86,13 @@ def serve_router(replicas: list[str], a: argparse.Namespace, prefill: list[str] 
             super().handle_exit(sig, frame)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (uvicorn raises it again once it has shut down)
     # the replicas drain within --shutdown-timeout; the router waits for their last bytes
-    Front(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
-                         timeout_graceful_shutdown=a.shutdown_timeout + 10)).run()
-    return 0
+    server = Front(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
+                                  timeout_graceful_shutdown=a.shutdown_timeout + 10))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it shut down on again (as uvicorn.run swallows it)
+        pass
+    return 0 if server.started else 3  # 3: it never started (uvicorn.run's STARTUP_FAILURE)
 
 
 def cmd_router(a: argparse.Namespace) -> int:
@@ -157,7 +162,10 @@ def run_data_parallel(a: argparse.Namespace, argv: list[str]) -> int:
         for p in procs:
             p.terminate()
     try:
-        rc = serve_router([f"http://127.0.0.1:{p}" for p in ports], a, on_exit=stop_replicas)
+        try:
+            rc = serve_router([f"http://127.0.0.1:{p}" for p in ports], a, on_exit=stop_replicas)
+        except KeyboardInterrupt:  # the watcher's SIGINT before the router's server took over the signals
+            rc = 130
         return 1 if died else rc
     finally:
         stop.set()

@@ -102,8 +102,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: 
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-                  ) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  invariant: bool = False) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k / top-p / min-p, per row. logits: (B, V); params: (B,).
 
     top_k <= 0 means off; top_p = 1 and min_p = 0 mean off, so a row with none of them keeps every
@@ -115,7 +115,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     k = torch.where(top_k > 0, top_k, V).clamp(max=V).unsqueeze(1)  # (B, 1)
     drop = sorted_logits < sorted_logits.gather(1, k - 1)  # below the k-th largest
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)  # (B, V)
-    before = running_sum(probs) - probs  # mass strictly before each token
+    before = running_sum(probs, invariant) - probs  # mass strictly before each token
     # top_p = 1 is off: a float32 running sum reaches 1 before the vocabulary's tail does
     drop |= (before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1)
     drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
@@ -176,8 +176,9 @@ class Sampler:
     (sampling/gumbel.py) and a row with them by inverse CDF; elsewhere every row by inverse CDF.
     """
 
-    def __init__(self, gumbel: bool | None = None) -> None:
+    def __init__(self, gumbel: bool | None = None, invariant: bool = False) -> None:
         self.gumbel = gumbel  # None: on CUDA when Triton imports
+        self.invariant = invariant  # deterministic mode: running sums a row's own way (running_sum)
 
     def _use_gumbel(self, logits: torch.Tensor) -> bool:
         if self.gumbel is not None:
@@ -199,7 +200,7 @@ class Sampler:
                      bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """The distribution each row samples from, after all processing: (B, V) float32.
         Greedy rows are one-hot at their (processed) argmax. bitmask: (B, W) int32 allowed tokens."""
-        return self._probs(self._penalized(logits, seqs, bitmask), [s.params for s in seqs])
+        return self._probs(self._penalized(logits, seqs, bitmask), [s.params for s in seqs], self.invariant)
 
     def target_argmax(self, logits: torch.Tensor, seqs: list,  # type: ignore[type-arg]
                       bitmask: torch.Tensor | None = None) -> list[int]:
@@ -208,7 +209,7 @@ class Sampler:
         return self._penalized(logits, seqs, bitmask).argmax(dim=-1).tolist()
 
     @staticmethod
-    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _probs(logits: torch.Tensor, params: list[SamplingParams], invariant: bool = False) -> torch.Tensor:
         """target_probs of logits (B, V) that already carry their penalties -> (B, V)."""
         any_greedy = any(p.temperature == 0 for p in params)
         if any_greedy:
@@ -222,7 +223,7 @@ class Sampler:
         greedy, temps = cols[0] > 0, cols[1]  # (B,) each
         scaled = logits / temps.unsqueeze(1)  # (B, V)
         if filtered:
-            scaled = filter_logits(scaled, cols[2].long(), cols[3], cols[4])
+            scaled = filter_logits(scaled, cols[2].long(), cols[3], cols[4], invariant)
         if not any_greedy:  # (B, V) passes over the vocabulary are the sampler's cost at large batches
             return scaled.softmax(dim=-1)
         return torch.where(greedy.unsqueeze(1), probs, scaled.softmax(dim=-1))
@@ -230,8 +231,8 @@ class Sampler:
     def _inverse_cdf(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Penalized logits (B, V) -> tokens (B,): one uniform per sampled row from its generator."""
         params = [s.params for s in seqs]
-        return draw(self._probs(logits, params), [None if p.temperature == 0 else s.generator
-                                                  for s, p in zip(seqs, params)])
+        return draw(self._probs(logits, params, self.invariant), [None if p.temperature == 0 else s.generator
+                                                                  for s, p in zip(seqs, params)], self.invariant)
 
     @staticmethod
     def _gumbel(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -305,21 +306,22 @@ def read_logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: list[int | None
     return token_list, logprobs
 
 
-def running_sum(x: torch.Tensor) -> torch.Tensor:
-    """x.cumsum(dim=-1) for (B, V), each row summed the same way whatever the batch: on CUDA over fixed
-    blocks of rows (torch's scan picks its threads by the number of rows, and hands a lone row to CUB's
-    look-back scan, so a row's sums, and a top-p cut or a draw on them, followed the batch)."""
-    return row_blocks(lambda t: t.cumsum(dim=-1), x) if x.is_cuda else x.cumsum(dim=-1)
+def running_sum(x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """x.cumsum(dim=-1) for (B, V); invariant (deterministic mode): each row summed the same way whatever
+    the batch, on CUDA over fixed blocks of rows (torch's scan picks its threads by the number of rows,
+    and hands a lone row to CUB's look-back scan, so a row's sums, and a top-p cut or a draw on them,
+    followed the batch). The CPU's scan is a row's own already."""
+    return row_blocks(lambda t: t.cumsum(dim=-1), x) if invariant and x.is_cuda else x.cumsum(dim=-1)
 
 
-def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:  # type: ignore[type-arg]
+def draw(probs: torch.Tensor, generators: list, invariant: bool = False) -> torch.Tensor:  # type: ignore[type-arg]
     """Inverse-CDF draw per row with that row's random.Random (None: argmax). probs: (B, V) -> (B,).
 
     The uniforms are drawn on the host and sent in one copy, with the greedy mask."""
     host = torch.tensor([[g.random() if g is not None else 0.0 for g in generators],
                          [float(g is None) for g in generators]], dtype=torch.float64)  # (2, B)
     u, is_greedy = to_device(host, probs.device).unbind(0)  # (B,) each
-    cdf = running_sum(probs.double())  # (B, V)
+    cdf = running_sum(probs.double(), invariant)  # (B, V)
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
     drawn.clamp_(max=probs.shape[1] - 1)
     if all(g is not None for g in generators):
