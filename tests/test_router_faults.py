@@ -307,3 +307,29 @@ def test_a_cut_streams_last_event_is_in_its_routes_shape():
     assert ev == "error" and json.loads(data)["type"] == "error" and json.loads(data)["code"] == "replica_failed"
     (ev, data), = parse(stream_error("/v1/engine/stream", "gone"))
     assert ev == "error" and json.loads(data) == {"message": "gone"}
+
+
+def test_a_prefill_instance_that_cannot_push_is_logged_once(caplog):  # type: ignore[no-untyped-def]
+    """A prefill instance whose --kv-peer list lacks the decode replica answers 403: the request still
+    decodes (the decode replica computes the prompt), and the router says why, once (it was silent:
+    only a counter showed that every request fell back)."""
+    import logging
+    pre = FastAPI()
+
+    @pre.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @pre.post("/v1/completions")
+    async def refuse() -> JSONResponse:
+        return JSONResponse({"error": {"message": "x-lmserve-kv-push: not one of this instance's --kv-peer URLs"}},
+                            403)
+    with serving(pre) as (pre_url, _), serving(replica("decode")) as (dec, _):
+        app = router_app.build_router_app(Router([Replica(dec)], "least-load"), 0.1,
+                                          prefill=Router([Replica(pre_url)], "least-load"))
+        with serving(app) as (url, _), caplog.at_level(logging.WARNING, logger="lmserve.router"):
+            time.sleep(0.3)
+            got = [httpx.post(url + "/v1/completions", json={"prompt": "x"}) for _ in range(2)]
+            assert [r.json()["served_by"] for r in got] == ["decode", "decode"]
+        warnings = [r.getMessage() for r in caplog.records if "could not push KV" in r.getMessage()]
+        assert len(warnings) == 1 and "403" in warnings[0] and "--kv-peer" in warnings[0]

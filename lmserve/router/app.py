@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -56,6 +57,7 @@ NOT_FROM_CLIENTS = HOP | {PUSH_HEADER, "x-lmserve-kv-secret"}  # the instances' 
 NOT_TO_CLIENTS = (HOP - {"content-length"}) | {"date", "server"}  # uvicorn writes its own date and server
 SLOW = (httpx.ReadTimeout, httpx.WriteTimeout)  # a replica that answers slowly: not a replica that is down
 POOL_WAIT_S = 5.0  # a request waits this long for a free connection to its replica
+log = logging.getLogger("lmserve.router")
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 def _after(data: bytes, sep: bytes) -> int:
     """The index just after sep's last occurrence in data (0: none)."""
@@ -134,6 +136,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
     metrics = _Metrics(router, prefill)
     state: dict[str, Any] = {}
     everyone = router.replicas + (prefill.replicas if prefill is not None else [])
+    warned: set[tuple[str, int]] = set()  # (prefill instance, status) whose failed pushes were logged
 
     async def health_loop() -> None:
         while True:
@@ -219,6 +222,10 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                 *((k, v) for k, v in headers if k.lower() != "content-type"), ("content-type", "application/json"),
                 (PUSH_HEADER, decode.url)])
             ok = r.status_code == 200
+            if r.status_code in (403, 502) and (rep.url, r.status_code) not in warned:  # its --kv-peer / secret
+                warned.add((rep.url, r.status_code))
+                log.warning("prefill on %s could not push KV (%d: %s); the decode replicas compute prompts "
+                            "themselves", rep.url, r.status_code, r.text[:300])
         except (*SLOW, httpx.PoolTimeout):  # slow or busy, not down: the decode replica computes the prompt itself
             ok = False
         except httpx.TransportError:
