@@ -168,9 +168,10 @@ def run_data_parallel(a: argparse.Namespace, argv: list[str]) -> int:
             rc = 130
         return 1 if died else rc
     finally:
-        stop.set()
-        for p in procs:
-            p.terminate()
+        if not stop.is_set():  # (stop_replicas sent them SIGTERM already: a second one, landing while a
+            stop.set()  # replica's uvicorn had given its handlers back, raised SystemExit mid-exit: a traceback)
+            for p in procs:
+                p.terminate()
         for p in procs:
             try:
                 p.wait(30)
