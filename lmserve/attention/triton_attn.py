@@ -171,6 +171,36 @@ def _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row_ptr, j, end_page, lo_k
     return k, v, k_pos, kv_ok
 
 
+@triton.jit
+def _decode_pages(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row_ptr, p_start, p_end, lo_key, ctx, kvh, scale,
+                  stride_cs, stride_ch, stride_ss, dd, d_ok, G_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BS: tl.constexpr, PAGES: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                  NGROUPS: tl.constexpr):
+    """One query (G_P2 heads, q (G_P2, BLOCK_D) float32) over pages [p_start, p_end) of one sequence, PAGES
+    pages an iteration, online softmax in float32: (out (G_P2, BLOCK_D), lse (G_P2,)); no keys: zeros and
+    -inf. The decode kernel's split and the batch-invariant kernel's (triton_invariant.py) both."""
+    m_i = tl.full([G_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_P2], tl.float32)
+    acc = tl.zeros([G_P2, BLOCK_D], tl.float32)
+    for j in range(p_start, p_end, PAGES):  # PAGES pages per iteration
+        k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row_ptr, j, p_end, lo_key, ctx, kvh,
+                                            stride_cs, stride_ch, stride_ss, dd, d_ok, BS, PAGES, QUANT, GROUP,
+                                            NGROUPS)
+        k, v = k.to(tl.float32), v.to(tl.float32)  # (T, BLOCK_D) each
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, T)
+        s = tl.where(kv_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+    return out, lse
+
+
 @triton.jit(do_not_specialize=["qsl_ptr", "sl_ptr", "work_seq_ptr", "work_q_ptr", "stride_btb"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, o_ptr, bt_ptr, qsl_ptr, sl_ptr, work_seq_ptr, work_q_ptr,
                     scale, window,
@@ -271,25 +301,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, op_ptr, lse_ptr, bt_pt
     pages_per_split = (n_pages - lo_page + num_splits - 1) // num_splits
     p_start = lo_page + split * pages_per_split
     p_end = tl.minimum(p_start + pages_per_split, n_pages)
-    m_i = tl.full([G_P2], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_P2], tl.float32)
-    acc = tl.zeros([G_P2, BLOCK_D], tl.float32)
-    for j in range(p_start, p_end, PAGES):  # PAGES pages per iteration
-        k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_btb, j, p_end,
-                                            lo_key, ctx, kvh, stride_cs, stride_ch, stride_ss, dd, d_ok, BS, PAGES,
-                                            QUANT, GROUP, NGROUPS)
-        k, v = k.to(tl.float32), v.to(tl.float32)  # (T, BLOCK_D) each
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, T)
-        s = tl.where(kv_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
-        m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+    out, lse = _decode_pages(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr + seq * stride_btb, p_start, p_end, lo_key, ctx,
+                             kvh, scale, stride_cs, stride_ch, stride_ss, dd, d_ok, G_P2, BLOCK_D, BS, PAGES, QUANT,
+                             GROUP, NGROUPS)
     tl.store(op_ptr + b * stride_ob + head[:, None] * stride_oh + split * stride_os + dd[None, :], out,
              mask=h_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=h_ok)

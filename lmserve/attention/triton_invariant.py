@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from lmserve.attention.backend import AttentionMetadata
-from lmserve.attention.triton_attn import _load_kv_pages, store_step
+from lmserve.attention.triton_attn import _decode_pages, store_step
 from lmserve.kv.cache import QuantizedKV
 
 # Triton keys a compiled variant on each integer argument's divisibility by 16 and each pointer's
@@ -63,25 +63,9 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, op_ptr, lse_ptr, bt_ptr
         d_ok = dd < D
         q = tl.load(q_ptr + t * stride_qn + head[:, None] * stride_qh + dd[None, :],
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (G_P2, BLOCK_D)
-        m_i = tl.full([G_P2], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_P2], tl.float32)
-        acc = tl.zeros([G_P2, BLOCK_D], tl.float32)
-        for j in range(p_start, p_end, PAGES):
-            k, v, k_pos, kv_ok = _load_kv_pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, j, p_end, lo_key, ctx, kvh,
-                                                stride_cs, stride_ch, stride_ss, dd, d_ok, BS, PAGES,
-                                                QUANT, GROUP, NGROUPS)
-            k, v = k.to(tl.float32), v.to(tl.float32)  # (T, BLOCK_D) each
-            s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G_P2, T)
-            s = tl.where(kv_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
-            m_i = m_new
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # (every split in range holds a key: l_i > 0)
-        lse = m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))
+        out, lse = _decode_pages(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, p_start, p_end, lo_key, ctx, kvh, scale,
+                                 stride_cs, stride_ch, stride_ss, dd, d_ok, G_P2, BLOCK_D, BS, PAGES, QUANT, GROUP,
+                                 NGROUPS)  # (every split in range holds a key: a finite lse)
         tl.store(op_ptr + r * stride_on + head[:, None] * stride_oh + split * stride_os + dd[None, :], out,
                  mask=h_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + r * stride_ln + head * stride_lh + split, lse, mask=h_ok)
