@@ -347,14 +347,7 @@ def part_kernels(p: Part, s: dict) -> None:
         dtypes = dtypes[:1]
     for name, dt, tol in dtypes:
         krows = check_kernels(s["device"], dt, **({"d": 32, "cases": [1, 2]} if s["small"] else {}))
-        errs = [r[k] for r in krows for k in ("triton_err", "static_err") if k in r]
-        ok = sum(e < tol for e in errs) + sum(r["store_equal"] and r.get("static_store_equal", True)
-                                              and r.get("static_pad_zero", True) for r in krows)
-        p.put(**{f"kernels_{name}": krows})
-        p.row(f"attention kernels {name}: checks passed",
-              f"{ok} of {len(errs) + len(krows)} (max err {max(errs):.1e}, tol {tol:g})")
-        if ok != len(errs) + len(krows):
-            p.fail(f"kernels {name}")
+        kernel_rows(p, f"kernels {name}", f"attention kernels {name}", krows, tol)
     p.row("prefill tl.dot precision", "checks: ieee for fp32; fast path: bf16 inputs (exact products, fp32 "
                                       "accumulation); an fp32 model would use tf32")
     for name, dt, tol in dtypes:  # MLA's latent decode (DeepSeek), a padding row included
@@ -370,6 +363,18 @@ def part_kernels(p: Part, s: dict) -> None:
     p.row("Gumbel sampler: chi2 p vs softmax(l/T) / vs T=1", f"{pval:.3f} / {power:.1e}")
     if pval < 1e-3 or power > 1e-3:
         p.fail("gumbel sampler")
+
+
+def kernel_rows(p: Part, key: str, label: str, krows: list[dict], tol: float) -> None:
+    """check_kernels' rows as a part's result: every error within tol, every store and padding check true
+    (a failed check named `key`; the raw rows under it, spaces as underscores)."""
+    errs = [r[k] for r in krows for k in ("triton_err", "static_err") if k in r]
+    ok = sum(e < tol for e in errs) + sum(r["store_equal"] and r.get("static_store_equal", True)
+                                          and r.get("static_pad_zero", True) for r in krows)
+    p.put(**{key.replace(" ", "_"): krows})
+    p.row(f"{label}: checks passed", f"{ok} of {len(errs) + len(krows)} (max err {max(errs):.1e}, tol {tol:g})")
+    if ok != len(errs) + len(krows):
+        p.fail(key.replace("_", " "))
 
 
 def quant_kernel_checks(p: Part, s: dict, dtypes: list) -> None:
@@ -875,14 +880,7 @@ def part_deterministic(p: Part, s: dict) -> None:
     for name, dt, tol in dtypes:
         krows = check_kernels(dev, dt, backend=InvariantTritonAttention(), **({"d": 32, "cases": [1, 2]} if s["small"]
                                                                              else {}))
-        errs = [r[k] for r in krows for k in ("triton_err", "static_err") if k in r]
-        ok = sum(e < tol for e in errs) + sum(r["store_equal"] and r.get("static_store_equal", True)
-                                              and r.get("static_pad_zero", True) for r in krows)
-        p.put(**{f"invariant_kernels_{name}": krows})
-        p.row(f"invariant attention kernels {name}: checks passed",
-              f"{ok} of {len(errs) + len(krows)} (max err {max(errs):.1e}, tol {tol:g})")
-        if ok != len(errs) + len(krows):
-            p.fail(f"invariant kernels {name}")
+        kernel_rows(p, f"invariant_kernels {name}", f"invariant attention kernels {name}", krows, tol)
         if not s["small"]:  # several 32-key splits a token and several launches a step, against float64
             krows = check_kernels(dev, dt, backend=InvariantTritonAttention(split_keys=32, scratch_bytes=8000))
             errs = [r[k] for r in krows for k in ("triton_err", "static_err") if k in r]
