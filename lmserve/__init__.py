@@ -5,6 +5,7 @@ from lmserve.engine import Engine, EngineStats
 from lmserve.llm import LLM
 from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.sequence import SamplingParams, StructuredOutputsParams
+from lmserve.version import __version__
 
-__all__ = ["LLM", "Engine", "EngineConfig", "EngineStats", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "Engine", "EngineConfig", "EngineStats", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "__version__"]

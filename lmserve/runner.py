@@ -184,16 +184,26 @@ class ModelRunner:
                                     for i, tok in enumerate(tokens)]
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, n: int) -> None:
-        """Record logprobs of prompt tokens predicted from this chunk's positions. hidden: (n, hidden)."""
+        """Record logprobs of prompt tokens predicted from this chunk's positions, with each token's rank
+        and the top alternatives (one read back for the chunk). hidden: (n, hidden)."""
         c = seq.num_computed_tokens
         if not seq.prompt_logprobs:
             seq.prompt_logprobs.append(None)  # the first prompt token has no prediction
-        lp = self.model.compute_logits(hidden).log_softmax(dim=-1)  # (n, V)
-        for i in range(n):
-            target = c + i + 1  # position whose token is predicted from position c + i
-            if target >= seq.num_prompt_tokens or target < len(seq.prompt_logprobs):
-                continue
-            seq.prompt_logprobs.append(make_logprob(lp[i], seq.token_ids[target], seq.params.prompt_logprobs))
+        first = max(0, len(seq.prompt_logprobs) - 1 - c)  # the chunk's first row not yet recorded
+        last = min(n, seq.num_prompt_tokens - 1 - c)  # rows predicting a prompt token: [first, last)
+        if last <= first:
+            return
+        lp = self.model.compute_logits(hidden[first:last]).log_softmax(dim=-1)  # (R, V)
+        targets = to_device(torch.tensor(seq.token_ids[c + first + 1:c + last + 1]), lp.device)  # (R,)
+        chosen = lp.gather(1, targets.unsqueeze(1))  # (R, 1)
+        ranks = (lp > chosen).sum(dim=1) + 1  # (R,)
+        k = seq.params.prompt_logprobs
+        tops: list[dict[int, float]] = [{} for _ in range(last - first)]
+        if k:
+            vals, ids = lp.topk(k, dim=-1)  # (R, k) each
+            tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        for t, v, r, top in zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), tops):
+            seq.prompt_logprobs.append(Logprob(t, v, top, r))
 
     def score(self, seq: Sequence, block_manager: BlockManager, last_only: bool = False,
               decode_from: int | None = None) -> torch.Tensor:

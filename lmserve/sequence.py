@@ -251,11 +251,13 @@ class Status(enum.Enum):
 
 @dataclass
 class Logprob:
-    """A generated token's log-probability and the top alternatives at that position."""
+    """A token's log-probability and the top alternatives at that position; `rank` (1 = the most
+    likely) where it was computed (prompt logprobs: vLLM's field)."""
 
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int | None = None
 
 
 @dataclass

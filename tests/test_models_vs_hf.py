@@ -76,3 +76,33 @@ def greedy_matches_hf(path, hf, mode: str, n_new: int) -> None:  # type: ignore[
 def test_greedy_matches_hf_generate(tiny_models, family, mode):  # type: ignore[no-untyped-def]
     path, hf = tiny_models[family]
     greedy_matches_hf(path, hf, mode, n_new=24)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_prompt_logprobs_match_hf_float64(tiny_models, chunk):  # type: ignore[no-untyped-def]
+    """prompt_logprobs (each prompt token's logprob, its rank, the top k) against HF's logits in float64,
+    in one prefill and in 7-token chunks (the runner computes them a chunk at a time)."""
+    path, hf = tiny_models["llama"]
+    llm = LLM(str(path), kv_cache_memory="64MiB", **({"max_num_batched_tokens": chunk} if chunk else {}))
+    k = 3
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=k))
+    ref_model = hf.double()
+    try:
+        for prompt, out in zip(PROMPTS, outs):
+            with torch.no_grad():
+                ref = ref_model(torch.tensor([prompt])).logits[0].log_softmax(-1)  # (T, V) float64
+            lps = out.prompt_logprobs
+            assert lps is not None and len(lps) == len(prompt) and lps[0] is None
+            for i in range(1, len(prompt)):
+                lp, row, tid = lps[i], ref[i - 1], prompt[i]
+                assert lp.token_id == tid and abs(lp.logprob - row[tid].item()) < 1e-4
+                # the rank: 1 + the tokens more likely (within float32's rounding of a near tie either way)
+                assert int((row > row[tid] + 1e-4).sum()) + 1 <= lp.rank <= int((row > row[tid] - 1e-4).sum()) + 1
+                vals = row.topk(k).values  # (k,)
+                got = torch.tensor(list(lp.top.values()), dtype=torch.float64)  # (k,), most likely first
+                assert torch.allclose(got, vals, atol=1e-4)
+                assert all(abs(v - row[t].item()) < 1e-4 for t, v in lp.top.items())
+    finally:
+        hf.float()
+    assert llm.stats().used_blocks == 0

@@ -335,3 +335,26 @@ def test_a_prefill_instance_that_cannot_push_is_logged_once(caplog):  # type: ig
             assert [r.json()["served_by"] for r in got] == ["decode", "decode"]
         warnings = [r.getMessage() for r in caplog.records if "could not push KV" in r.getMessage()]
         assert len(warnings) == 1 and "403" in warnings[0] and "--kv-peer" in warnings[0]
+
+
+def test_the_front_answers_for_cors():
+    """With --allowed-origins the router answers a browser's preflight itself (its catch-all route has no
+    OPTIONS) and its CORS headers replace a replica's (two Access-Control-Allow-Origin values: a browser
+    refuses the answer)."""
+    from lmserve.server.cors import Cors
+    rep_app = replica("a")
+
+    @rep_app.post("/v1/cors")
+    async def cors_reply() -> JSONResponse:
+        return JSONResponse({"ok": True}, headers={"Access-Control-Allow-Origin": "*"})
+
+    with serving(rep_app) as (rep, _):
+        app = front(rep)
+        Cors(allowed_origins=("https://app.example",)).install(app)
+        with serving(app) as (url, _):
+            time.sleep(0.3)
+            origin = {"Origin": "https://app.example"}
+            pre = httpx.options(url + "/v1/cors", headers={**origin, "Access-Control-Request-Method": "POST"})
+            assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+            r = httpx.post(url + "/v1/cors", json={}, headers=origin)
+            assert r.status_code == 200 and r.headers.get_list("access-control-allow-origin") == ["https://app.example"]

@@ -264,6 +264,79 @@ def test_legacy_top_logprobs_hold_the_chosen_token(server):  # type: ignore[no-u
     assert zero["top_logprobs"] == [{t: v} for t, v in zip(zero["tokens"], zero["token_logprobs"])]
 
 
+def sse_events(server, path: str, body: dict) -> list[dict]:  # type: ignore[type-arg]
+    """The JSON events of a streamed response."""
+    with httpx.stream("POST", server["url"] + path, json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_prompt_logprobs(server):  # type: ignore[no-untyped-def]
+    """vLLM's prompt_logprobs: per prompt token (the first: null) its logprob, rank and text, and the
+    top k by token id, against the model's own log-softmax in float64; on chat beside the choices; with
+    echo and logprobs the echoed prompt keeps logprobs' number of alternatives; refused when streamed."""
+    ids = [504, 7042, 314, 1345, 6777, 28]
+    tok = server["engine"].tokenizer
+    full = server["llm"].score(ids).double().log_softmax(-1)  # (T, V)
+    body = {"model": "smollm2-135m", "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3,
+            "echo": True, "logprobs": 1}
+    r = post(server, "/v1/completions", body).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for i in range(1, len(ids)):
+        row, tid, got = full[i - 1], ids[i], plp[i]
+        mine = got[str(tid)]
+        assert abs(mine["logprob"] - row[tid].item()) < 1e-3 and mine["decoded_token"] == tok.decode([tid])
+        assert int((row > row[tid] + 1e-3).sum()) + 1 <= mine["rank"] <= int((row > row[tid] - 1e-3).sum()) + 1
+        top = sorted((v for v in got.values() if v["rank"] <= 3), key=lambda v: v["rank"])
+        assert [v["rank"] for v in top] == [1, 2, 3] and len(got) == (3 if mine["rank"] <= 3 else 4)
+        ref = row.topk(3).values  # (3,)
+        assert all(abs(v["logprob"] - ref[v["rank"] - 1].item()) < 1e-3 for v in top)
+        assert all(abs(v["logprob"] - row[int(k)].item()) < 1e-3 for k, v in got.items())
+    echo_tops = r["choices"][0]["logprobs"]["top_logprobs"]
+    assert echo_tops[0] is None and all(1 <= len(t) <= 2 for t in echo_tops[1:])  # logprobs 1 (+ the chosen)
+    c = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                              "prompt_logprobs": 0}).json()
+    assert len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"] and c["prompt_logprobs"][0] is None
+    assert all(len(row) == 1 for row in c["prompt_logprobs"][1:])  # k = 0: the prompt's token alone
+    for bad in ({**body, "stream": True}, {**body, "prompt_logprobs": -1}, {**body, "prompt_logprobs": 21}):
+        e = post(server, "/v1/completions", bad)
+        assert e.status_code == 400 and e.json()["error"]["param"] == "prompt_logprobs", e.text
+    assert_idle(server)
+
+
+def test_return_token_ids(server):  # type: ignore[no-untyped-def]
+    """vLLM's return_token_ids: the prompt's ids and each choice's generated ids, whole and streamed (a
+    stream's token_ids add up to the response's, held-back text included: a stop string holds text)."""
+    tok = server["engine"].tokenizer
+    body = {"model": "smollm2-135m", "prompt": "Count: 1, 2, 3,", "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True, "stop": [" 6"]}
+    r = post(server, "/v1/completions", body).json()["choices"][0]
+    assert r["prompt_token_ids"] == tok.encode("Count: 1, 2, 3,") and r["finish_reason"] == "stop"
+    assert tok.decode(r["token_ids"]).startswith(r["text"]) and len(r["token_ids"]) >= 2
+    # (streamed: a stream's ids are its own text's; its greedy tokens may differ from the first request's,
+    # whose prompt it finds in the prefix cache: the default quantized path rounds by chunking)
+    events = sse_events(server, "/v1/completions", {**body, "stream": True})
+    assert events[0]["choices"][0]["prompt_token_ids"] == r["prompt_token_ids"]
+    streamed = [t for e in events for c in e["choices"] for t in c["token_ids"]]
+    assert tok.decode(streamed).startswith("".join(c["text"] for e in events for c in e["choices"]))
+    assert len(streamed) >= 2 and events[-1]["choices"][0]["finish_reason"] == "stop"
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    chat = {"messages": msgs, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+    whole = post(server, "/v1/chat/completions", chat).json()
+    ids = whole["choices"][0]["token_ids"]
+    assert len(whole["prompt_token_ids"]) == whole["usage"]["prompt_tokens"] and len(ids) == 10
+    assert tok.decode(ids, skip_special_tokens=True) == whole["choices"][0]["message"]["content"]
+    events = sse_events(server, "/v1/chat/completions", {**chat, "stream": True})
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert len(streamed) == 10 and tok.decode(streamed, skip_special_tokens=True) == "".join(
+        c["delta"].get("content", "") for e in events for c in e["choices"])
+    plain = post(server, "/v1/completions", {k: v for k, v in body.items() if k != "return_token_ids"}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_logprobs" not in plain["choices"][0]
+
+
 def test_stop_and_token_id_prompts(client):  # type: ignore[no-untyped-def]
     free = client.completions.create(model="smollm2-135m", prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0)
     words = free.choices[0].text.split(",")
@@ -284,6 +357,65 @@ def test_tokenize_detokenize_models_health(server):  # type: ignore[no-untyped-d
     m = httpx.get(server["url"] + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert m["data"][0]["id"] == "smollm2-135m"
     assert httpx.get(server["url"] + "/health").status_code == 200  # open without a key
+
+
+def test_ping_and_version_are_open(server):  # type: ignore[no-untyped-def]
+    """vLLM's /ping (GET and POST: SageMaker's probe) answers as /health does; /version names ours."""
+    import pathlib
+    import tomllib
+
+    import lmserve
+    with open(pathlib.Path(__file__).parent.parent / "pyproject.toml", "rb") as f:
+        assert lmserve.__version__ == tomllib.load(f)["project"]["version"]
+    assert httpx.get(server["url"] + "/ping").status_code == 200
+    assert httpx.post(server["url"] + "/ping").status_code == 200
+    assert httpx.get(server["url"] + "/version").json() == {"version": lmserve.__version__}
+    assert "/ping" in httpx.get(server["url"] + "/openapi.json").json()["paths"]
+
+
+def test_cors_only_for_the_origins_named(server):  # type: ignore[no-untyped-def]
+    """No CORS headers by default; with allowed origins, a browser's preflight to a /v1 route is answered
+    (before the API key's 401, which a preflight cannot carry) and the answers name the origin, an error
+    included; another origin gets none."""
+    from lmserve.server.app import build_app
+    from lmserve.server.cors import Cors
+    origin = {"Origin": "https://app.example"}
+    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers=origin)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    app = build_app(server["ae"], "smollm2-135m", api_key=KEY, manage_engine=False,
+                    cors=Cors(allowed_origins=("https://app.example",)))
+    with serving(app) as (url, _):
+        pre = httpx.options(url + "/v1/chat/completions", headers={
+            **origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                        headers={**origin, "Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        denied = httpx.post(url + "/v1/completions", json={"prompt": "Hi"}, headers=origin)
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                           headers={"Origin": "https://evil.example", "Authorization": f"Bearer {KEY}"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_cors_flags():  # type: ignore[no-untyped-def]
+    """--allowed-origins repeated or as vLLM's JSON list; a bad list names its flag; the replicas of
+    --data-parallel get no CORS flags (the front answers for CORS), --allow-credentials takes no value."""
+    import argparse
+
+    from lmserve.router.cli import replica_argv
+    from lmserve.server.cors import add_cors_args, cors_from_args
+    p = argparse.ArgumentParser()
+    add_cors_args(p)
+    c = cors_from_args(p.parse_args(["--allowed-origins", '["https://a.example", "https://b.example"]',
+                                     "--allowed-origins", "https://c.example", "--allow-credentials"]))
+    assert c.allowed_origins == ("https://a.example", "https://b.example", "https://c.example")
+    assert c.allow_credentials and c.allowed_methods == ("*",)
+    with pytest.raises(ValueError, match="allowed_origins"):
+        cors_from_args(p.parse_args(["--allowed-origins", '["https://a.example", 3]']))
+    assert replica_argv(["--allowed-origins", "*", "--allow-credentials", "--model", "m",
+                         "--allowed-headers=x"]) == ["--model", "m"]
 
 
 # ---------------------------------------------------------------- auth

@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from lmserve.router.policy import POLICIES
+from lmserve.server.cors import FLAGS as CORS_FLAGS, add_cors_args, cors_from_args
 from lmserve.utils import above, at_least
 
 
@@ -40,6 +41,7 @@ ROUTER_DEFAULTS = {"policy": "prefix", "balance": 4, "health_interval": 1.0, "up
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
+    add_cors_args(p)  # (the front's: replicas behind a router run without CORS)
     p.add_argument("--policy", default=ROUTER_DEFAULTS["policy"], choices=POLICIES,
                    help="prefix: the replica that saw the longest prefix of this prompt, unless busier than the "
                         "least-loaded one by more than --balance; least-load; round-robin (default prefix)")
@@ -76,6 +78,7 @@ def serve_router(replicas: list[str], a: argparse.Namespace, prefill: list[str] 
     pre = Router([Replica(check_url(u, "--prefill")) for u in prefill], "least-load") if prefill else None
     app = build_router_app(router, a.health_interval, a.max_body_bytes, a.upstream_timeout or None, pre,
                            a.max_connections)
+    cors_from_args(a).install(app)
     print(f"lmserve router: {a.policy} over {', '.join(replicas)}"
           + (f", prefill on {', '.join(prefill)}" if prefill else "") + f" on http://{a.host}:{a.port}", flush=True)
 
@@ -105,10 +108,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+VALUELESS = {"--allow-credentials"}  # front flags that take no value
+
+
 def replica_argv(argv: list[str]) -> list[str]:
     """`serve`'s command line without the flags that belong to the front (--data-parallel, --host, --port,
     the router's own)."""
-    drop = {"--data-parallel", "--host", "--port", *("--" + k.replace("_", "-") for k in ROUTER_DEFAULTS)}
+    drop = {"--data-parallel", "--host", "--port", *("--" + k.replace("_", "-") for k in (*ROUTER_DEFAULTS, *CORS_FLAGS))}
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -116,7 +122,7 @@ def replica_argv(argv: list[str]) -> list[str]:
             continue
         name = arg.split("=", 1)[0]
         if name in drop:
-            skip = "=" not in arg
+            skip = "=" not in arg and name not in VALUELESS
             continue
         out.append(arg)
     return out

@@ -18,15 +18,16 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request as EngineRequest
-from lmserve.server import anthropic_api, disagg, responses_api
+from lmserve.server import anthropic_api, disagg, ops, responses_api
 from lmserve.server import openapi as oa
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from lmserve.server.cors import Cors
 from lmserve.server.errors import ApiError, invalid_request
 from lmserve.server.gate import Gate
 from lmserve.server.limits import ServerLimits
@@ -298,9 +299,9 @@ class OpenAIServer:
         """POST /v1/chat/completions: the conversation through the chat template, one engine request."""
         body = await self.parse(request, ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        _, req = await self.prepare_chat(body.messages, body.add_generation_prompt, body.template_kwargs(), body)
-        return await self.respond(request, body, [(rid, req)],
-                                  ChatFormatter(rid, self.served_model, self.ae.tokenizer, body, self.tool_parser))
+        ids, req = await self.prepare_chat(body.messages, body.add_generation_prompt, body.template_kwargs(), body)
+        return await self.respond(request, body, [(rid, req)], ChatFormatter(
+            rid, self.served_model, self.ae.tokenizer, body, self.tool_parser, ids))
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or messages through the chat template, as token ids."""
@@ -331,9 +332,11 @@ class OpenAIServer:
 
 def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, max_body_bytes: int | None = None,
               request_timeout: float | None = None, manage_engine: bool = True,
-              tool_call_parser: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, limits: ServerLimits | None = None,
+              cors: Cors | None = None) -> FastAPI:
     """The ASGI app. With manage_engine, the app starts the engine loop on startup and stops it on
-    shutdown. limits: the bounds on requests (max_body_bytes, when given, replaces theirs)."""
+    shutdown. limits: the bounds on requests (max_body_bytes, when given, replaces theirs); cors: which
+    other origins' pages may use it (none by default)."""
     limits = limits or ServerLimits()
     if max_body_bytes is not None:
         limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
@@ -355,6 +358,7 @@ def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, ma
         return anthropic_api.error_response(e) if anthropic_api.is_route(request.url.path) else e.response()
 
     app.add_middleware(Gate, limits=limits, api_key=srv.api_key, error=error)  # header limits, the API key
+    (cors or Cors()).install(app)  # outside the gate: a CORS preflight carries no key
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> Response:
@@ -382,19 +386,6 @@ def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, ma
     bodies = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
     bodies += responses_api.register(app, srv)  # POST /v1/responses
     bodies += anthropic_api.register(app, srv)  # POST /v1/messages, /v1/messages/count_tokens
-    text = {"content": {"text/plain": {"schema": {"type": "string"}}}}
-
-    @app.get("/health", response_class=PlainTextResponse,
-             responses={200: {"description": "ok", **text}, **oa.errors(statuses=(503,))})
-    async def health() -> Response:
-        if ae.alive:
-            return PlainTextResponse("ok")
-        return ApiError(503, "the engine loop is not running", type_="server_error").response()
-
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus metrics", **text}})
-    async def metrics() -> Response:
-        return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
+    ops.register(app, ae, srv.metrics)  # /health, /ping, /version, /metrics
     oa.document(app, bodies, limits.bounds(), served_model)
     return app

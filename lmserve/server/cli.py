@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.server.cors import cors_from_args
 from lmserve.utils import above, at_least, given_flags
 
 
@@ -62,6 +63,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"{idle[0]}: a router flag; it needs --data-parallel > 1")
     if a.kv_peer and a.role != "prefill":
         raise ValueError("kv_peer: only a prefill instance (--role prefill) pushes KV to peers")
+    cors = cors_from_args(a)  # (a bad list is said before the model loads)
     import uvicorn
 
     from lmserve.config import EngineConfig
@@ -80,7 +82,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         engine.model.on_lost = ae.die
     limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)})
     app = build_app(ae, a.served_model_name or a.model, a.api_key, request_timeout=a.request_timeout,
-                    tool_call_parser=a.tool_call_parser, limits=limits)
+                    tool_call_parser=a.tool_call_parser, limits=limits, cors=cors)
     disagg.register(app, app.state.server, a.role, tuple(a.kv_peer), a.kv_secret, engine)
     if a.web_ui:
         from lmserve.server import web

@@ -14,6 +14,7 @@ from typing import Any
 
 from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.sequence import Logprob
+from lmserve.server import logprob_json as lj
 from lmserve.server.errors import ApiError
 from lmserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from lmserve.server.tool_parsers import (ContentDelta, Delta, HermesToolParser, ToolCall, ToolCallDelta, ToolCallStream,
@@ -45,11 +46,6 @@ def usage(outs: list[RequestOutput], drop_generated: bool = False) -> dict[str, 
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def new_logprobs(c: CompletionOutput) -> list[Logprob]:
-    """The logprobs of the tokens this stream step added."""
-    return list((c.logprobs or [])[-len(c.delta_token_ids):]) if c.delta_token_ids else []
-
-
 class Formatter:
     """One response: its envelope, and how the engine's outputs become its choices."""
 
@@ -59,10 +55,24 @@ class Formatter:
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None) -> None:
         self.rid, self.model, self.tok = rid, model, tokenizer
         self.created = int(time.time())
+        self.held_ids: dict[Any, list[int]] = {}  # return_token_ids, per choice: ids not yet sent
+
+    def hold_ids(self, key: Any, ids: list[int]) -> None:
+        """return_token_ids while streaming: a step's token ids wait for the next chunk of their choice
+        (a step whose text is held back sends none)."""
+        if ids:
+            self.held_ids.setdefault(key, []).extend(ids)
+
+    def take_ids(self, key: Any) -> dict[str, Any]:
+        """The held token ids of a choice as its chunk's `token_ids` field."""
+        return {"token_ids": self.held_ids.pop(key, [])}
 
     def piece(self, tid: int) -> str:
         """A token's text as logprobs show it."""
-        return self.tok.decode([tid], skip_special_tokens=False) if self.tok else str(tid)
+        return lj.piece(self.tok, tid)
+
+    def prompt_logprobs(self, out: RequestOutput, k: int) -> list[dict[str, dict[str, Any]] | None]:
+        return lj.prompt_logprobs(self.tok, out.prompt_logprobs, k)
 
     def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         """The whole response, once every request finished (outs in job order)."""
@@ -122,6 +132,7 @@ class CompletionFormatter(Formatter):
         self.echoed: set[tuple[int, int]] = set()  # (job, choice) whose prompt the stream has sent
         self.offset: dict[tuple[int, int], int] = {}  # (job, choice): the stream's next text_offset
         self.prompts_seen: dict[int, RequestOutput] = {}  # job -> an output of it (its prompt's logprobs)
+        self.ids_started: set[tuple[int, int]] = set()  # (job, choice) sent its prompt_token_ids
 
     def prompt_text(self, i: int) -> str:
         """Job i's prompt as text (echo)."""
@@ -129,21 +140,7 @@ class CompletionFormatter(Formatter):
         return p if isinstance(p, str) else (self.tok.decode(p, skip_special_tokens=False) if self.tok else "")
 
     def logprobs(self, ids: list[int], lps: list[Logprob | None], off: int = 0) -> dict[str, Any]:
-        """Legacy completions logprobs: tokens, their logprobs, top alternatives, text offsets (from off).
-        Each top_logprobs entry holds the chosen token too (OpenAI: up to logprobs + 1 entries; with
-        logprobs 0, the chosen token alone), as vLLM gives it."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, lp in zip(ids, lps):
-            piece = self.piece(tid)
-            tokens.append(piece)
-            offsets.append(off)
-            off += len(piece)
-            token_lps.append(None if lp is None else lp.logprob)
-            top = None if lp is None else {self.piece(t): v for t, v in lp.top.items()}
-            if top is not None:
-                top.setdefault(piece, lp.logprob)
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return lj.legacy(self.tok, ids, lps, self.body.logprobs or 0, off)
 
     def usage(self, outs: list[RequestOutput]) -> dict[str, int]:
         return usage(outs, drop_generated=self.body.echo_only)  # scoring: the throw-away token is no output
@@ -158,8 +155,13 @@ class CompletionFormatter(Formatter):
             text = self.prompt_text(i) + text
         elif body.logprobs is not None:
             lp_obj = self.logprobs(ids, lps)
-        return {"index": i * body.n + c.index, "text": text, "logprobs": lp_obj,
-                "finish_reason": "length" if body.echo_only else c.finish_reason, "stop_reason": c.stop_reason}
+        choice = {"index": i * body.n + c.index, "text": text, "logprobs": lp_obj,
+                  "finish_reason": "length" if body.echo_only else c.finish_reason, "stop_reason": c.stop_reason}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(out, body.prompt_logprobs)
+        if body.return_token_ids:
+            choice.update(token_ids=ids, prompt_token_ids=out.prompt_token_ids)
+        return choice
 
     def seen(self, i: int, out: RequestOutput) -> None:
         self.prompts_seen[i] = out
@@ -167,7 +169,9 @@ class CompletionFormatter(Formatter):
     def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
         key, body = (i, c.index), self.body
         text = "" if body.echo_only else c.delta_text  # scoring streams the prompt alone, as its response has it
-        ids, lps = ([], []) if body.echo_only else (c.delta_token_ids, new_logprobs(c))
+        ids, lps = ([], []) if body.echo_only else (c.delta_token_ids, lj.new_logprobs(c))
+        if body.return_token_ids:
+            self.hold_ids(key, ids)
         if body.echo and key not in self.echoed and (c.token_ids or c.finished):  # the prompt first (once it
             # is computed: its logprobs whole), with its logprobs, as the response has it
             self.echoed.add(key)
@@ -182,9 +186,15 @@ class CompletionFormatter(Formatter):
             self.offset[key] = start + sum(map(len, lp_obj["tokens"]))
         if not text and not c.finished and lp_obj is None:
             return None
-        return {"index": i * body.n + c.index, "text": text, "logprobs": lp_obj,
-                "finish_reason": ("length" if body.echo_only else c.finish_reason) if c.finished else None,
-                "stop_reason": c.stop_reason if c.finished else None}
+        choice = {"index": i * body.n + c.index, "text": text, "logprobs": lp_obj,
+                  "finish_reason": ("length" if body.echo_only else c.finish_reason) if c.finished else None,
+                  "stop_reason": c.stop_reason if c.finished else None}
+        if body.return_token_ids:
+            choice.update(self.take_ids(key))
+            if key not in self.ids_started and i in self.prompts_seen:  # the prompt's ids on a choice's first chunk
+                self.ids_started.add(key)
+                choice["prompt_token_ids"] = self.prompts_seen[i].prompt_token_ids
+        return choice
 
 
 class ChatFormatter(Formatter):
@@ -199,9 +209,10 @@ class ChatFormatter(Formatter):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: ChatCompletionRequest,
-                 tool_parser: type[ToolParser] = HermesToolParser) -> None:
+                 tool_parser: type[ToolParser] = HermesToolParser, prompt_ids: list[int] | None = None) -> None:
         super().__init__(rid, model, tokenizer)
         self.body = body
+        self.prompt_ids = prompt_ids  # return_token_ids: the stream's first chunk carries them
         self.parser = tool_parser
         self.rng = random.Random()  # tool-call ids
         self.streams: dict[int, ToolCallStream] = {}  # auto mode, per choice
@@ -244,34 +255,41 @@ class ChatFormatter(Formatter):
         return "tool_calls" if called and not named and c.finish_reason == "stop" else c.finish_reason
 
     def logprobs(self, ids: list[int], lps: list[Logprob]) -> dict[str, Any]:
-        """Chat logprobs: each token with its bytes and top alternatives."""
-        def raw(t: int) -> list[int]:  # the token's own bytes (part of a character: not U+FFFD's)
-            return list(self.tok.token_bytes(t) if self.tok else self.piece(t).encode("utf-8"))
-
-        content = []
-        for tid, lp in zip(ids, lps):
-            content.append({"token": self.piece(tid), "logprob": lp.logprob, "bytes": raw(tid),
-                            "top_logprobs": [{"token": self.piece(t), "logprob": v, "bytes": raw(t)}
-                                             for t, v in lp.top.items()]})
-        return {"content": content}
+        return lj.chat(self.tok, ids, lps)
 
     def head(self) -> list[dict[str, Any]]:
-        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None} for i in range(self.body.n)])]
+        first = self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(self.body.n)])
+        if self.body.return_token_ids:
+            first["prompt_token_ids"] = self.prompt_ids
+        return [first]
+
+    def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        r = super().response(outs)
+        if self.body.prompt_logprobs is not None:  # vLLM's: beside the choices (a chat is one prompt)
+            r["prompt_logprobs"] = self.prompt_logprobs(outs[0], self.body.prompt_logprobs)
+        if self.body.return_token_ids:
+            r["prompt_token_ids"] = outs[0].prompt_token_ids
+        return r
 
     def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         content, calls = self.calls(c.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.openai() for call in calls]
-        return {"index": c.index, "message": message,
-                "logprobs": self.logprobs(c.token_ids, c.logprobs or []) if self.body.logprobs else None,
-                "finish_reason": self.finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
+        choice = {"index": c.index, "message": message,
+                  "logprobs": self.logprobs(c.token_ids, c.logprobs or []) if self.body.logprobs else None,
+                  "finish_reason": self.finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
+        if self.body.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        return choice
 
     def deltas(self, i: int, c: CompletionOutput) -> list[dict[str, Any]]:
         if self.body.tool_mode == "none":
             return super().deltas(i, c)
         k = c.index
+        if self.body.return_token_ids:
+            self.hold_ids(k, c.delta_token_ids)
         found: list[Delta] = []
         if self.body.tool_mode == "auto":
             stream = self.streams.setdefault(k, self.parser(self.rng).streaming())
@@ -298,12 +316,14 @@ class ChatFormatter(Formatter):
         if self.body.logprobs and c.delta_token_ids:  # held until a chunk goes out (text may be held back)
             ids, lps = self.held.setdefault(k, ([], []))
             ids += c.delta_token_ids
-            lps += new_logprobs(c)
+            lps += lj.new_logprobs(c)
         if c.finished and not merged:
             merged.append({})
         lp = self.logprobs(*self.held.pop(k)) if merged and k in self.held else None
         out = [{"index": k, "delta": d, "logprobs": lp if j == 0 else None, "finish_reason": None,
                 "stop_reason": None} for j, d in enumerate(merged)]
+        if self.body.return_token_ids and out:
+            out[0].update(self.take_ids(k))
         if c.finished:
             out[-1]["finish_reason"] = self.finish_reason(c, k in self.called)
             out[-1]["stop_reason"] = c.stop_reason
@@ -311,17 +331,22 @@ class ChatFormatter(Formatter):
 
     def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
         k = c.index
+        if self.body.return_token_ids:
+            self.hold_ids(k, c.delta_token_ids)
         if self.body.logprobs and c.delta_token_ids:  # held until a chunk goes out (text may be held back)
             ids, lps = self.held.setdefault(k, ([], []))
             ids += c.delta_token_ids
-            lps += new_logprobs(c)
+            lps += lj.new_logprobs(c)
         if not c.delta_text and not c.finished:
             return None
         held = self.held.pop(k, None)
         lp = self.logprobs(*held) if held else None
-        return {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {}, "logprobs": lp,
-                "finish_reason": c.finish_reason if c.finished else None,
-                "stop_reason": c.stop_reason if c.finished else None}
+        choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {}, "logprobs": lp,
+                  "finish_reason": c.finish_reason if c.finished else None,
+                  "stop_reason": c.stop_reason if c.finished else None}
+        if self.body.return_token_ids:
+            choice.update(self.take_ids(k))
+        return choice
 
 
 async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOutput | BaseException]],

@@ -71,6 +71,9 @@ class CompletionChoice(_Out):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # with prompt_logprobs
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(_Out):
@@ -94,6 +97,7 @@ class ChatChoice(_Out):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(_Out):
@@ -103,6 +107,8 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # with prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ModelCard(_Out):
@@ -126,6 +132,10 @@ class TokenizeResponse(_Out):
 
 class DetokenizeResponse(_Out):
     prompt: str
+
+
+class Version(_Out):
+    version: str
 
 
 class ResponseObject(_Out):

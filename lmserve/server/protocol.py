@@ -116,6 +116,8 @@ class SamplingRequest(BaseRequest):
     length_penalty: Float = 1.0
     early_stopping: StrictBool = False
     continuous_usage_stats: StrictBool = False
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, as vLLM returns them
+    return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids in the response
     # constrained decoding: OpenAI's response_format; vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -131,6 +133,8 @@ class SamplingRequest(BaseRequest):
             raise ValueError("use_beam_search: beam search results cannot be streamed")
         if self.stream and self.best_of and self.best_of > self.n:
             raise ValueError("best_of: cannot stream when best_of > n")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not available when stream is true")
 
     def usage_flags(self) -> tuple[bool, bool]:
         """(a final usage chunk, usage in every chunk) as stream_options / the vLLM extension ask."""
@@ -238,8 +242,10 @@ class CompletionRequest(SamplingRequest):
 
     def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         max_tokens = max_model_len - prompt_len if self.max_tokens is None else self.max_tokens
-        # echo-only scoring (max_tokens 0) runs one step and drops its token
-        return self._sampling_params(max(1, max_tokens), self.logprobs, self.logprobs if self.echo else None)
+        # echo-only scoring (max_tokens 0) runs one step and drops its token; the prompt's logprobs for
+        # echo and for prompt_logprobs are computed once, with the larger number of alternatives
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return self._sampling_params(max(1, max_tokens), self.logprobs, max(asked) if asked else None)
 
 
 class ContentPart(_Body):
@@ -360,7 +366,7 @@ class ChatCompletionRequest(SamplingRequest, TemplateArgs):
     def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or (max_model_len - prompt_len)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max(1, max_tokens), logprobs, None)
+        return self._sampling_params(max(1, max_tokens), logprobs, self.prompt_logprobs)
 
 
 class TokenizeRequest(TemplateArgs):
