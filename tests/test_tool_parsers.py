@@ -258,6 +258,35 @@ def test_llama3_holds_what_may_be_a_tag_or_call() -> None:
     assert s.feed("<|python") == [] and s.feed(" is a snake") == [ContentDelta("<|python is a snake")]
 
 
+def test_llama3_stream_decodes_a_held_call_once_its_braces_close(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A call of many nested objects streamed a token at a time: the held call is decoded once its
+    outer braces close, not again at every "}" (each decode read the whole call so far: quadratic in
+    its length; 400 objects took 400 decodes of up to 12 KB). Strings holding braces and escaped
+    quotes do not close it early."""
+    from lmserve.server import tool_parsers as tp
+    decodes = [0]
+    real = tp._DECODER
+
+    class Counting:
+        def raw_decode(self, text: str, idx: int = 0):  # type: ignore[no-untyped-def]
+            decodes[0] += 1
+            return real.raw_decode(text, idx)
+
+        def decode(self, text: str):  # type: ignore[no-untyped-def]
+            return real.decode(text)
+
+    monkeypatch.setattr(tp, "_DECODER", Counting())
+    args = {"items": [{"id": i, "note": 'a "}" and a \\"{'} for i in range(400)]}
+    text = json.dumps({"name": "f", "parameters": args})
+    s = llama3().streaming()
+    deltas = []
+    for k in range(0, len(text), 3):
+        deltas += s.feed(text[k:k + 3])
+    deltas += s.finish()
+    assert decodes[0] <= 2, decodes[0]
+    assert [json.loads(d.arguments) for d in deltas if getattr(d, "arguments", "")] == [args]
+
+
 # ---------------------------------------------------------------- any chunking: hypothesis
 
 TRICKY = 'ab Z"\\/{}[]:,;<>\n\té€😀\u2028'  # no tag can be spelled from these (no t, o, l, _, c)

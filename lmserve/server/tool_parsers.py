@@ -191,15 +191,43 @@ class _HermesScanner(_Scanner):
         return _as_call(obj) if not body[end:].strip() else None
 
 
+class _ObjectEnd:
+    """Where the JSON object opening at `start` of a growing text closes: its braces counted outside
+    strings, each character once across the deltas (decoding the held call again at each "}" was
+    quadratic in a call of many nested objects)."""
+
+    def __init__(self, start: int) -> None:
+        self.start, self.pos, self.depth, self.in_str, self.esc = start, start, 0, False, False
+        self.end: int | None = None  # just past the closing brace, once seen
+
+    def scan(self, text: str) -> int | None:
+        while self.end is None and self.pos < len(text):
+            ch = text[self.pos]
+            self.pos += 1
+            if self.in_str:
+                self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.end = self.pos
+        return self.end
+
+
 class _Llama3Scanner(_Scanner):
     def __init__(self) -> None:
         self.mode = "start"  # "start": nothing decided; "calls": after a call; "text": the rest is content
-        self.seen = 0  # of a held call, how much was decoded before (it can only end at a later "}")
+        self.held: _ObjectEnd | None = None  # the call held at the text's start: where it closes
+        self.bad = False  # the held call closed but is no call: content, known once the output is
         self.skip = 0  # how much of the held text is known to be skippable (whitespace, the tag, ";")
 
     def step(self, buf: str, final: bool) -> tuple[list[Found], int]:
         out: list[Found] = []
-        i, seen, self.seen = 0, self.seen, 0  # buf[:i] decided
+        i = 0  # buf[:i] decided
+        held, self.held, bad, self.bad = self.held, None, self.bad, False
         skip, self.skip = self.skip, 0  # (rescanning it from 0 each delta was quadratic in a run of whitespace)
         while self.mode != "text":
             p = _skip_ws(buf, max(i, skip))
@@ -214,21 +242,23 @@ class _Llama3Scanner(_Scanner):
                 return out, i
             if not buf.startswith("{", p):
                 break
-            if not final and i == 0 and "}" not in buf[seen:]:
-                self.seen = len(buf)
-                return out, i
+            if not final and i == 0:  # decoded once its braces close (or, malformed, once the output ends)
+                self.held = held if held is not None and held.start == p else _ObjectEnd(p)
+                self.bad = bad and self.held is held
+                if self.held.scan(buf) is None or self.bad:
+                    return out, i
             try:
                 obj, end = _DECODER.raw_decode(buf, p)
             except (ValueError, RecursionError):  # not complete yet, or malformed (known only once the output is)
                 if not final:
-                    self.seen = len(buf) - i
+                    self.bad = i == 0
                     return out, i
                 break
             call = _as_call(obj)
             if call is None:
                 break
             out.append(call)
-            self.mode, i = "calls", end
+            self.mode, i, self.held = "calls", end, None  # (the text is cut at i: a tracker is for the next call)
         self.mode = "text"
         out.append(buf[i:])
         return out, len(buf)
