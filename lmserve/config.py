@@ -251,6 +251,11 @@ class EngineConfig:
     spec_min_draft_prob: float = 0.0  # eagle: a chain ends before a draft whose top probability is below (0: off)
     # structured output: seconds a grammar (JSON schema, regex, EBNF) may take to compile; slower: a 400
     grammar_compile_timeout: float = 10.0
+    # sampling defaults for what a request leaves unset (generation_config.py, vLLM's flags): auto (the
+    # checkpoint's generation_config.json) | vllm (none: the library's own) | a folder holding one; the
+    # override's fields (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) go on top
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
     # batch-invariant outputs: a request's tokens and logprobs bit-identical whatever else runs beside it,
     # however its prompt is chunked, whatever the prefix cache holds (linears over fixed row blocks,
     # attention a token at a time: our C kernel on the CPU, attention/triton_invariant.py with triton)
@@ -303,6 +308,10 @@ class EngineConfig:
             raise ValueError("kv_cache_memory: give each tensor-parallel rank's KV budget (no memory profile yet)")
         if self.max_waiting_time is not None and not self.max_waiting_time > 0:
             raise ValueError(f"max_waiting_time must be > 0, got {self.max_waiting_time}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {self.override_generation_config!r}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -14,6 +14,7 @@ import torch
 
 from lmserve.config import DEFAULT_MODEL, EngineConfig
 from lmserve.engine import Engine, EngineStats
+from lmserve.generation_config import sampling_defaults
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import SamplingParams, Sequence
 
@@ -33,9 +34,16 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine option(s) {', '.join(map(repr, unknown))}; "
                             f"see EngineConfig for the options")
         self.engine = Engine(EngineConfig(model=model, **engine_options))
+        self._defaults = sampling_defaults(self.engine.config)  # the model's (generation_config.json)
         self._ids = itertools.count()
         self._lock = threading.Lock()  # held by the generate() / score() running (_alone)
         self._owner: int | None = None  # the thread holding it
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without SamplingParams: the model's recommended sampling
+        (its generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty and
+        max_new_tokens, as vLLM reads them; `generation_config="vllm"`: none), else SamplingParams()'s."""
+        return SamplingParams(**self._defaults)
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]
@@ -54,7 +62,7 @@ class LLM:
         prompts = prompt_list(prompts)
         if not prompts:
             return []
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        plist = params if isinstance(params, list) else [params or self.get_default_sampling_params()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and (len(priority) != len(prompts) or

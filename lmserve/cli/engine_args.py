@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from typing import Any
@@ -44,7 +45,23 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "spec_min_draft_prob": {"help": "eagle: stop a request's chain of drafts before the first whose distribution's "
                                     "top probability is below this (0: always k)"},
     "max_waiting_time": {"help": "seconds a request may wait for its first step before it is refused (503)"},
+    "generation_config": {"help": "sampling defaults for what a request leaves unset: auto (the model's "
+                                  "generation_config.json, as vLLM), vllm (none), or a folder holding one"},
+    "override_generation_config": {"type": lambda s: _json_object("override_generation_config", s),
+                                   "help": "JSON object of sampling defaults over --generation-config's, e.g. "
+                                           "'{\"temperature\": 0.5}' (fields: temperature, top_p, top_k, min_p, "
+                                           "repetition_penalty, max_new_tokens)"},
 }
+
+
+def _json_object(name: str, text: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{name}: not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"{name}: not a JSON object")
+    return obj
 
 
 def _parse_options(hint: Any) -> dict[str, Any]:
@@ -63,8 +80,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        g.add_argument("--" + f.name.replace("_", "-"), default=f.default, **_parse_options(hints[f.name]),
-                       **_OVERRIDES.get(f.name, {}))
+        g.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                       **(_parse_options(hints[f.name]) | _OVERRIDES.get(f.name, {})))
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lmserve.generation_config import sampling_defaults
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request as EngineRequest
 from lmserve.server import anthropic_api, disagg, ops, responses_api
@@ -41,6 +43,7 @@ from lmserve.tokenizer import Tokenizer
 
 Job = tuple[str, EngineRequest]  # (request id, the processed request)
 Body = TypeVar("Body", bound=BaseRequest)
+log = logging.getLogger("lmserve")
 
 
 class OpenAIServer:
@@ -57,6 +60,10 @@ class OpenAIServer:
         self.tool_parser = TOOL_PARSERS[name]
         self.served_model = served_model
         self.api_key = api_key
+        self.sampling_defaults = sampling_defaults(ae.config)  # the model's, for fields a body leaves unset
+        if self.sampling_defaults:
+            log.info("sampling defaults from the model's generation config (--generation-config vllm: none): %s",
+                     self.sampling_defaults)
         self.limits = limits or ServerLimits()
         self.max_body_bytes = self.limits.max_body_bytes
         self.request_timeout = request_timeout
@@ -135,7 +142,8 @@ class OpenAIServer:
             structured = body.structured()
             self.limits.check_constraint(structured.key() if structured is not None else None)
             ids = self.ae.tokenize(prompt, getattr(body, "add_special_tokens", True))  # (completions: vLLM's)
-            req = self.ae.process_request(ids, body.to_sampling_params(len(ids), self.ae.max_model_len))
+            req = self.ae.process_request(ids, body.to_sampling_params(len(ids), self.ae.max_model_len,
+                                                                         self.sampling_defaults))
             return dataclasses.replace(req, priority=body.priority) if body.priority else req
 
     async def prepare(self, prompt: str | list[int], body: SamplingRequest) -> EngineRequest:

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lmserve.config import EngineConfig
 from lmserve.engine import Engine, EngineStats
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request, SamplingParams
@@ -149,6 +150,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         """The most tokens (prompt + output) one sequence may hold."""
         return self._engine.max_model_len
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's options (frozen)."""
+        return self._engine.config
 
     @property
     def vocab_size(self) -> int:

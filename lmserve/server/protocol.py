@@ -38,6 +38,11 @@ def _number(v: Any) -> Any:
 
 
 Float = Annotated[float, BeforeValidator(_number)]  # a number field: an integer or a float, nothing else
+
+
+def _given(value: Any, defaults: dict[str, Any], name: str, fallback: Any) -> Any:
+    """A body's sampling field, else the model's default for it, else the library's."""
+    return value if value is not None else defaults.get(name, fallback)
 # the bounds on how large a request may be (n, stop strings, messages, ...) are the server's limits,
 # each a flag: server/limits.py
 
@@ -142,9 +147,11 @@ class SamplingRequest(BaseRequest):
         continuous = bool(opts and opts.continuous_usage_stats) or self.continuous_usage_stats
         return bool(opts and opts.include_usage), continuous
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def to_sampling_params(self, prompt_len: int, max_model_len: int, defaults: dict[str, Any] | None = None
+                           ) -> SamplingParams:
         """The engine's SamplingParams for a prompt of prompt_len tokens (the default max_tokens is the
-        rest of the context)."""
+        rest of the context); defaults: the model's sampling defaults for the fields left unset
+        (generation_config.py; their max_tokens caps the body's, as vLLM's does)."""
         raise NotImplementedError
 
     def structured(self) -> StructuredOutputsParams | None:
@@ -188,19 +195,22 @@ class SamplingRequest(BaseRequest):
                 found.append((name, StructuredOutputsParams(**{kind: getattr(self, name)})))
         return found
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
-                         ) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                         defaults: dict[str, Any] | None) -> SamplingParams:
         try:
             bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         except ValueError:
             raise ValueError("logit_bias: keys must be token ids") from None
+        d = defaults or {}
+        max_tokens = min(max_tokens, d.get("max_tokens", max_tokens))
         if self.min_tokens > max_tokens:  # max_tokens: the body's, or the room left in the context
             raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({max_tokens}, the body's or "
                              "the room left in the context)")
         return SamplingParams(
-            n=self.n, best_of=self.best_of, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k if self.top_k is not None else -1,
-            min_p=self.min_p or 0.0, repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            n=self.n, best_of=self.best_of, temperature=_given(self.temperature, d, "temperature", 1.0),
+            top_p=_given(self.top_p, d, "top_p", 1.0), top_k=_given(self.top_k, d, "top_k", -1),
+            min_p=_given(self.min_p, d, "min_p", 0.0),
+            repetition_penalty=_given(self.repetition_penalty, d, "repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
@@ -240,12 +250,13 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix: is not supported")
         super().check()
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def to_sampling_params(self, prompt_len: int, max_model_len: int, defaults: dict[str, Any] | None = None
+                           ) -> SamplingParams:
         max_tokens = max_model_len - prompt_len if self.max_tokens is None else self.max_tokens
         # echo-only scoring (max_tokens 0) runs one step and drops its token; the prompt's logprobs for
         # echo and for prompt_logprobs are computed once, with the larger number of alternatives
         asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
-        return self._sampling_params(max(1, max_tokens), self.logprobs, max(asked) if asked else None)
+        return self._sampling_params(max(1, max_tokens), self.logprobs, max(asked) if asked else None, defaults)
 
 
 class ContentPart(_Body):
@@ -363,10 +374,11 @@ class ChatCompletionRequest(SamplingRequest, TemplateArgs):
         return [("tools", StructuredOutputsParams(json=tools_json_schema(
             self.tools, self.tool_choice, self.parallel_tool_calls)))]  # type: ignore[arg-type]
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def to_sampling_params(self, prompt_len: int, max_model_len: int, defaults: dict[str, Any] | None = None
+                           ) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or (max_model_len - prompt_len)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max(1, max_tokens), logprobs, self.prompt_logprobs)
+        return self._sampling_params(max(1, max_tokens), logprobs, self.prompt_logprobs, defaults)
 
 
 class TokenizeRequest(TemplateArgs):

@@ -1,0 +1,87 @@
+"""The model's recommended sampling defaults (lmserve/generation_config.py, vLLM's --generation-config):
+read from the checkpoint's generation_config.json, applied to what a request leaves unset on the server
+and to LLM.generate without SamplingParams; 'vllm' turns them off; overrides go on top."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from lmserve import LLM, SamplingParams
+from lmserve.config import EngineConfig
+from lmserve.generation_config import sampling_defaults
+
+RECOMMENDED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 5}
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The tiny llama with a generation_config.json recommending sampling (and repeating two of
+    transformers' defaults, which set nothing)."""
+    path = tmp_path_factory.mktemp("gencfg") / "llama"
+    shutil.copytree(tiny_models["llama"][0], path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen |= RECOMMENDED | {"repetition_penalty": 1.0, "do_sample": True, "min_p": None}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path
+
+
+def test_defaults_read_like_vllm(folder, tiny_models):  # type: ignore[no-untyped-def]
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 5}
+    cfg = EngineConfig(model=str(folder))
+    assert sampling_defaults(cfg) == want
+    assert sampling_defaults(dataclasses.replace(cfg, generation_config="vllm")) == {}
+    assert sampling_defaults(dataclasses.replace(cfg, override_generation_config={"temperature": 0.2})) == \
+        {**want, "temperature": 0.2}
+    other = EngineConfig(model=str(tiny_models["qwen2"][0]))  # no sampling in its own file
+    assert sampling_defaults(other) == {}
+    assert sampling_defaults(dataclasses.replace(other, generation_config=str(folder))) == want
+    for bad, field in (({"temprature": 1}, "override_generation_config"), ({"top_p": 2.0}, "generation_config.top_p"),
+                       ({"top_k": "20"}, "generation_config.top_k")):
+        with pytest.raises(ValueError, match=field):
+            sampling_defaults(dataclasses.replace(cfg, override_generation_config=bad))
+    with pytest.raises(ValueError, match="generation_config"):
+        sampling_defaults(dataclasses.replace(cfg, generation_config=str(folder / "nowhere")))
+
+
+def test_llm_generate_without_params_uses_them(folder):  # type: ignore[no-untyped-def]
+    llm = LLM(str(folder), kv_cache_memory="64MiB")
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_p, d.top_k, d.max_tokens) == (0.6, 0.95, 20, 5)
+    outs = llm.generate([[5, 17, 33], [7, 8, 9, 10], [40, 41], [100, 3, 9]], use_tqdm=False)
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    assert max(lens) == 5, lens  # max_new_tokens (16, SamplingParams' own default, before)
+    given = llm.generate([[5, 17, 33]], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(given[0].outputs[0].token_ids) == 9  # SamplingParams given: used as they are
+    assert LLM(str(folder), kv_cache_memory="64MiB", generation_config="vllm").get_default_sampling_params() == \
+        SamplingParams()
+
+
+def test_the_server_fills_what_a_body_leaves_unset(folder):  # type: ignore[no-untyped-def]
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    from lmserve.server.protocol import ChatCompletionRequest, CompletionRequest
+    from tests.test_server import serving
+    llm = LLM(str(folder), kv_cache_memory="64MiB")
+    app = build_app(AsyncEngine(llm.engine), "tiny")
+    srv = app.state.server
+    p = srv.engine_request([5, 17, 33], CompletionRequest(prompt=[5, 17, 33])).params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.6, 0.95, 20, 0.0, 1.0, 5)
+    p = srv.engine_request([5, 17, 33], CompletionRequest(prompt=[5], temperature=1.0, top_k=-1, max_tokens=3)).params
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (1.0, -1, 0.95, 3)  # the body's, where it gave them
+    p = srv.engine_request([5, 17, 33], ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                                              max_tokens=50)).params
+    assert p.max_tokens == 5  # the model's max_new_tokens caps the body's, as vLLM's does
+    with serving(app) as (url, _):
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 12, "ignore_eos": True},
+                       timeout=60).json()
+        assert r["usage"]["completion_tokens"] == 5
+    off = build_app(AsyncEngine(LLM(str(folder), kv_cache_memory="64MiB", generation_config="vllm").engine), "tiny")
+    p = off.state.server.engine_request([5], CompletionRequest(prompt=[5])).params
+    assert (p.temperature, p.top_k, p.max_tokens) == (1.0, -1, 16)
