@@ -254,6 +254,9 @@ class EngineConfig:
     # sampling defaults for what a request leaves unset (generation_config.py, vLLM's flags): auto (the
     # checkpoint's generation_config.json) | vllm (none: the library's own) | a folder holding one; the
     # override's fields (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) go on top
+    # chats rendered with this template (a file, or the template itself) instead of the checkpoint's
+    # (vLLM's --chat-template; a request's own chat_template still needs the server's trust)
+    chat_template: str | None = None
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     # batch-invariant outputs: a request's tokens and logprobs bit-identical whatever else runs beside it,

@@ -62,7 +62,7 @@ class Engine:
             raise ValueError(f"max_model_len: {c.max_model_len} exceeds the model's context ({cfg.max_position_embeddings})")
         draft = None  # a draft model's weights are loaded before the memory profile, so it counts them
         if c.speculative_method == "draft":
-            dcfg, dmodel, _ = load_model(c.replace(model=c.draft_model or c.model), c.draft_num_layers)
+            dcfg, dmodel, _ = load_model(c.replace(model=c.draft_model or c.model, chat_template=None), c.draft_num_layers)
             draft = (dcfg, dmodel)
         self.kv_budget = c.kv_cache_memory if c.kv_cache_memory is not None else \
             profile_kv_budget(self.model, cfg, c, self.max_model_len)

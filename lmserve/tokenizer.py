@@ -54,6 +54,26 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with `source` instead of the checkpoint's template (vLLM's --chat-template: a
+        file, or the template itself); ValueError naming chat_template when it is neither, or does not
+        compile."""
+        import jinja2
+        path = Path(source)
+        try:
+            is_file = path.is_file()
+        except OSError:  # (a long inline template is no path)
+            is_file = False
+        if is_file:
+            source = path.read_text()
+        elif not any(c in source for c in "{}\n"):
+            raise ValueError(f"chat_template: {source!r} is neither a file nor a template")
+        try:
+            compiled = compile_template(source)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat_template: does not compile ({e})") from None
+        self.chat_template, self._template = source, compiled
+
     def request_ids(self, message: str) -> list[int]:
         """One user message as the model's prompt token ids: through the chat template when the
         tokenizer has one, else the text itself."""

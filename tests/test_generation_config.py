@@ -13,6 +13,7 @@ import pytest
 from lmserve import LLM, SamplingParams
 from lmserve.config import EngineConfig
 from lmserve.generation_config import sampling_defaults
+from tests.conftest import char_tokenizer_model
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 5}
 
@@ -85,3 +86,29 @@ def test_the_server_fills_what_a_body_leaves_unset(folder):  # type: ignore[no-u
     off = build_app(AsyncEngine(LLM(str(folder), kv_cache_memory="64MiB", generation_config="vllm").engine), "tiny")
     p = off.state.server.engine_request([5], CompletionRequest(prompt=[5])).params
     assert (p.temperature, p.top_k, p.max_tokens) == (1.0, -1, 16)
+
+
+def test_chat_template_flag(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """vLLM's --chat-template: a file or the template itself renders every chat (LLM.chat, the server's
+    chat route) in place of the checkpoint's; a value that is neither, or does not compile, names the field."""
+    from lmserve.server.protocol import ChatMessage
+    tpl = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    f = tmp_path / "t.jinja"
+    f.write_text(tpl)
+    path = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "llama")  # (a tokenizer with no template)
+    for source in (str(f), tpl):
+        llm = LLM(str(path), kv_cache_memory="64MiB", chat_template=source)
+        assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi<a>"
+        out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, temperature=0))
+        assert out[0].prompt_token_ids == llm.tokenizer.encode("<user>hi<a>", add_special_tokens=False)
+    pytest.importorskip("fastapi")
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    srv = build_app(AsyncEngine(llm.engine), "tiny").state.server
+    ids = srv.chat_ids([ChatMessage(role="user", content="yo")], True)
+    assert ids == llm.tokenizer.encode("<user>yo<a>", add_special_tokens=False)
+    for bad, msg in ((str(tmp_path / "missing.jinja"), "neither a file nor a template"), ("{% for %}", "does not compile")):
+        with pytest.raises(ValueError, match=f"chat_template: .*{msg}"):
+            LLM(str(path), kv_cache_memory="64MiB", chat_template=bad)
+    with pytest.raises(ValueError, match="chat_template: this model has no tokenizer"):
+        LLM(str(tiny_models["llama"][0]), kv_cache_memory="64MiB", chat_template=tpl)

@@ -45,6 +45,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "spec_min_draft_prob": {"help": "eagle: stop a request's chain of drafts before the first whose distribution's "
                                     "top probability is below this (0: always k)"},
     "max_waiting_time": {"help": "seconds a request may wait for its first step before it is refused (503)"},
+    "chat_template": {"help": "render chats with this template (a file, or the template itself) instead of the "
+                              "model's own"},
     "generation_config": {"help": "sampling defaults for what a request leaves unset: auto (the model's "
                                   "generation_config.json, as vLLM), vllm (none), or a folder holding one"},
     "override_generation_config": {"type": lambda s: _json_object("override_generation_config", s),

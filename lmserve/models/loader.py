@@ -191,6 +191,10 @@ def load_model(config: EngineConfig, num_layers: int | None = None, shard: Any =
         tok_dir = config.tokenizer or src.path
         if any((src.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) or config.tokenizer:
             tokenizer = Tokenizer.from_hf_dir(tok_dir, cfg.eos_token_ids)
+    if config.chat_template is not None:
+        if tokenizer is None:
+            raise ValueError("chat_template: this model has no tokenizer to render chats with")
+        tokenizer.use_chat_template(config.chat_template)
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"draft_num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
