@@ -207,6 +207,31 @@ QUANTIZATIONS = ("auto", "none", None, "int8", "int4", "awq", "gguf", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
+# vLLM's speculative_config keys -> EngineConfig fields; its methods -> ours
+_SPEC_KEYS = {"method": "speculative_method", "model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
+              "prompt_lookup_max": "ngram_max", "prompt_lookup_min": "ngram_min"}
+_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "eagle": "eagle"}
+
+
+def speculative_fields(spec: Any, method_given: str | None) -> dict[str, Any]:
+    """The EngineConfig fields a vLLM speculative_config dict sets; ValueError naming the key."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict, got {spec!r}")
+    if method_given is not None:
+        raise ValueError("speculative_config: give it or speculative_method, not both")
+    unknown = sorted(set(spec) - set(_SPEC_KEYS) - {"draft_tensor_parallel_size"})
+    if unknown:
+        raise ValueError(f"speculative_config.{unknown[0]}: not supported (keys: {', '.join(_SPEC_KEYS)})")
+    if spec.get("draft_tensor_parallel_size", 1) != 1:
+        raise ValueError("speculative_config.draft_tensor_parallel_size: the draft runs on one rank (1)")
+    method = spec.get("method") or ("draft" if spec.get("model") else None)  # (vLLM: a model alone is a draft)
+    if method not in _SPEC_METHODS and method != "draft":
+        raise ValueError(f"speculative_config.method: {method!r} is not one of {', '.join(_SPEC_METHODS)}")
+    out = {_SPEC_KEYS[k]: v for k, v in spec.items() if k in _SPEC_KEYS}
+    out["speculative_method"] = _SPEC_METHODS.get(method, method)
+    return out
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine options, named as vLLM names them."""
@@ -237,6 +262,9 @@ class EngineConfig:
     # SmolLM2-135M int8 per row costs +2.0% perplexity, per group of 64 -0.7% (+5% weight bytes)
     quantization_group_size: int | None = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8: a scale per token, head, 32 channels
+    # vLLM's speculative_config dict (method, model, num_speculative_tokens, prompt_lookup_max / _min), read
+    # into the fields below: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    speculative_config: dict[str, Any] | None = None
     # speculative decoding: None | "ngram" | "draft" | "eagle" (draft_model: the head's folder)
     speculative_method: str | None = None
     num_speculative_tokens: int = 5  # measured best of 3 / 5 / 7 for n-gram on the CPU fast path (BENCHMARKS.md)
@@ -275,6 +303,10 @@ class EngineConfig:
     distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            for k, v in speculative_fields(self.speculative_config, self.speculative_method).items():
+                object.__setattr__(self, k, v)
+            object.__setattr__(self, "speculative_config", None)  # read into the fields (a replace() keeps them)
         for name, lo in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 1),
                          ("quantization_group_size", 1), ("num_speculative_tokens", 1), ("draft_num_layers", 1),
                          ("ngram_min", 1), ("ngram_max", self.ngram_min), ("spec_max_batch", 0),

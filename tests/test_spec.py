@@ -420,3 +420,30 @@ def test_a_draft_always_feeds_the_last_committed_token(tiny_models):  # type: ig
     assert rows and min(rows) >= 1
     st = llm.stats().spec
     assert st["proposed"] == st["accepted"] > 0
+
+
+def test_vllm_speculative_config_sets_the_fields(tiny_models):  # type: ignore[no-untyped-def]
+    """vLLM's speculative_config dict (LLM(speculative_config=...), --speculative-config JSON): read into our
+    fields; the n-gram run it sets speculates and gives plain greedy's tokens; bad keys name themselves."""
+    from lmserve import LLM, SamplingParams
+    from lmserve.config import EngineConfig
+    c = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                         "prompt_lookup_min": 2})
+    assert (c.speculative_method, c.num_speculative_tokens, c.ngram_max, c.ngram_min) == ("ngram", 4, 3, 2)
+    assert c.replace(seed=1).speculative_method == "ngram"  # (a copy keeps them)
+    d = EngineConfig(speculative_config={"model": "some/draft", "num_speculative_tokens": 2})
+    assert (d.speculative_method, d.draft_model, d.num_speculative_tokens) == ("draft", "some/draft", 2)
+    for bad, name in (({"method": "medusa"}, "speculative_config.method"), ({"foo": 1}, "speculative_config.foo"),
+                      ({"method": "ngram", "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size")):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(speculative_config=bad)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(speculative_config={"method": "ngram"}, speculative_method="ngram")
+    path = tiny_models["llama"][0]
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # (a copy task: n-gram drafts find matches)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(str(path), kv_cache_memory="64MiB").generate([prompt], params, use_tqdm=False)[0]
+    spec = LLM(str(path), kv_cache_memory="64MiB", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    out = spec.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert spec.stats().spec and spec.stats().spec["proposed"] > 0, spec.stats().spec

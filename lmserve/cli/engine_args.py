@@ -47,6 +47,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "max_waiting_time": {"help": "seconds a request may wait for its first step before it is refused (503)"},
     "chat_template": {"help": "render chats with this template (a file, or the template itself) instead of the "
                               "model's own"},
+    "speculative_config": {"type": lambda s: _json_object("speculative_config", s),
+                           "help": "vLLM's JSON form, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                                   "\"prompt_lookup_max\": 3}' or '{\"model\": DRAFT, \"num_speculative_tokens\": 3}'"},
     "generation_config": {"help": "sampling defaults for what a request leaves unset: auto (the model's "
                                   "generation_config.json, as vLLM), vllm (none), or a folder holding one"},
     "override_generation_config": {"type": lambda s: _json_object("override_generation_config", s),
