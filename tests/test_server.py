@@ -1270,3 +1270,32 @@ def test_overload_a_request_past_max_waiting_time_is_a_503(server, client):  # t
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": -3}).status_code == 200
     good_request_works(client)
+
+
+def test_auto_tool_choice_can_be_turned_off(server):  # type: ignore[no-untyped-def]
+    """vLLM's --enable-auto-tool-choice is accepted (on by default here); with --no-enable-auto-tool-choice
+    a request that lets the model choose (tools with tool_choice auto, or none given) is a 400 naming
+    tool_choice, on the Messages API in its own shape, while a forced call still runs."""
+    import argparse
+
+    from lmserve.server import cli as server_cli
+    from lmserve.server.app import build_app
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    server_cli.add_parser(sub)
+    assert p.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).enable_auto_tool_choice
+    assert not p.parse_args(["serve", "--no-enable-auto-tool-choice"]).enable_auto_tool_choice
+    app = build_app(server["ae"], "smollm2-135m", manage_engine=False, auto_tool_choice=False)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    with serving(app) as (url, _):
+        for extra in ({}, {"tool_choice": "auto"}):
+            r = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "tools": [WEATHER], **extra}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        r = httpx.post(url + "/v1/messages", json={"messages": msgs, "max_tokens": 8, "tools": [{
+            "name": "get_weather", "input_schema": {"type": "object"}}]}, timeout=60)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        forced = {"messages": msgs, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 40, "temperature": 0}
+        assert httpx.post(url + "/v1/chat/completions", json=forced, timeout=120).status_code == 200
+        plain = {"messages": msgs, "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", json=plain, timeout=60).status_code == 200
+    assert_idle(server)

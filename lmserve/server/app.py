@@ -9,7 +9,6 @@ anthropic_api.py) are chat completions underneath and take the same path."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -37,7 +36,7 @@ from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Format
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import (BaseRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                      DetokenizeRequest, SamplingRequest, TokenizeRequest)
-from lmserve.server.streaming import ClosingStream, submit_all
+from lmserve.server.streaming import ClosingStream, merge_streams, submit_all
 from lmserve.server.tool_parsers import TOOL_PARSERS, parser_for_model
 from lmserve.tokenizer import Tokenizer
 
@@ -51,8 +50,9 @@ class OpenAIServer:
 
     def __init__(self, ae: AsyncEngine, served_model: str, api_key: str | None = None,
                  limits: ServerLimits | None = None, request_timeout: float | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, auto_tool_choice: bool = True) -> None:
         self.ae = ae
+        self.auto_tool_choice = auto_tool_choice  # off: tool_choice auto is a 400 (vLLM without --enable-auto-tool-choice)
         tok = ae.tokenizer
         name = tool_call_parser or parser_for_model(ae.info()["architecture"], tok.chat_template if tok else None)
         if name not in TOOL_PARSERS:
@@ -157,6 +157,10 @@ class OpenAIServer:
                            ) -> tuple[list[int], EngineRequest]:
         """chat_ids then engine_request, together on a worker thread: a template render (up to its 2 s
         limit), the encoding of a long conversation and a grammar compile must not hold up the event loop."""
+        if getattr(body, "tool_mode", "none") == "auto" and not self.auto_tool_choice:
+            raise ApiError(400, 'tool_choice: "auto" needs a server started with --enable-auto-tool-choice (it runs '
+                           'with --no-enable-auto-tool-choice); name a function or use "required"', param="tool_choice")
+
         def work() -> tuple[list[int], EngineRequest]:
             with invalid_request():
                 self.limits.check(body)  # a converted body (Responses, Messages); before rendering
@@ -247,50 +251,10 @@ class OpenAIServer:
                 if t.done() and not t.cancelled():
                     t.exception()  # retrieved (a second failure beside the one answered is no log noise)
 
-    async def stream_all(self, jobs: list[Job], streams: list[Any] | None = None
-                         ) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
-        """Merge the output streams of several requests: (job index, output or error). The merge holds
-        a few outputs per request: when the client stops reading, the rest wait in the requests' own
-        streams, where AsyncEngine cuts a stalled reader off (MAX_UNREAD). streams: the jobs as submit_all
-        queued them (None: each queued when its pump starts)."""
-        q: asyncio.Queue = asyncio.Queue(maxsize=2 * len(jobs) + 2)
-
-        async def pump(i: int, rid: str, req: EngineRequest) -> None:
-            try:
-                async with contextlib.aclosing(self.ae.generate(rid, req, streams and streams[i])) as outs:  # closed (aborted) at once
-                    async for out in outs:
-                        if out.finished:
-                            self.metrics.observe(out)
-                        await q.put((i, out))
-            except asyncio.CancelledError:
-                raise  # the merge is gone: nobody to tell (waiting on a full queue here would never end)
-            except Exception as e:
-                if not isinstance(e, QueueFullError):
-                    self.metrics.failed()
-                await q.put((i, e))
-            await q.put((i, None))
-
-        tasks = [asyncio.ensure_future(pump(i, *j)) for i, j in enumerate(jobs)]
-        deadline = self.deadline()
-        open_jobs = len(jobs)
-        try:
-            while open_jobs:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    i, item = await asyncio.wait_for(q.get(), timeout)
-                except asyncio.TimeoutError:
-                    yield -1, self.timed_out()
-                    return
-                if item is None:
-                    open_jobs -= 1
-                    continue
-                yield i, item
-        finally:
-            unfinished = sum(not t.done() for t in tasks)
-            for t in tasks:
-                t.cancel()
-            if unfinished:
-                self.metrics.aborted(unfinished)
+    def stream_all(self, jobs: list[Job], streams: list[Any] | None = None
+                   ) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
+        """The jobs' output streams merged (streaming.merge_streams), within the request timeout."""
+        return merge_streams(self.ae, self.metrics, jobs, streams, self.deadline(), self.timed_out)
 
     # ------------------------------------------------------------ routes
     async def completions(self, request: Request) -> Response:
@@ -341,14 +305,14 @@ class OpenAIServer:
 def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, max_body_bytes: int | None = None,
               request_timeout: float | None = None, manage_engine: bool = True,
               tool_call_parser: str | None = None, limits: ServerLimits | None = None,
-              cors: Cors | None = None) -> FastAPI:
+              cors: Cors | None = None, auto_tool_choice: bool = True) -> FastAPI:
     """The ASGI app. With manage_engine, the app starts the engine loop on startup and stops it on
     shutdown. limits: the bounds on requests (max_body_bytes, when given, replaces theirs); cors: which
     other origins' pages may use it (none by default)."""
     limits = limits or ServerLimits()
     if max_body_bytes is not None:
         limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
-    srv = OpenAIServer(ae, served_model, api_key, limits, request_timeout, tool_call_parser)
+    srv = OpenAIServer(ae, served_model, api_key, limits, request_timeout, tool_call_parser, auto_tool_choice)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]

@@ -35,6 +35,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls are read from the output (default: from the model: hermes for Qwen "
                         "and <tool_call> templates, llama3_json for Llama 3)")
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help="let the model choose to call tools (tool_choice auto, the default with tools; vLLM's flag, "
+                        "on here by default); --no-enable-auto-tool-choice: such requests get a 400")
     p.add_argument("--log-level", default="info")
     p.add_argument("--no-web-ui", dest="web_ui", action="store_false",
                    help="no web console at / (chat playground and the live engine view, /v1/engine/stream)")
@@ -82,7 +85,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         engine.model.on_lost = ae.die
     limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)})
     app = build_app(ae, a.served_model_name or a.model, a.api_key, request_timeout=a.request_timeout,
-                    tool_call_parser=a.tool_call_parser, limits=limits, cors=cors)
+                    tool_call_parser=a.tool_call_parser, limits=limits, cors=cors,
+                    auto_tool_choice=a.enable_auto_tool_choice)
     disagg.register(app, app.state.server, a.role, tuple(a.kv_peer), a.kv_secret, engine)
     if a.web_ui:
         from lmserve.server import web

@@ -1,13 +1,20 @@
-"""The server's streamed (SSE) response."""
+"""The server's streamed (SSE) response: its requests queued at once (submit_all), their outputs merged
+(merge_streams), and the response that closes both when it ends (ClosingStream)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from lmserve.outputs import RequestOutput
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.server.errors import ApiError
+from lmserve.server.metrics import ServerMetrics
 
 
 def submit_all(ae: AsyncEngine, jobs: list[Any]) -> list[Any]:
@@ -26,9 +33,56 @@ def submit_all(ae: AsyncEngine, jobs: list[Any]) -> list[Any]:
     return streams
 
 
+async def merge_streams(ae: AsyncEngine, metrics: ServerMetrics, jobs: list[Any], streams: list[Any] | None,
+                        deadline: float | None, timed_out: Callable[[], ApiError]
+                        ) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
+    """Merge the output streams of several (request id, engine request) jobs: (job index, output or
+    error); past the deadline (monotonic clock), (-1, timed_out()). The merge holds a few outputs per
+    request: when the client stops reading, the rest wait in the requests' own streams, where
+    AsyncEngine cuts a stalled reader off (MAX_UNREAD). streams: the jobs as submit_all queued them
+    (None: each queued when its pump starts)."""
+    q: asyncio.Queue = asyncio.Queue(maxsize=2 * len(jobs) + 2)
+
+    async def pump(i: int, rid: str, req: Any) -> None:
+        try:
+            async with contextlib.aclosing(ae.generate(rid, req, streams and streams[i])) as outs:  # closed (aborted) at once
+                async for out in outs:
+                    if out.finished:
+                        metrics.observe(out)
+                    await q.put((i, out))
+        except asyncio.CancelledError:
+            raise  # the merge is gone: nobody to tell (waiting on a full queue here would never end)
+        except Exception as e:
+            if not isinstance(e, QueueFullError):
+                metrics.failed()
+            await q.put((i, e))
+        await q.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, *j)) for i, j in enumerate(jobs)]
+    open_jobs = len(jobs)
+    try:
+        while open_jobs:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                i, item = await asyncio.wait_for(q.get(), timeout)
+            except asyncio.TimeoutError:
+                yield -1, timed_out()
+                return
+            if item is None:
+                open_jobs -= 1
+                continue
+            yield i, item
+    finally:
+        unfinished = sum(not t.done() for t in tasks)
+        for t in tasks:
+            t.cancel()
+        if unfinished:
+            metrics.aborted(unfinished)
+
+
 class ClosingStream(StreamingResponse):
     """An SSE response that closes its generators when it ends, a client hang-up included: Starlette
-    leaves the body iterator suspended when send fails, and the merge's pumps (stream_all) then waited
+    leaves the body iterator suspended when send fails, and the merge's pumps (merge_streams) then waited
     on a full queue until the garbage collector finalized the abandoned generators (seen as tasks left
     behind in the soak test)."""
 
