@@ -499,6 +499,37 @@ def test_on_an_int8_target_the_head_runs_int8_and_stays_exact(tiny_models, head_
     assert llm.stats().spec["accepted"] > 0
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_the_head_pool_stays_in_its_share_under_preemption(tiny_models, head_dir, block_size):  # type: ignore[no-untyped-def]
+    """A tight pool that preempts by recompute: the head's pool never grows past its share of the budget
+    (it doubled: preempted sequences kept their head state while others took the target blocks they
+    freed, and every sequence's state rounded up to 16 slots whatever the target's block size, so 24
+    short requests in 4-token blocks outgrew it with no preemption at all); greedy output is plain
+    decoding's, every block and head state free at the end."""
+    from lmserve.kv.cache import KVCache
+    from lmserve.models.loader import hf_config
+    path, _ = tiny_models["llama"]
+    per_block = KVCache.bytes_per_block(hf_config(path), block_size, torch.float32)
+    kw = dict(block_size=block_size, enable_prefix_caching=False, preemption_mode="recompute")
+    if block_size == 4:
+        kw["kv_cache_memory"] = per_block * 120
+        prompts, n = [[5 + i % 50, 6, 7, 5 + i % 50, 6] for i in range(24)], 6
+    else:
+        kw["kv_cache_memory"] = per_block * 12
+        prompts, n = PROMPTS + [list(range(40, 70)), [3, 4] * 12, list(range(70, 90)), [8, 9, 10] * 5], 40
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    ref = LLM(str(path), **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), draft_model=str(head_dir), **EAGLE, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    st, prop = llm.stats(), llm.engine.spec.proposer
+    assert not prop.kv.grown, prop.kv.num_blocks
+    assert st.spec["accepted"] > 0 and st.used_blocks == 0 and not prop.states
+    assert len(prop.kv.free) == prop.kv.num_blocks
+    if block_size == 16:
+        assert st.num_preemptions > 0
+
+
 def test_the_module_path_survives_its_kv_pool_growing(tiny_models, head_dir):  # type: ignore[no-untyped-def]
     """A float target (the head as torch modules, as on CUDA): a 300-token prompt grows the head's KV
     pool past its first 256 slots inside inference mode; the backlog is fed to it later, outside a
@@ -817,6 +848,6 @@ def test_the_head_kv_comes_out_of_the_one_budget(tiny_models, head_dir):  # type
     head = pool.kv.numel() * pool.kv.element_size()
     assert target + head <= budget
     positions = eng.kv_cache.num_blocks * eng.kv_cache.block_size
-    assert abs(pool.kv.shape[1] - positions) < 2 * pool.BLOCK  # as many positions (to a block or so)
+    assert 0 <= pool.kv.shape[1] - positions < positions // 4  # as many positions, and a chain of drafts a sequence
     plain = LLM(str(path), kv_cache_memory=budget).engine
     assert eng.kv_cache.num_blocks < plain.kv_cache.num_blocks

@@ -23,6 +23,10 @@ def kv_share(config: EngineConfig, budget: int, target_bytes_per_token: float,
         from lmserve.spec.eagle_native import HeadKV
         c = head_config(config.draft_model)
         per = HeadKV.bytes_per_position(c.num_kv_heads, c.head_dim, dtype)  # its one layer's K, V
+        # beyond the target's positions (in blocks of the same size): a chain of drafts a running sequence
+        # (their entries go after drafting)
+        slack = min(budget // 8, int(config.max_num_seqs * (config.num_speculative_tokens + 1) * per))
+        return slack + int((budget - slack) * per / (per + target_bytes_per_token))
     else:
         return 0
     return int(budget * per / (per + target_bytes_per_token))

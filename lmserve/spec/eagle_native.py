@@ -1,7 +1,7 @@
 """The EAGLE head's KV pool, and its drafting as calls into our C kernels (issue #21).
 
 `HeadKV` holds every sequence's head KV entries in one paged pool, (2, S, Hkv, d), in blocks of
-BLOCK slots with a list of blocks per sequence (its block table); the proposer owns it, both drafting
+the engine's block size's slots with a list of blocks per sequence (its block table); the proposer owns it, both drafting
 paths read and write it.
 
 `NativeHead` runs the head on the CPU decode plan's kernels (layers/csrc/decode.c: lm_eagle_draft,
@@ -32,15 +32,14 @@ log = logging.getLogger(__name__)
 
 
 class HeadKV:
-    """Every sequence's head KV entries: kv (2, S, Hkv, d), S = blocks x BLOCK slots; a state's
-    `blocks` list is its block table, `length` its entries. Grows by doubling; `release` frees a state's
-    blocks."""
-
-    BLOCK = 16
+    """Every sequence's head KV entries: kv (2, S, Hkv, d), S = blocks x block slots (the target's block
+    size: a sequence rounds up as its target blocks do); a state's `blocks` list is its block table,
+    `length` its entries. Grows by doubling; `release` frees a state's blocks."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 blocks: int = 16) -> None:
-        self.kv = torch.zeros(2, blocks * self.BLOCK, num_kv_heads, head_dim, dtype=dtype, device=device)
+                 blocks: int = 16, block: int = 16) -> None:
+        self.block = block
+        self.kv = torch.zeros(2, blocks * block, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.free = list(range(blocks - 1, -1, -1))
         self.grown = False  # past its first size (its budget) once: logged then
 
@@ -51,18 +50,19 @@ class HeadKV:
 
     @classmethod
     def for_budget(cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                   budget: int) -> "HeadKV":
-        """A pool of as many blocks as budget bytes hold (at least one; 16 when no budget is given)."""
-        per_block = cls.BLOCK * cls.bytes_per_position(num_kv_heads, head_dim, dtype)
-        return cls(num_kv_heads, head_dim, dtype, device, max(1, budget // per_block) if budget > 0 else 16)
+                   budget: int, block: int = 16) -> "HeadKV":
+        """A pool of blocks of `block` slots, as many as budget bytes hold (at least one; 16 when no
+        budget is given)."""
+        per_block = block * cls.bytes_per_position(num_kv_heads, head_dim, dtype)
+        return cls(num_kv_heads, head_dim, dtype, device, max(1, budget // per_block) if budget > 0 else 16, block)
 
     @property
     def num_blocks(self) -> int:
-        return self.kv.shape[1] // self.BLOCK
+        return self.kv.shape[1] // self.block
 
     def reserve(self, st: "HasBlocks", n: int) -> None:
         """Blocks enough for n entries in st's table."""
-        need = -(-n // self.BLOCK) - len(st.blocks)
+        need = -(-n // self.block) - len(st.blocks)
         while len(self.free) < need:
             old, nb = self.kv, self.num_blocks
             if not self.grown:
@@ -79,12 +79,12 @@ class HeadKV:
         """Slots of st's entries start .. start + n - 1: (n,) int64."""
         idx = torch.arange(start, start + n)
         table = torch.tensor(st.blocks, dtype=torch.int64)
-        return (table[idx // self.BLOCK] * self.BLOCK + idx % self.BLOCK).to(self.kv.device)
+        return (table[idx // self.block] * self.block + idx % self.block).to(self.kv.device)
 
     def append_slot(self, st: "HasBlocks") -> int:
         """One more entry for st (its blocks grown if need be): the slot it goes to."""
         self.reserve(st, st.length + 1)
-        slot = st.blocks[st.length // self.BLOCK] * self.BLOCK + st.length % self.BLOCK
+        slot = st.blocks[st.length // self.block] * self.block + st.length % self.block
         st.length += 1
         return slot
 
@@ -229,7 +229,7 @@ class Drafting:
         self.probs = torch.ones(rounds, b)
         done = n.lib.lm_eagle_draft(rounds, b, self.feats.data_ptr(), embeds.data_ptr(), self.pos.data_ptr(),
                              self.lens.data_ptr(), self.tables.data_ptr(), self.tables.shape[1], self.slots.data_ptr(),
-                             self.rows.data_ptr(), self.kv.BLOCK, n.fc.data_ptr(), n.fc_bias.data_ptr(),
+                             self.rows.data_ptr(), self.kv.block, n.fc.data_ptr(), n.fc_bias.data_ptr(),
                              n.lin.data_ptr(), n.norms.data_ptr(), n.scales.data_ptr(), n.windows.data_ptr(),
                              self.cache.data_ptr(), n.cfg.rms_norm_eps, n.h, n.hkv, n.d, n.hd, n.cos.data_ptr(),
                              n.sin.data_ptr(), n.readout.data_ptr(), n.vocab_embeds.data_ptr(), n.simd,

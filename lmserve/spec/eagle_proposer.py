@@ -26,9 +26,10 @@ distribution.
 
 State per sequence (its blocks in the pool `self.kv`, spec/eagle_native.HeadKV): Hkv x head_dim x 2
 values per position (1/30 of the default model's KV), freed with the sequence. The pool is the head's
-share of the engine's one KV budget (spec/build.kv_share: as many positions as the target's pool holds);
-it grows past it only where the head holds more than the target's pool (swapped-out sequences keep their
-head state), and says so.
+share of the engine's one KV budget (spec/build.kv_share: as many positions as the target's pool holds,
+in blocks of its block size, and a chain of drafts a sequence); when a step's
+sequences need more, the state of sequences outside the step goes first (`_make_room`); it grows past
+its share only when that is not enough, and says so.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ class EagleProposer:
                                       c.rope_theta).to(self.device)
         self.sampler = Sampler()
         self.min_prob = config.spec_min_draft_prob  # a chain stops before a draft less sure than this
+        self.k = config.num_speculative_tokens
         self.states: dict[int, _State] = {}
-        self.kv = HeadKV.for_budget(c.num_kv_heads, c.head_dim, self.dtype, self.device, kv_budget)
+        self.kv = HeadKV.for_budget(c.num_kv_heads, c.head_dim, self.dtype, self.device, kv_budget, config.block_size)
         self.native: NativeHead | None = None  # drafting in our C kernels (int8 targets on the CPU)
         if self.readout is not None:
             ids = torch.arange(cfg.vocab_size, device=self.device) if vocab is None else self.vocab
@@ -169,6 +171,7 @@ class EagleProposer:
         the drafting), or once one holds BACKLOG rows: a step whose policy drafts nothing
         (spec_policy="goodput" where speculation does not pay) costs a row's copy, not the head's fc
         and K / V projections."""
+        self._make_room(out)
         rows: list[torch.Tensor] = []
         toks: list[int] = []
         pos: list[int] = []
@@ -205,6 +208,28 @@ class EagleProposer:
             st.backlog.append((feats[i], toks[i], pos[i]))
         if any(len(st.backlog) >= BACKLOG for st in owners):
             self.flush()
+
+    def _make_room(self, out: SchedulerOutput) -> None:
+        """Before a step's rows go in: when the pool's free blocks may not hold what the step's sequences
+        add (their rows and backlogs, a chain of drafts), the head state of sequences outside the step goes
+        first, largest first (a recompute-preempted one's rows come back with its recompute and are fed
+        again; a swapped-out one drafts from the positions after its return). The pool grows past its
+        share of the KV budget only when that is not enough (it grew at once before: preempted sequences
+        kept their state while others took the target blocks they freed)."""
+        B, need = self.kv.block, 0
+        for seq, n in out.scheduled:
+            st = self.states.get(id(seq))
+            held, blocks = (st.length + len(st.backlog), len(st.blocks)) if st is not None else (0, 0)
+            need += max(0, -(-(held + n + self.k + 1) // B) - blocks)
+        if len(self.kv.free) >= need:
+            return
+        stepping = {id(seq) for seq, _ in out.scheduled}
+        for key, st in sorted(self.states.items(), key=lambda kv: -len(kv[1].blocks)):
+            if len(self.kv.free) >= need or not st.blocks:
+                break
+            if key not in stepping:
+                self.kv.release(st)
+                st.next_pos, st.pending, st.backlog = 0, None, []
 
     @torch.inference_mode()
     def flush(self) -> None:
