@@ -55,6 +55,22 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the token ids that spell it, alone and after a space (as vLLM bans them: the
+        two ways a word appears mid-text); ValueError without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer to spell them with")
+        out: list[list[int]] = []
+        for w in words:
+            for text in (w.strip(), " " + w.strip()):
+                try:
+                    ids = self.tokenizer.encode(text, add_special_tokens=False)
+                except ValueError:  # (a lone surrogate)
+                    raise ValueError("bad_words: not valid Unicode (a lone surrogate)") from None
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         """The request's options, then the checks that need the model: lengths, vocabulary, KV capacity.
         Returns the compiled grammar of a structured-output request (else None)."""
@@ -67,7 +83,8 @@ class InputProcessor:
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context ({self.max_model_len})")
-        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -79,6 +96,8 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer, so stop strings cannot be matched; "
                              "use stop_token_ids")
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_ids(params.bad_words)
         # beams are scheduled and preempted as a whole, so all of them must fit at once, each at its
         # longest (shared blocks are not counted on: a readmitted beam recomputes its own copy)
         family = params.beam_width if params.use_beam_search else 1

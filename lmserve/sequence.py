@@ -110,6 +110,10 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (lmserve/structured.py)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
+    bad_words: list[str] | None = None  # vLLM's: words never generated (a word's last token is banned after its others)
+    # bad_words as token ids (each word, and with a leading space), filled by the engine's input checks
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     MAX_LOGPROBS = 20
 
@@ -182,11 +186,19 @@ class SamplingParams:
                 raise bad("logit_bias", "must map token ids to numbers") from None
             if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or any(isinstance(t, bool) or not isinstance(t, int) for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of non-empty strings")
         if self.use_beam_search:  # the beam step ranks raw log-probs: refuse what it would silently ignore
             ignored = {"logit_bias": bool(self.logit_bias), "repetition_penalty": self.repetition_penalty != 1,
                        "presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
                        "min_tokens": self.min_tokens > 0, "stop": bool(self.stop), "logprobs": self.logprobs is not None,
-                       "prompt_logprobs": self.prompt_logprobs is not None}
+                       "prompt_logprobs": self.prompt_logprobs is not None,
+                       "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words)}
             name = next((k for k, v in ignored.items() if v), None)
             if name is not None:
                 raise bad(name, "not supported with beam search")

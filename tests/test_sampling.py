@@ -210,6 +210,56 @@ def test_logit_bias_comes_before_penalties():
     assert torch.allclose(out, ref, atol=1e-6)
 
 
+def test_allowed_token_ids_and_bad_words_come_first():
+    """vLLM's order: the allowed tokens mask the rest, a bad word's last token is banned where the output
+    ends in its other tokens (a one-token word always), then logit_bias and penalties as before."""
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.0, 3.0, 0.25, 1.0]])
+    params = SamplingParams(allowed_token_ids=[1, 2, 4, 6], logit_bias={2: 1.0}, repetition_penalty=2.0, max_tokens=5)
+    params.bad_words_token_ids = [[3, 4], [5, 6], [1]]  # [5, 6]: the output does not end in 5
+    s = Sequence("r", [0], params)
+    s.token_ids += [2, 3]  # outputs: 2, 3
+    out = apply_penalties(logits.clone(), [s])[0].double()
+    inf = float("-inf")
+    ref = torch.tensor([inf, inf, (2.0 + 1.0) / 2.0, inf, inf, inf, 1.0], dtype=torch.float64)
+    assert torch.equal(out, ref)
+
+
+def test_bad_words_and_allowed_tokens_generate_as_a_reference_loop_does(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """End to end on a character-level model: greedy decoding with bad_words equals a float64 loop over
+    the model's own logits that bans each word's last character after the rest (alone, and after a
+    space); sampled tokens stay inside allowed_token_ids, drawn as its renormalised distribution."""
+    from lmserve import LLM
+    from tests.conftest import char_tokenizer_model
+    path = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "llama")
+    llm = LLM(str(path), kv_cache_memory="64MiB")
+    bias = {ord("a"): 8.0, ord("b"): 8.0, ord(" "): 7.0}
+    prompt = [ord(c) for c in "ab ab"]
+    params = SamplingParams(max_tokens=16, temperature=0, logit_bias=bias, ignore_eos=True, bad_words=["aa", "b a"])
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    ids = list(prompt)
+    words = [[ord(c) for c in w] for w in ("aa", " aa", "b a", " b a")]
+    for _ in range(16):
+        row = llm.score(ids)[-1].double()  # (V,)
+        for t, b in bias.items():
+            row[t] += b
+        out = ids[len(prompt):]
+        for w in words:
+            if len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1] and len(out) >= len(w) - 1:
+                row[w[-1]] = float("-inf")
+        ids.append(int(row.argmax()))
+    assert got == ids[len(prompt):]
+    free = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, logit_bias=bias, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert "aa" in "".join(map(chr, free)) and "aa" not in "".join(map(chr, got))  # the bad words changed it
+    allowed = [ord(c) for c in "xyz"]
+    ps = [SamplingParams(max_tokens=1, temperature=1.0, seed=i, allowed_token_ids=allowed) for i in range(600)]
+    firsts = torch.tensor([o.outputs[0].token_ids[0] for o in llm.generate([prompt] * 600, ps, use_tqdm=False)])
+    assert set(firsts.tolist()) <= set(allowed)
+    probs = llm.score(prompt)[-1].double()[allowed].softmax(-1)  # (3,)
+    counts = torch.stack([(firsts == t).sum() for t in allowed]).double()
+    assert chi2_pvalue(counts, probs) > 1e-3
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7], max_tokens=5)
     s = Sequence("r", [1, 2], params, eos_token_ids=(0,))

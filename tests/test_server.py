@@ -306,6 +306,31 @@ def test_prompt_logprobs(server):  # type: ignore[no-untyped-def]
     assert_idle(server)
 
 
+def test_allowed_token_ids_and_bad_words(server):  # type: ignore[no-untyped-def]
+    """vLLM's allowed_token_ids and bad_words reach the sampler from both routes; ids outside the
+    vocabulary and more bad words than --max-stop are 400s naming the field."""
+    tok = server["engine"].tokenizer
+    allowed = tok.encode(" yes no", add_special_tokens=False)
+    r = post(server, "/v1/completions", {"prompt": "Is the sky blue?", "max_tokens": 6, "temperature": 1.0,
+                                         "seed": 3, "allowed_token_ids": allowed, "return_token_ids": True}).json()
+    assert r["choices"][0]["token_ids"] and set(r["choices"][0]["token_ids"]) <= set(allowed)
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    free = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    assert "Paris" in free
+    banned = post(server, "/v1/completions", {**body, "bad_words": ["Paris"]}).json()["choices"][0]["text"]
+    assert "Paris" not in banned
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Capital of France?"}],
+                                                 "max_tokens": 12, "temperature": 0, "bad_words": ["Paris"]}).json()
+    assert "Paris" not in chat["choices"][0]["message"]["content"]
+    for bad, field in (({"allowed_token_ids": [10 ** 7]}, "allowed_token_ids"),
+                       ({"allowed_token_ids": []}, "allowed_token_ids"),
+                       ({"bad_words": ["x"] * 17}, "bad_words"), ({"bad_words": [""]}, "bad_words"),
+                       ({"bad_words": ["\ud800"]}, "bad_words")):
+        e = post(server, "/v1/completions", {**body, **bad})
+        assert e.status_code == 400 and e.json()["error"]["param"] == field, e.text
+    assert_idle(server)
+
+
 def test_return_token_ids(server):  # type: ignore[no-untyped-def]
     """vLLM's return_token_ids: the prompt's ids and each choice's generated ids, whole and streamed (a
     stream's token_ids add up to the response's, held-back text included: a stop string holds text)."""

@@ -46,16 +46,24 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
-    """logit_bias, min_tokens, then repetition / frequency / presence penalties, in place. logits: (B, V).
+    """allowed_token_ids, bad_words, logit_bias, min_tokens, then repetition / frequency / presence
+    penalties, in place. logits: (B, V).
 
     The order is vLLM v1's: the penalties see the biased logits. Built on the host as flat
     (row, token) lists: one gather/scatter per kind for the whole batch."""
+    allow: list[tuple[int, list[int]]] = []  # row, the only tokens it may take
+    never: tuple[list[int], list[int]] = ([], [])  # row, token -> -inf (bad words)
     bias: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, logit_bias
     ban: tuple[list[int], list[int]] = ([], [])  # row, token -> -inf
     rep: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, penalty
     add: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, -(frequency + presence)
     for i, s in enumerate(seqs):
         p = s.params
+        if p.allowed_token_ids:
+            allow.append((i, p.allowed_token_ids))
+        for word in p.bad_words_token_ids or ():  # its last token, where the output ends in the rest of it
+            if len(word) == 1 or s.output_token_ids[-(len(word) - 1):] == word[:-1]:
+                never[0].append(i), never[1].append(word[-1])
         if p.logit_bias:
             bias[0].extend([i] * len(p.logit_bias))
             bias[1].extend(p.logit_bias)
@@ -75,6 +83,14 @@ def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: 
                 add[1].append(tok)
                 add[2].append(-(p.frequency_penalty * count + p.presence_penalty))
     dev = logits.device
+    for i, ids in allow:  # vLLM's order: the allowed tokens, the bad words, then biases and penalties
+        idx = to_device(torch.tensor(ids), dev)  # (K,)
+        keep = logits[i].index_select(0, idx)  # (K,)
+        logits[i] = float("-inf")
+        logits[i].index_copy_(0, idx, keep)
+    if never[0]:
+        idx = to_device(torch.tensor(never), dev)  # (2, K)
+        logits[idx[0], idx[1]] = float("-inf")
     if bias[0]:
         idx = to_device(torch.tensor(bias[:2]), dev)  # (2, K)
         logits.index_put_((idx[0], idx[1]), to_device(torch.tensor(bias[2], dtype=logits.dtype), dev),
@@ -127,7 +143,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 def needs_processing(s: Sequence) -> bool:
     p = s.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
-            or bool(p.logit_bias) or s.num_output_tokens < p.min_tokens)
+            or bool(p.logit_bias) or s.num_output_tokens < p.min_tokens or bool(p.allowed_token_ids)
+            or bool(p.bad_words_token_ids))
 
 
 @dataclass

@@ -54,6 +54,9 @@ class ServerLimits:
         stop = _field(body, "stop")
         if isinstance(stop, list) and len(stop) > self.max_stop:
             raise ValueError(f"stop: at most {self.max_stop} stop sequences (--max-stop), got {len(stop)}")
+        bad_words = _field(body, "bad_words")
+        if isinstance(bad_words, list) and len(bad_words) > self.max_stop:
+            raise ValueError(f"bad_words: at most {self.max_stop} words (--max-stop), got {len(bad_words)}")
         for name, limit, flag in (("stop_token_ids", self.max_stop_token_ids, "--max-stop-token-ids"),
                                   ("logit_bias", self.max_logit_bias, "--max-logit-bias"),
                                   ("tools", self.max_tools, "--max-tools")):
@@ -125,7 +128,7 @@ class ServerLimits:
     def bounds(self) -> dict[str, dict[str, dict[str, int]]]:
         """model name -> property -> the JSON schema keywords that state this server's limits."""
         sampling = {"n": {"maximum": self.max_n}, "best_of": {"maximum": self.max_n},
-                    "stop_token_ids": {"maxItems": self.max_stop_token_ids},
+                    "stop_token_ids": {"maxItems": self.max_stop_token_ids}, "bad_words": {"maxItems": self.max_stop},
                     "logit_bias": {"maxProperties": self.max_logit_bias}}
         chat = {**sampling, "messages": {"maxItems": self.max_messages}, "tools": {"maxItems": self.max_tools}}
         return {"CompletionRequest": sampling, "ChatCompletionRequest": chat,
@@ -139,7 +142,7 @@ class ServerLimits:
                  "max_json_depth": "arrays and objects nested in a request body",
                  "max_n": "n and best_of: sequences one request may run",
                  "max_prompts": "prompts in one /v1/completions request",
-                 "max_messages": "messages in one conversation", "max_stop": "stop strings in a request",
+                 "max_messages": "messages in one conversation", "max_stop": "stop strings (and bad_words) in a request",
                  "max_stop_token_ids": "stop_token_ids in a request", "max_logit_bias": "logit_bias entries",
                  "max_tools": "tools in a request",
                  "max_schema_bytes": "an output constraint (JSON schema, regex, grammar, choices) or the tools, as JSON",

@@ -123,6 +123,8 @@ class SamplingRequest(BaseRequest):
     continuous_usage_stats: StrictBool = False
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, as vLLM returns them
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids in the response
+    allowed_token_ids: list[Int] | None = None  # vLLM's: only these tokens may be generated
+    bad_words: list[str] | None = None  # vLLM's: words never generated
     # constrained decoding: OpenAI's response_format; vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -218,7 +220,7 @@ class SamplingRequest(BaseRequest):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
-            structured_outputs=self.structured())
+            structured_outputs=self.structured(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
 
 
 class CompletionRequest(SamplingRequest):

@@ -9,7 +9,7 @@ lm_eagle_kv): fc, the one decoder layer (lm_llama_layers with one layer, its att
 pool in place), the read-out and the argmax, `rounds` chained drafts in one call. The module path
 (int8 layers called one by one, spec/eagle_proposer.py) spends most of a draft in per-call overhead at
 one row: 4.1 ms a draft there, where the kernels' work is a few hundred microseconds. Its linears are
-int8 copies of the head's (a scale per output row, as `_int8_head` makes them), q/k/v and gate/up
+int8 copies of the head's (a scale per output row, as `int8_head` makes them), q/k/v and gate/up
 joined into one linear each as the target's are (each output row is computed alone, so joining them
 changes nothing); for the entries the proposer feeds after each target step, k and v as one linear.
 It applies on a CPU with the tile kernel (`build` returns None otherwise) for a float32 head.
@@ -237,3 +237,18 @@ class Drafting:
                              self.logits.data_ptr(), *(t.data_ptr() for t in self.bufs))
         self.probs = self.probs[:done]
         return draft[:done]
+
+
+def int8_head(head: EagleHead, lm_head: torch.Tensor) -> tuple[EagleHead, torch.nn.Module]:
+    """A copy of the head whose linears, and its read-out rows (Vs, H), are int8 layers on our CPU kernels
+    (weights rounded per output row, as the target's int8 layers are)."""
+    import copy
+    head = copy.deepcopy(head)
+    for name in ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        lin = getattr(head, name)
+        layer = Int8Linear.from_float(lin.weight.detach().float(), None if lin.bias is None else lin.bias.detach().float())
+        layer.cpu_kernel = True
+        setattr(head, name, layer)
+    readout = Int8Linear.from_float(lm_head.float())
+    readout.cpu_kernel = True
+    return head, readout

@@ -41,14 +41,14 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.config import EngineConfig, ModelConfig
-from lmserve.layers.quant import GroupQuantLinear, Int8Linear
+from lmserve.layers.quant import GroupQuantLinear
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.sampling.sampler import Sampler, TokenView, draw, needs_processing
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Sequence
 from lmserve.spec import Proposal
 from lmserve.spec.eagle import EagleHead, float_head, rms_norm
-from lmserve.spec.eagle_native import HasBlocks, HeadKV, NativeHead
+from lmserve.spec.eagle_native import HasBlocks, HeadKV, NativeHead, int8_head
 
 
 BACKLOG = 256  # rows: a sequence's backlog is fed once it holds this many, drafting or not
@@ -90,7 +90,7 @@ class EagleProposer:
         del lm
         self.readout: torch.nn.Module | None = None  # the read-out as an int8 layer (int8 targets on the CPU)
         if self.device.type == "cpu" and any(isinstance(m, GroupQuantLinear) and m.cpu_kernel for m in target.modules()):
-            self.head, self.readout = _int8_head(self.head, self.lm_head)
+            self.head, self.readout = int8_head(self.head, self.lm_head)
         # rows for every position a chain reaches: rounds run to the batch's longest k (rows past their
         # own k, near max_model_len, draft too and are dropped)
         self.rotary = RotaryEmbedding(c.head_dim, max_model_len + config.num_speculative_tokens + 1,
@@ -394,18 +394,3 @@ class EagleProposer:
         st = self.states.pop(id(seq), None)
         if st is not None:
             self.kv.release(st)
-
-
-def _int8_head(head: EagleHead, lm_head: torch.Tensor) -> tuple[EagleHead, torch.nn.Module]:
-    """A copy of the head whose linears, and its read-out rows (Vs, H), are int8 layers on our CPU kernels
-    (weights rounded per output row, as the target's int8 layers are)."""
-    import copy
-    head = copy.deepcopy(head)
-    for name in ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-        lin = getattr(head, name)
-        layer = Int8Linear.from_float(lin.weight.detach().float(), None if lin.bias is None else lin.bias.detach().float())
-        layer.cpu_kernel = True
-        setattr(head, name, layer)
-    readout = Int8Linear.from_float(lm_head.float())
-    readout.cpu_kernel = True
-    return head, readout
