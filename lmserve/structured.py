@@ -190,9 +190,22 @@ class StructuredOutputs:
                 raise ValueError("structured_outputs: this model has no tokenizer to compile a grammar against")
             xgr = self._xgr()
             from transformers import PreTrainedTokenizerFast  # xgrammar depends on transformers
-            hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.raw)
-            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
-                                                      stop_token_ids=list(self.tokenizer.eos_token_ids) or None)
+            raw = self.tokenizer.raw
+            stops = list(self.tokenizer.eos_token_ids) or None
+            info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=raw),
+                                                      vocab_size=self.vocab_size, stop_token_ids=stops)
+            # control tokens (<|im_start|>, Gemma's <pad> / <unusedN>...) keep their spelling in the
+            # vocabulary, which xgrammar took for text: a JSON string could hold "<unused0>", and the
+            # detokenizer then dropped it (a 12-character code came out as 3). As "" they are special:
+            # never allowed, the stop tokens where the grammar may end aside.
+            special = {i for i, t in raw.get_added_tokens_decoder().items() if t.special and i < self.vocab_size}
+            if special - set(info.special_token_ids):
+                vocab = [""] * self.vocab_size
+                for text, i in raw.get_vocab(with_added_tokens=True).items():
+                    if i < self.vocab_size and i not in special:
+                        vocab[i] = text
+                info = xgr.TokenizerInfo(vocab, vocab_type=info.vocab_type, vocab_size=self.vocab_size,
+                                         stop_token_ids=stops, add_prefix_space=info.add_prefix_space)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 

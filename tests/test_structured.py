@@ -297,6 +297,46 @@ def test_a_token_the_grammar_refuses_is_never_emitted(smol):  # type: ignore[no-
     assert re.fullmatch(r"[0-9]*", o.text), o.text
 
 
+def test_control_tokens_are_never_text_inside_a_constraint(smol):  # type: ignore[no-untyped-def]
+    """The tokenizer's special tokens (<|im_start|>, <|endoftext|>, ...) are never allowed as text: inside
+    a JSON string the grammar allowed them by their spelling, and the detokenizer then dropped them (on
+    Gemma 3, a string of 12 characters came out with 3). Ordinary tokens stay allowed; EOS ends the output
+    where the grammar may end."""
+    import xgrammar as xgr
+    llm = smol
+    tok, so = llm.tokenizer, llm.engine.structured
+    special = sorted(i for i, t in tok.raw.get_added_tokens_decoder().items() if t.special)
+    assert len(special) >= 3
+    grammar = so.compile(StructuredOutputsParams(json={"type": "object", "properties": {"name": {"type": "string"}},
+                                                       "required": ["name"]}))
+    m = xgr.GrammarMatcher(grammar)
+    for t in tok.encode('{"name": "', add_special_tokens=False):
+        assert m.accept_token(t)
+    mask = xgr.allocate_token_bitmask(1, llm.engine.vocab_size)
+    m.fill_next_token_bitmask(mask)
+
+    def allowed(i: int) -> bool:
+        return bool((int(mask[0, i // 32]) >> (i % 32)) & 1)
+
+    assert [i for i in special if allowed(i)] == []
+    assert allowed(tok.encode(" Paris", add_special_tokens=False)[0])
+    done = xgr.GrammarMatcher(grammar)
+    for t in tok.encode('{"name": "x"}', add_special_tokens=False):
+        assert done.accept_token(t)
+    done.fill_next_token_bitmask(mask)
+    assert all(allowed(e) for e in tok.eos_token_ids)
+    # an output pushed toward a control token still holds to the schema
+    bias = {i: 30.0 for i in special if i not in tok.eos_token_ids}
+    o = llm.generate(["A name:"], SamplingParams(max_tokens=40, temperature=0, logit_bias=bias,
+                                                 structured_outputs=StructuredOutputsParams(json={
+                                                     "type": "object", "properties": {"code": {
+                                                         "type": "string", "minLength": 5, "maxLength": 5}},
+                                                     "required": ["code"]})), use_tqdm=False)[0].outputs[0]
+    assert not set(o.token_ids) & set(bias), o.token_ids
+    if o.finish_reason == "stop":
+        assert len(json.loads(o.text)["code"]) == 5
+
+
 def test_children_reuse_the_requests_compiled_grammar(smol):  # type: ignore[no-untyped-def]
     """n = 3: the request's grammar is compiled once, when it is validated; the children forked on the
     engine's thread take it from the request, never compile again (a compile there, slow or failing,
