@@ -55,6 +55,23 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+    def room(self, prompt_len: int, family: int = 1) -> int:
+        """The most tokens a request may generate after a prompt of prompt_len tokens, `family` sequences
+        at once (beams): what the context leaves, within what the KV pool can hold (the server's default
+        max_tokens: with a pool smaller than the context, the context's rest was refused as more blocks
+        than the cache has, so every request that left max_tokens unset got a 400). 0 when the prompt
+        alone does not fit."""
+        def fits(t: int) -> bool:
+            return family * self.bm.max_blocks(prompt_len + t) <= self.bm.num_blocks
+
+        lo, hi = 0, max(0, self.max_model_len - prompt_len)
+        if fits(hi):
+            return hi
+        while lo < hi:  # the largest t in [0, hi] that fits (max_blocks grows with the tokens)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
     def bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the token ids that spell it, alone and after a space (as vLLM bans them: the
         two ways a word appears mid-text); ValueError without a tokenizer."""

@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from lmserve import LLM, SamplingParams
 from lmserve.config import EngineConfig
@@ -112,3 +113,35 @@ def test_chat_template_flag(tiny_models, tmp_path):  # type: ignore[no-untyped-d
             LLM(str(path), kv_cache_memory="64MiB", chat_template=bad)
     with pytest.raises(ValueError, match="chat_template: this model has no tokenizer"):
         LLM(str(tiny_models["llama"][0]), kv_cache_memory="64MiB", chat_template=tpl)
+
+
+def test_a_pool_smaller_than_the_context_still_serves_requests_without_max_tokens(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """The default max_tokens is what the context and the KV pool leave (the context's rest alone asked
+    for more blocks than the cache has: with a pool smaller than the context every request that left
+    max_tokens unset was a 400, chat and Responses included); beams count each of theirs."""
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from lmserve.kv.cache import KVCache
+    from lmserve.models.loader import hf_config
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    from tests.test_server import serving
+    path = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "llama")
+    per_block = KVCache.bytes_per_block(hf_config(path), 16, torch.float32)
+    tpl = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<a>"
+    llm = LLM(str(path), kv_cache_memory=per_block * 10, chat_template=tpl, generation_config="vllm")
+    eng = llm.engine
+    assert eng.max_model_len == 2048 and eng.block_manager.num_blocks == 10  # a pool of 160 tokens
+    room = eng.inputs.room
+    assert room(20) == 140 and room(20, family=2) == 60 and room(200) == 0
+    ae = AsyncEngine(eng)
+    with serving(build_app(ae, "tiny")) as (url, _):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello there", "max_tokens": None,
+                                                      "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 160, r.text
+        c = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "ignore_eos": True}, timeout=60)
+        assert c.status_code == 200 and c.json()["usage"]["total_tokens"] == 160, c.text
+        too_long = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 500}, timeout=60)
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"

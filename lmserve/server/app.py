@@ -142,8 +142,9 @@ class OpenAIServer:
             structured = body.structured()
             self.limits.check_constraint(structured.key() if structured is not None else None)
             ids = self.ae.tokenize(prompt, getattr(body, "add_special_tokens", True))  # (completions: vLLM's)
-            req = self.ae.process_request(ids, body.to_sampling_params(len(ids), self.ae.max_model_len,
-                                                                         self.sampling_defaults))
+            family = max(body.n, body.best_of or 0) if body.use_beam_search else 1  # (beams run all at once)
+            room = self.ae.room(len(ids), family)  # the default max_tokens: what the context and the pool leave
+            req = self.ae.process_request(ids, body.to_sampling_params(room, self.sampling_defaults))
             return dataclasses.replace(req, priority=body.priority) if body.priority else req
 
     async def prepare(self, prompt: str | list[int], body: SamplingRequest) -> EngineRequest:

@@ -169,6 +169,10 @@ class AsyncEngine:
         """A prompt (text or token ids) -> checked token ids; ValueError naming the field."""
         return self._engine.tokenize_prompt(prompt, add_special_tokens)
 
+    def room(self, prompt_len: int, family: int = 1) -> int:
+        """The most tokens a request may generate after a prompt of prompt_len tokens (InputProcessor.room)."""
+        return self._engine.inputs.room(prompt_len, family)
+
     def process_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """Tokenize and validate a request once, on the caller's thread; ValueError naming the field."""
         return self._engine.process_request(prompt, params)

@@ -149,10 +149,9 @@ class SamplingRequest(BaseRequest):
         continuous = bool(opts and opts.continuous_usage_stats) or self.continuous_usage_stats
         return bool(opts and opts.include_usage), continuous
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int, defaults: dict[str, Any] | None = None
-                           ) -> SamplingParams:
-        """The engine's SamplingParams for a prompt of prompt_len tokens (the default max_tokens is the
-        rest of the context); defaults: the model's sampling defaults for the fields left unset
+    def to_sampling_params(self, room: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's SamplingParams; room: the default max_tokens (what the context, and the KV pool,
+        leave after the prompt: InputProcessor.room); defaults: the model's sampling defaults for the fields left unset
         (generation_config.py; their max_tokens caps the body's, as vLLM's does)."""
         raise NotImplementedError
 
@@ -252,9 +251,8 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix: is not supported")
         super().check()
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int, defaults: dict[str, Any] | None = None
-                           ) -> SamplingParams:
-        max_tokens = max_model_len - prompt_len if self.max_tokens is None else self.max_tokens
+    def to_sampling_params(self, room: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        max_tokens = room if self.max_tokens is None else self.max_tokens
         # echo-only scoring (max_tokens 0) runs one step and drops its token; the prompt's logprobs for
         # echo and for prompt_logprobs are computed once, with the larger number of alternatives
         asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
@@ -376,9 +374,8 @@ class ChatCompletionRequest(SamplingRequest, TemplateArgs):
         return [("tools", StructuredOutputsParams(json=tools_json_schema(
             self.tools, self.tool_choice, self.parallel_tool_calls)))]  # type: ignore[arg-type]
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int, defaults: dict[str, Any] | None = None
-                           ) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens or (max_model_len - prompt_len)
+    def to_sampling_params(self, room: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens or room
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max(1, max_tokens), logprobs, self.prompt_logprobs, defaults)
 
