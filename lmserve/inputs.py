@@ -73,19 +73,21 @@ class InputProcessor:
         return lo
 
     def bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as the token ids that spell it, alone and after a space (as vLLM bans them: the
-        two ways a word appears mid-text); ValueError without a tokenizer."""
+        """Each bad word as the token ids that spell it, as vLLM bans them: the word (leading spaces
+        dropped), and after a space where that spelling is a word token of its own (as many tokens, a
+        different first one: the word mid-text); ValueError without a tokenizer."""
         if self.tokenizer is None:
             raise ValueError("bad_words: this model has no tokenizer to spell them with")
         out: list[list[int]] = []
         for w in words:
-            for text in (w.strip(), " " + w.strip()):
-                try:
-                    ids = self.tokenizer.encode(text, add_special_tokens=False)
-                except ValueError:  # (a lone surrogate)
-                    raise ValueError("bad_words: not valid Unicode (a lone surrogate)") from None
-                if ids and ids not in out:
-                    out.append(ids)
+            try:
+                bare = self.tokenizer.encode(w.lstrip(), add_special_tokens=False)
+                spaced = self.tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+            except ValueError:  # (a lone surrogate)
+                raise ValueError("bad_words: not valid Unicode (a lone surrogate)") from None
+            out.append(bare)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                out.append(spaced)
         return out
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> Any:
@@ -113,8 +115,12 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer, so stop strings cannot be matched; "
                              "use stop_token_ids")
-        if params.bad_words:
-            params.bad_words_token_ids = self.bad_words_ids(params.bad_words)
+        params.bad_words_token_ids = self.bad_words_ids(params.bad_words) if params.bad_words else None
+        if params.allowed_token_ids is not None:  # (at most the vocabulary: each step masks with the list)
+            params.allowed_token_ids = sorted(set(params.allowed_token_ids))
+            banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+            if banned.issuperset(params.allowed_token_ids):
+                raise ValueError("allowed_token_ids: every one of them is a bad word")
         # beams are scheduled and preempted as a whole, so all of them must fit at once, each at its
         # longest (shared blocks are not counted on: a readmitted beam recomputes its own copy)
         family = params.beam_width if params.use_beam_search else 1

@@ -196,7 +196,7 @@ class ModelRunner:
         lp = self.model.compute_logits(hidden[first:last]).log_softmax(dim=-1)  # (R, V)
         targets = to_device(torch.tensor(seq.token_ids[c + first + 1:c + last + 1]), lp.device)  # (R,)
         chosen = lp.gather(1, targets.unsqueeze(1))  # (R, 1)
-        ranks = (lp > chosen).sum(dim=1) + 1  # (R,)
+        ranks = (lp >= chosen).sum(dim=1)  # (R,) vLLM's count: the tokens at least as likely, itself included
         k = seq.params.prompt_logprobs
         tops: list[dict[int, float]] = [{} for _ in range(last - first)]
         if k:

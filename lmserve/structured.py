@@ -161,6 +161,12 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
+def _any_set(row: torch.Tensor, ids: list[int]) -> bool:
+    """Whether a bitmask row (W,) int32 allows any of the token ids."""
+    t = torch.tensor(ids)  # (K,)
+    return bool(((row[t // 32] >> (t % 32)) & 1).any())
+
+
 class StructuredOutputs:
     """Compiles grammars (cached), gives sequences matchers, fills the step's bitmask rows."""
 
@@ -349,6 +355,9 @@ class StructuredOutputs:
                     g = seq.grammar  # grammar needs (SmolLM2 has no byte 0xF1: U+42221 is beyond it)
                     g.why, g.status = ("structured output: no token of the model's vocabulary can continue the "
                                        "constraint (it needs a character the tokenizer cannot write)"), 400
+                elif i == 0 and seq.params.allowed_token_ids and not _any_set(mask[0], seq.params.allowed_token_ids):
+                    g = seq.grammar  # (else every logit would be masked: a token neither allows would come out)
+                    g.why, g.status = ("allowed_token_ids: none of them can continue the structured output"), 400
                 if i == len(drafts) or not m.accept_token(drafts[i]):
                     break
                 accepted += 1

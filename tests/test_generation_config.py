@@ -16,23 +16,22 @@ from lmserve.config import EngineConfig
 from lmserve.generation_config import sampling_defaults
 from tests.conftest import char_tokenizer_model
 
-RECOMMENDED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 5}
+RECOMMENDED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 5, "repetition_penalty": 1.1}
+TPL = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<a>"
 
 
 @pytest.fixture(scope="module")
 def folder(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
-    """The tiny llama with a generation_config.json recommending sampling (and repeating two of
-    transformers' defaults, which set nothing)."""
-    path = tmp_path_factory.mktemp("gencfg") / "llama"
-    shutil.copytree(tiny_models["llama"][0], path)
+    """The tiny llama (with a character tokenizer) and a generation_config.json recommending sampling."""
+    path = char_tokenizer_model(tiny_models["llama"][0], tmp_path_factory.mktemp("gencfg") / "llama")
     gen = json.loads((path / "generation_config.json").read_text())
-    gen |= RECOMMENDED | {"repetition_penalty": 1.0, "do_sample": True, "min_p": None}
+    gen |= RECOMMENDED | {"top_p": 0.95, "do_sample": True, "min_p": None, "temperature": 0.6}
     (path / "generation_config.json").write_text(json.dumps(gen))
     return path
 
 
-def test_defaults_read_like_vllm(folder, tiny_models):  # type: ignore[no-untyped-def]
-    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 5}
+def test_defaults_read_like_vllm(folder, tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 5, "repetition_penalty": 1.1}
     cfg = EngineConfig(model=str(folder))
     assert sampling_defaults(cfg) == want
     assert sampling_defaults(dataclasses.replace(cfg, generation_config="vllm")) == {}
@@ -47,6 +46,9 @@ def test_defaults_read_like_vllm(folder, tiny_models):  # type: ignore[no-untype
             sampling_defaults(dataclasses.replace(cfg, override_generation_config=bad))
     with pytest.raises(ValueError, match="generation_config"):
         sampling_defaults(dataclasses.replace(cfg, generation_config=str(folder / "nowhere")))
+    (tmp_path / "generation_config.json").write_text(json.dumps(  # transformers' own defaults set nothing
+        {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0, "do_sample": True}))
+    assert sampling_defaults(dataclasses.replace(cfg, generation_config=str(tmp_path))) == {}
 
 
 def test_llm_generate_without_params_uses_them(folder):  # type: ignore[no-untyped-def]
@@ -70,11 +72,13 @@ def test_the_server_fills_what_a_body_leaves_unset(folder):  # type: ignore[no-u
     from lmserve.server.async_engine import AsyncEngine
     from lmserve.server.protocol import ChatCompletionRequest, CompletionRequest
     from tests.test_server import serving
-    llm = LLM(str(folder), kv_cache_memory="64MiB")
+    llm = LLM(str(folder), kv_cache_memory="64MiB", chat_template=TPL)
     app = build_app(AsyncEngine(llm.engine), "tiny")
     srv = app.state.server
     p = srv.engine_request([5, 17, 33], CompletionRequest(prompt=[5, 17, 33])).params
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.6, 0.95, 20, 0.0, 1.0, 5)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.6, 0.95, 20, 0.0, 1.1, 5)
+    beams = srv.engine_request([5, 17, 33], CompletionRequest(prompt=[5], use_beam_search=True, n=2, max_tokens=9))
+    assert beams.params.repetition_penalty == 1.0 and beams.params.max_tokens == 5  # (beams refuse penalties)
     p = srv.engine_request([5, 17, 33], CompletionRequest(prompt=[5], temperature=1.0, top_k=-1, max_tokens=3)).params
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (1.0, -1, 0.95, 3)  # the body's, where it gave them
     p = srv.engine_request([5, 17, 33], ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
@@ -84,6 +88,8 @@ def test_the_server_fills_what_a_body_leaves_unset(folder):  # type: ignore[no-u
         r = httpx.post(url + "/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 12, "ignore_eos": True},
                        timeout=60).json()
         assert r["usage"]["completion_tokens"] == 5
+        resp = httpx.post(url + "/v1/responses", json={"input": "hi", "top_p": 0.5}, timeout=60).json()
+        assert (resp["temperature"], resp["top_p"]) == (0.6, 0.5)  # what ran: the model's where unset
     off = build_app(AsyncEngine(LLM(str(folder), kv_cache_memory="64MiB", generation_config="vllm").engine), "tiny")
     p = off.state.server.engine_request([5], CompletionRequest(prompt=[5])).params
     assert (p.temperature, p.top_k, p.max_tokens) == (1.0, -1, 16)

@@ -395,7 +395,9 @@ def test_ping_and_version_are_open(server):  # type: ignore[no-untyped-def]
     assert httpx.get(server["url"] + "/ping").status_code == 200
     assert httpx.post(server["url"] + "/ping").status_code == 200
     assert httpx.get(server["url"] + "/version").json() == {"version": lmserve.__version__}
-    assert "/ping" in httpx.get(server["url"] + "/openapi.json").json()["paths"]
+    doc = httpx.get(server["url"] + "/openapi.json").json()
+    ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
+    assert set(doc["paths"]["/ping"]) == {"get", "post"} and len(ids) == len(set(ids))  # one id each
 
 
 def test_cors_only_for_the_origins_named(server):  # type: ignore[no-untyped-def]

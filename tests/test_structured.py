@@ -337,6 +337,18 @@ def test_control_tokens_are_never_text_inside_a_constraint(smol):  # type: ignor
         assert len(json.loads(o.text)["code"]) == 5
 
 
+def test_allowed_tokens_that_cannot_continue_a_constraint_fail_the_request(smol):  # type: ignore[no-untyped-def]
+    """allowed_token_ids none of which the grammar allows next: the request ends with an error naming
+    the field (a 400 on the server), not with a token neither allows (every logit was masked)."""
+    llm = smol
+    allowed = llm.tokenizer.encode(" maybe", add_special_tokens=False)
+    o = llm.generate(["Answer:"], SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=allowed,
+                                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                     use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason == "error" and "allowed_token_ids" in o.error and o.error_status == 400, o
+    assert o.text == ""
+
+
 def test_children_reuse_the_requests_compiled_grammar(smol):  # type: ignore[no-untyped-def]
     """n = 3: the request's grammar is compiled once, when it is validated; the children forked on the
     engine's thread take it from the request, never compile again (a compile there, slow or failing,

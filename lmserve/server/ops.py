@@ -26,7 +26,8 @@ def register(app: FastAPI, ae: AsyncEngine, metrics: ServerMetrics) -> None:
     probe = {"response_class": PlainTextResponse,
              "responses": {200: {"description": "ok", **TEXT}, **oa.errors(statuses=(503,))}}
     app.add_api_route("/health", health, methods=["GET"], **probe)
-    app.add_api_route("/ping", health, methods=["GET", "POST"], **probe)
+    for method in ("GET", "POST"):  # (one route each: one operation id each in the OpenAPI document)
+        app.add_api_route("/ping", health, methods=[method], name=f"ping_{method.lower()}", **probe)
 
     @app.get("/version", responses={200: {"model": oa.Version}})
     async def version() -> Response:

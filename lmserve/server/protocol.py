@@ -203,10 +203,12 @@ class SamplingRequest(BaseRequest):
         except ValueError:
             raise ValueError("logit_bias: keys must be token ids") from None
         d = defaults or {}
+        if self.use_beam_search:  # (its ranking uses no sampling option: vLLM's beam search takes none either)
+            d = {k: v for k, v in d.items() if k == "max_tokens"}
         max_tokens = min(max_tokens, d.get("max_tokens", max_tokens))
         if self.min_tokens > max_tokens:  # max_tokens: the body's, or the room left in the context
-            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({max_tokens}, the body's or "
-                             "the room left in the context)")
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({max_tokens}, the body's, the "
+                             "model's max_new_tokens or the room left in the context)")
         return SamplingParams(
             n=self.n, best_of=self.best_of, temperature=_given(self.temperature, d, "temperature", 1.0),
             top_p=_given(self.top_p, d, "top_p", 1.0), top_k=_given(self.top_k, d, "top_k", -1),

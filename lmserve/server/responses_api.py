@@ -193,9 +193,11 @@ class ResponsesFormatter(Formatter):
     object = "response"
 
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: ResponsesRequest,
-                 chat: ChatCompletionRequest, tool_parser: type[ToolParser]) -> None:
+                 chat: ChatCompletionRequest, tool_parser: type[ToolParser], sampling: tuple[float, float] = (1.0, 1.0)
+                 ) -> None:
         super().__init__(rid, model, tokenizer)
         self.body = body
+        self.sampling = sampling  # (temperature, top_p) the request ran with: the model's defaults where unset
         self.chat = ChatFormatter(rid, model, tokenizer, chat, tool_parser)
         self.seq = 0  # the next event's sequence_number
 
@@ -213,8 +215,7 @@ class ResponsesFormatter(Formatter):
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": b.parallel_tool_calls, "previous_response_id": None,
-                "store": False, "temperature": 1.0 if b.temperature is None else b.temperature,
-                "top_p": 1.0 if b.top_p is None else b.top_p, "text": {"format": fmt or {"type": "text"}},
+                "store": False, "temperature": self.sampling[0], "top_p": self.sampling[1], "text": {"format": fmt or {"type": "text"}},
                 "tool_choice": b.tool_choice or "auto", "tools": b.tools or [], "truncation": "disabled",
                 "usage": usage}
 
@@ -343,7 +344,8 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
             _, req = await srv.prepare_chat(chat.messages, True, chat.template_kwargs(), chat)
             rid = new_id("resp")
             jobs = [(rid, req)]
-        fmt = ResponsesFormatter(rid, srv.served_model, srv.ae.tokenizer, body, chat, srv.tool_parser)
+        fmt = ResponsesFormatter(rid, srv.served_model, srv.ae.tokenizer, body, chat, srv.tool_parser,
+                                 (req.params.temperature, req.params.top_p))
         return await srv.respond(request, chat, jobs, fmt)
 
     app.add_api_route("/v1/responses", create, methods=["POST"], **oa.generating(oa.ResponseObject, ResponsesRequest))
