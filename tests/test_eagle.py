@@ -624,6 +624,15 @@ def test_a_draft_vocabulary_keeps_drafts_inside_it_and_output_exact(tiny_models,
     ref = LLM(str(path)).generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert drafted and set(drafted) <= set(head.draft_vocab.tolist())
+    # allowed tokens all outside the draft vocabulary: every draft distribution is empty (NaN), so no
+    # chain drafts; the output stays inside the allowed set, greedy as plain decoding's, sampled too
+    allowed = [60, 61, 62, 70]
+    for temperature in (0.0, 1.0):
+        p = SamplingParams(max_tokens=12, temperature=temperature, seed=3, ignore_eos=True, allowed_token_ids=allowed)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)]
+        assert all(set(t) <= set(allowed) and len(t) == 12 for t in got), got
+        if temperature == 0:
+            assert got == [o.outputs[0].token_ids for o in LLM(str(path)).generate(PROMPTS, p, use_tqdm=False)]
 
 
 def test_eagle_config_errors_name_the_field(tiny_models, tmp_path):  # type: ignore[no-untyped-def]

@@ -383,9 +383,13 @@ class EagleProposer:
                     del seqs[i].token_ids[-len(drafts[i]):]
 
     def _unsure(self, p: torch.Tensor) -> list[bool]:
-        """Per row of draft distributions p (B, V'): its top probability is below min_prob (the chain
-        ends before this draft; never with min_prob 0)."""
-        return (p.amax(-1) < self.min_prob).tolist() if self.min_prob else [False] * p.shape[0]
+        """Per row of draft distributions p (B, V'): the chain ends before this draft where its top
+        probability is below min_prob (never with min_prob 0), or where it is no distribution (NaN: no
+        allowed token in the draft vocabulary; drawn from, it put a forbidden token through)."""
+        cut = ~torch.isfinite(p).all(-1)  # (B,)
+        if self.min_prob:
+            cut |= p.amax(-1) < self.min_prob
+        return cut.tolist()
 
     def _one_hot(self, token: int) -> torch.Tensor:  # (V,)
         return torch.zeros(self.vocab_size, device=self.device).index_fill_(0, torch.tensor([token], device=self.device), 1.0)
