@@ -225,10 +225,10 @@ def speculative_fields(spec: Any, method_given: str | None) -> dict[str, Any]:
     if spec.get("draft_tensor_parallel_size", 1) != 1:
         raise ValueError("speculative_config.draft_tensor_parallel_size: the draft runs on one rank (1)")
     method = spec.get("method") or ("draft" if spec.get("model") else None)  # (vLLM: a model alone is a draft)
-    if method not in _SPEC_METHODS and method != "draft":
+    if method not in _SPEC_METHODS:
         raise ValueError(f"speculative_config.method: {method!r} is not one of {', '.join(_SPEC_METHODS)}")
     out = {_SPEC_KEYS[k]: v for k, v in spec.items() if k in _SPEC_KEYS}
-    out["speculative_method"] = _SPEC_METHODS.get(method, method)
+    out["speculative_method"] = _SPEC_METHODS[method]
     return out
 
 
@@ -279,12 +279,12 @@ class EngineConfig:
     spec_min_draft_prob: float = 0.0  # eagle: a chain ends before a draft whose top probability is below (0: off)
     # structured output: seconds a grammar (JSON schema, regex, EBNF) may take to compile; slower: a 400
     grammar_compile_timeout: float = 10.0
-    # sampling defaults for what a request leaves unset (generation_config.py, vLLM's flags): auto (the
-    # checkpoint's generation_config.json) | vllm (none: the library's own) | a folder holding one; the
-    # override's fields (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) go on top
     # chats rendered with this template (a file, or the template itself) instead of the checkpoint's
     # (vLLM's --chat-template; a request's own chat_template still needs the server's trust)
     chat_template: str | None = None
+    # sampling defaults for what a request leaves unset (generation_config.py, vLLM's flags): auto (the
+    # checkpoint's generation_config.json) | vllm (none: the library's own) | a folder holding one; the
+    # override's fields (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) go on top
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     # batch-invariant outputs: a request's tokens and logprobs bit-identical whatever else runs beside it,

@@ -21,7 +21,7 @@ from lmserve.kv.block_manager import BlockManager
 from lmserve.kv.cache import KVCache, slots
 from lmserve.kv.swap import HostSwap
 from lmserve.sampling.rejection import verify, verify_greedy
-from lmserve.sampling.sampler import Sampler, TokenView, make_logprob
+from lmserve.sampling.sampler import Sampler, TokenView, make_logprob, read_logprobs
 from lmserve.scheduler import SchedulerOutput
 from lmserve.sequence import Logprob, SamplingParams, Sequence
 from lmserve.structured import StructuredOutputs
@@ -195,15 +195,11 @@ class ModelRunner:
             return
         lp = self.model.compute_logits(hidden[first:last]).log_softmax(dim=-1)  # (R, V)
         targets = to_device(torch.tensor(seq.token_ids[c + first + 1:c + last + 1]), lp.device)  # (R,)
-        chosen = lp.gather(1, targets.unsqueeze(1))  # (R, 1)
-        ranks = (lp >= chosen).sum(dim=1)  # (R,) vLLM's count: the tokens at least as likely, itself included
-        k = seq.params.prompt_logprobs
-        tops: list[dict[int, float]] = [{} for _ in range(last - first)]
-        if k:
-            vals, ids = lp.topk(k, dim=-1)  # (R, k) each
-            tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-        for t, v, r, top in zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), tops):
-            seq.prompt_logprobs.append(Logprob(t, v, top, r))
+        _, lps = read_logprobs(lp, targets, [seq.params.prompt_logprobs] * (last - first))
+        ranks = (lp >= lp.gather(1, targets.unsqueeze(1))).sum(dim=1)  # (R,) vLLM's: at least as likely, itself too
+        for row, r in zip(lps, ranks.tolist()):
+            row.rank = r  # type: ignore[union-attr]
+            seq.prompt_logprobs.append(row)
 
     def score(self, seq: Sequence, block_manager: BlockManager, last_only: bool = False,
               decode_from: int | None = None) -> torch.Tensor:

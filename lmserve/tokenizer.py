@@ -58,7 +58,6 @@ class Tokenizer:
         """Render chats with `source` instead of the checkpoint's template (vLLM's --chat-template: a
         file, or the template itself); ValueError naming chat_template when it is neither, or does not
         compile."""
-        import jinja2
         path = Path(source)
         try:
             is_file = path.is_file()
@@ -68,11 +67,7 @@ class Tokenizer:
             source = path.read_text()
         elif not any(c in source for c in "{}\n"):
             raise ValueError(f"chat_template: {source!r} is neither a file nor a template")
-        try:
-            compiled = compile_template(source)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat_template: does not compile ({e})") from None
-        self.chat_template, self._template = source, compiled
+        self.chat_template, self._template = source, _compile_checked(source)
 
     def request_ids(self, message: str) -> list[int]:
         """One user message as the model's prompt token ids: through the chat template when the
@@ -210,20 +205,25 @@ class Tokenizer:
     def _request_template(self, source: str) -> Any:
         """A request's chat template, compiled once per text (a few kept); ValueError naming the field
         when it does not compile."""
-        import jinja2
         with self._templates_lock:
             hit = self._templates.get(source)
             if hit is not None:
                 return hit
-        try:
-            compiled = compile_template(source)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat_template: does not compile: {e}") from None
+        compiled = _compile_checked(source)
         with self._templates_lock:
             self._templates[source] = compiled
             while len(self._templates) > 16:
                 self._templates.pop(next(iter(self._templates)))
         return compiled
+
+
+def _compile_checked(source: str) -> Any:
+    """compile_template, or a ValueError naming chat_template when the source does not compile."""
+    import jinja2
+    try:
+        return compile_template(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat_template: does not compile: {e}") from None
 
 
 SPM_BUILD = "1"  # bump when _sentencepiece_bpe changes: cached tokenizers of older builds are not read

@@ -55,17 +55,6 @@ class Formatter:
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None) -> None:
         self.rid, self.model, self.tok = rid, model, tokenizer
         self.created = int(time.time())
-        self.held_ids: dict[Any, list[int]] = {}  # return_token_ids, per choice: ids not yet sent
-
-    def hold_ids(self, key: Any, ids: list[int]) -> None:
-        """return_token_ids while streaming: a step's token ids wait for the next chunk of their choice
-        (a step whose text is held back sends none)."""
-        if ids:
-            self.held_ids.setdefault(key, []).extend(ids)
-
-    def take_ids(self, key: Any) -> dict[str, Any]:
-        """The held token ids of a choice as its chunk's `token_ids` field."""
-        return {"token_ids": self.held_ids.pop(key, [])}
 
     def piece(self, tid: int) -> str:
         """A token's text as logprobs show it."""
@@ -133,6 +122,7 @@ class CompletionFormatter(Formatter):
         self.offset: dict[tuple[int, int], int] = {}  # (job, choice): the stream's next text_offset
         self.prompts_seen: dict[int, RequestOutput] = {}  # job -> an output of it (its prompt's logprobs)
         self.ids_started: set[tuple[int, int]] = set()  # (job, choice) sent its prompt_token_ids
+        self.held_ids: dict[tuple[int, int], list[int]] = {}  # return_token_ids, (job, choice): ids not yet sent
 
     def prompt_text(self, i: int) -> str:
         """Job i's prompt as text (echo)."""
@@ -170,8 +160,8 @@ class CompletionFormatter(Formatter):
         key, body = (i, c.index), self.body
         text = "" if body.echo_only else c.delta_text  # scoring streams the prompt alone, as its response has it
         ids, lps = ([], []) if body.echo_only else (c.delta_token_ids, lj.new_logprobs(c))
-        if body.return_token_ids:
-            self.hold_ids(key, ids)
+        if body.return_token_ids and ids:  # (a step whose text is held back sends them with the next chunk)
+            self.held_ids.setdefault(key, []).extend(ids)
         if body.echo and key not in self.echoed and (c.token_ids or c.finished):  # the prompt first (once it
             # is computed: its logprobs whole), with its logprobs, as the response has it
             self.echoed.add(key)
@@ -190,7 +180,7 @@ class CompletionFormatter(Formatter):
                   "finish_reason": ("length" if body.echo_only else c.finish_reason) if c.finished else None,
                   "stop_reason": c.stop_reason if c.finished else None}
         if body.return_token_ids:
-            choice.update(self.take_ids(key))
+            choice["token_ids"] = self.held_ids.pop(key, [])
             if key not in self.ids_started and i in self.prompts_seen:  # the prompt's ids on a choice's first chunk
                 self.ids_started.add(key)
                 choice["prompt_token_ids"] = self.prompts_seen[i].prompt_token_ids
@@ -218,7 +208,7 @@ class ChatFormatter(Formatter):
         self.streams: dict[int, ToolCallStream] = {}  # auto mode, per choice
         self.forced: dict[int, str] = {}  # forced mode, per choice: the text so far
         self.called: set[int] = set()  # choices that made a call
-        self.held: dict[int, tuple[list[int], list[Logprob]]] = {}  # per choice: logprobs of tokens not yet sent
+        self.held: dict[int, tuple[list[int], list[Logprob]]] = {}  # per choice: tokens (and logprobs) not yet sent
 
     @property
     def max_calls(self) -> int | None:
@@ -288,8 +278,7 @@ class ChatFormatter(Formatter):
         if self.body.tool_mode == "none":
             return super().deltas(i, c)
         k = c.index
-        if self.body.return_token_ids:
-            self.hold_ids(k, c.delta_token_ids)
+        self.hold(c)
         found: list[Delta] = []
         if self.body.tool_mode == "auto":
             stream = self.streams.setdefault(k, self.parser(self.rng).streaming())
@@ -313,40 +302,40 @@ class ChatFormatter(Formatter):
                 merged[-1]["content"] += d.text
             else:
                 merged.append(d.openai())
-        if self.body.logprobs and c.delta_token_ids:  # held until a chunk goes out (text may be held back)
-            ids, lps = self.held.setdefault(k, ([], []))
-            ids += c.delta_token_ids
-            lps += lj.new_logprobs(c)
         if c.finished and not merged:
             merged.append({})
-        lp = self.logprobs(*self.held.pop(k)) if merged and k in self.held else None
-        out = [{"index": k, "delta": d, "logprobs": lp if j == 0 else None, "finish_reason": None,
-                "stop_reason": None} for j, d in enumerate(merged)]
-        if self.body.return_token_ids and out:
-            out[0].update(self.take_ids(k))
+        out = [{"index": k, "delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None}
+               for d in merged]
+        if out:
+            out[0].update(self.release(k))
         if c.finished:
             out[-1]["finish_reason"] = self.finish_reason(c, k in self.called)
             out[-1]["stop_reason"] = c.stop_reason
         return out
 
-    def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
-        k = c.index
-        if self.body.return_token_ids:
-            self.hold_ids(k, c.delta_token_ids)
-        if self.body.logprobs and c.delta_token_ids:  # held until a chunk goes out (text may be held back)
-            ids, lps = self.held.setdefault(k, ([], []))
+    def hold(self, c: CompletionOutput) -> None:
+        """A step's tokens (and their logprobs) wait for the next chunk of their choice: its text may be
+        held back (a stop string, a tool call)."""
+        if (self.body.logprobs or self.body.return_token_ids) and c.delta_token_ids:
+            ids, lps = self.held.setdefault(c.index, ([], []))
             ids += c.delta_token_ids
             lps += lj.new_logprobs(c)
+
+    def release(self, k: int) -> dict[str, Any]:
+        """Choice k's held tokens as its chunk's fields: `logprobs` (when asked), `token_ids` (return_token_ids)."""
+        ids, lps = self.held.pop(k, ([], []))
+        fields: dict[str, Any] = {"logprobs": self.logprobs(ids, lps) if self.body.logprobs and ids else None}
+        if self.body.return_token_ids:
+            fields["token_ids"] = ids
+        return fields
+
+    def delta(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
+        self.hold(c)
         if not c.delta_text and not c.finished:
             return None
-        held = self.held.pop(k, None)
-        lp = self.logprobs(*held) if held else None
-        choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {}, "logprobs": lp,
-                  "finish_reason": c.finish_reason if c.finished else None,
-                  "stop_reason": c.stop_reason if c.finished else None}
-        if self.body.return_token_ids:
-            choice.update(self.take_ids(k))
-        return choice
+        return {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                **self.release(c.index), "finish_reason": c.finish_reason if c.finished else None,
+                "stop_reason": c.stop_reason if c.finished else None}
 
 
 async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOutput | BaseException]],
