@@ -36,6 +36,15 @@ from lmserve.kv.cache import QuantizedKV
 from lmserve.utils import to_device
 
 
+def grid_target(device: torch.device) -> int:
+    """Programs a split-KV decode grid aims at: two waves of the GPU's SMs (264 on an H100 / H200); off
+    CUDA (the interpreter, which runs programs one after another: splits add work, no parallelism) 16,
+    which still splits a small batch's keys (a 4-sequence step over 2 KV heads in 2 parts)."""
+    if device.type != "cuda":
+        return 16
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @triton.jit(do_not_specialize=["slot_ptr"])
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, row_stride, cache_stride,
                      HD: tl.constexpr, BLOCK: tl.constexpr):
@@ -340,21 +349,22 @@ class TritonAttention:
 
     supports_cuda_graphs = True  # a static decode batch needs no host-side lengths (see _plan)
 
-    def __init__(self, rows: int = 64, max_splits: int = 16, target_programs: int = 264,
+    def __init__(self, rows: int = 64, max_splits: int = 16, target_programs: int | None = None,
                  prefill_keys: int = 64, decode_keys: int = 64, fp32_dot: str = "tf32") -> None:
         self.rows = rows  # query rows (tokens x heads of a group) per prefill program; >= 16 for tl.dot
         self.prefill_keys = prefill_keys  # keys per iteration of a prefill program (whole pages)
         self.decode_keys = decode_keys  # keys x query heads per iteration of a decode program (registers)
         self.max_splits = max_splits
-        self.target_programs = target_programs  # ~2 waves of an H100/H200's 132 SMs
+        self.target_programs = target_programs  # decode programs a step aims at; None: grid_target(device)
         # prefill tl.dot on float32 inputs: "tf32" (tensor cores, ~1e-3 relative) or "ieee" (exact
         # products; what the kernel checks use). bf16 inputs (the CUDA default) ignore it: exact products,
         # float32 accumulation.
         self.fp32_dot = fp32_dot
 
-    def _splits(self, num_decodes: int, num_kv_heads: int, max_pages: int | None = None) -> int:
+    def _splits(self, num_decodes: int, num_kv_heads: int, device: torch.device, max_pages: int | None = None) -> int:
         """Split-KV factor: enough programs for ~2 waves, never more splits than pages."""
-        want = max(1, self.target_programs // (num_decodes * num_kv_heads))
+        target = self.target_programs or grid_target(device)
+        want = max(1, target // (num_decodes * num_kv_heads))
         return max(1, min(self.max_splits, want, max_pages or want))
 
     def _plan(self, meta: AttentionMetadata, num_kv_heads: int, group: int) -> dict:
@@ -363,7 +373,7 @@ class TritonAttention:
         block_m = max(1, self.rows // triton.next_power_of_2(group))
         if meta.static_decode:  # a CUDA-graph batch: row i is a decode of sequence i; no host lengths
             b = meta.slot_mapping.shape[0]
-            return {"block_m": block_m, "work_seq": None, "work_q": None, "splits": self._splits(b, num_kv_heads),
+            return {"block_m": block_m, "work_seq": None, "work_q": None, "splits": self._splits(b, num_kv_heads, dev),
                     "dec": torch.arange(b, dtype=torch.int32, device=dev)}
         dec = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
         work_seq: list[int] = []
@@ -379,7 +389,7 @@ class TritonAttention:
                                              for k, t, v in zip(("dec", "work_seq", "work_q"), flat, lists)}}
         if dec:
             max_pages = max(-(-meta.seq_lens_host[i] // meta.block_size) for i in dec)
-            plan["splits"] = self._splits(len(dec), num_kv_heads, max_pages)
+            plan["splits"] = self._splits(len(dec), num_kv_heads, dev, max_pages)
         return plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV,

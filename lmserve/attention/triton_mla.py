@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmserve.attention.triton_attn import grid_target
+
 
 @triton.jit(do_not_specialize=["slot_ptr"])
 def _store_kernel(row_ptr, cache_ptr, slot_ptr, row_stride, cache_stride, W: tl.constexpr, BLOCK: tl.constexpr):
@@ -121,12 +123,12 @@ def _reduce_kernel(op_ptr, lse_ptr, o_ptr, num_splits, stride_ob, stride_oh, str
 
 
 def decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, scale: float, block_size: int, max_splits: int = 16, target_programs: int = 264,
-           block_h: int = 16, keys: int | None = None) -> torch.Tensor:
+           seq_lens: torch.Tensor, scale: float, block_size: int, max_splits: int = 16,
+           target_programs: int | None = None, block_h: int = 16, keys: int | None = None) -> torch.Tensor:
     """q_lat (B, H, L), q_pe (B, H, R), cache (S, L + R), block_tables (B, M), seq_lens (B,) (0: a padding
-    row) -> o_lat (B, H, L) in q_lat's dtype. Splits: enough programs for ~target_programs (two waves
-    of an H200's SMs), at most one a page of the widest table (from shapes: no host lengths). keys per
-    iteration: 32 (16 for float32: a 512-wide latent tile is then 32 KiB, as in bf16)."""
+    row) -> o_lat (B, H, L) in q_lat's dtype. Splits: enough programs for ~target_programs (default
+    triton_attn.grid_target: two waves of the GPU's SMs), at most one a page of the widest table (from
+    shapes: no host lengths). keys per iteration: 32 (16 for float32: a 512-wide latent tile is then 32 KiB, as in bf16)."""
     b, h, L = q_lat.shape
     R = q_pe.shape[-1]
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
@@ -137,7 +139,8 @@ def decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_t
     keys = keys or (32 if q_lat.element_size() <= 2 else 16)
     block_l = max(16, triton.next_power_of_2(L))
     head_blocks = triton.cdiv(h, bh)
-    splits = max(1, min(max_splits, target_programs // (b * head_blocks), block_tables.shape[1]))
+    target = target_programs or grid_target(q_lat.device)
+    splits = max(1, min(max_splits, target // (b * head_blocks), block_tables.shape[1]))
     part = torch.empty(b, h, splits, L, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(b, h, splits, dtype=torch.float32, device=q_lat.device)
     _decode_kernel[(b, head_blocks, splits)](
