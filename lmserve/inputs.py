@@ -31,9 +31,24 @@ class InputProcessor:
         """Tokenize and validate a request once; ValueError naming the field if it is bad. Reads only
         what never changes after start-up, so any thread may call it."""
         params = params or SamplingParams()
-        ids = self.tokenize(prompt)
+        ids = whole = self.tokenize(prompt)
+        if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
+            params.validate()  # (the value is checked before it is used)
+            ids = self.truncate(whole, params.truncate_prompt_tokens)
         grammar = self.validate(ids, params)
-        return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar)
+        # a truncated prompt's text is not what ran: the request then carries its token ids only
+        return Request(ids, params, prompt if isinstance(prompt, str) and ids is whole else None, grammar=grammar)
+
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the model's
+        context holds; None: all); ValueError when `keep` is more than the context."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 else keep
+        if keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {keep} is more than the model's context "
+                             f"({self.max_model_len})")
+        return ids[-keep:] if len(ids) > keep else ids
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A prompt (text or token ids) -> validated token ids; ValueError naming the problem. Text gets

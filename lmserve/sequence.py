@@ -103,6 +103,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as the context)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # per-request opt-out of speculative decoding
@@ -175,6 +176,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not whole(name, 0, self.MAX_LOGPROBS):
                 raise bad(name, f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+        if self.truncate_prompt_tokens is not None and not (whole("truncate_prompt_tokens", 1)
+                                                            or is_whole(self.truncate_prompt_tokens)
+                                                            and self.truncate_prompt_tokens == -1):
+            raise bad("truncate_prompt_tokens", "must be -1 (the model's context) or an integer >= 1")
         if self.seed is not None and not whole("seed", -(2 ** 63)):
             raise bad("seed", "must be an integer >= -2**63")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,6 +66,7 @@ def test_bad_input_raises_and_engine_survives(smol, field, make):  # type: ignor
                                       ("stop_token_ids", dict(stop_token_ids=["a"])), ("stop_token_ids", dict(stop_token_ids=5)),
                                       ("stop_token_ids", dict(stop_token_ids=[1.5])), ("stop", dict(stop=5)),
                                       ("logit_bias", dict(logit_bias={1.7: 1})),
+                                      *[("truncate_prompt_tokens", dict(truncate_prompt_tokens=v)) for v in (0, -2, True, 2.0)],
                                       # beam search ranks raw log-probs: what it would ignore is refused
                                       *[(f, dict(use_beam_search=True, n=2, **{f: v})) for f, v in (
                                           ("logit_bias", {3: 5.0}), ("repetition_penalty", 1.3),
@@ -72,6 +75,25 @@ def test_bad_input_raises_and_engine_survives(smol, field, make):  # type: ignor
 def test_sampling_params_name_the_bad_field(field, kw):  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=field):
         SP(**kw)
+
+
+def test_truncate_prompt_tokens(tiny_models):  # type: ignore[no-untyped-def]
+    """vLLM's truncate_prompt_tokens: the last k tokens run, as the same k sent alone (greedy tokens and
+    logprobs equal); -1 keeps what the context holds; more than the context is refused by name."""
+    llm = LLM(str(tiny_models["llama"][0]), max_model_len=64)
+    prompt = [(7 * i) % 120 + 3 for i in range(50)]
+    p = SamplingParams(max_tokens=5, temperature=0, logprobs=1, ignore_eos=True)
+    cut, alone = (llm.generate([x], q, use_tqdm=False)[0] for x, q in (
+        (prompt, dataclasses.replace(p, truncate_prompt_tokens=11)), (prompt[-11:], p)))
+    assert cut.prompt_token_ids == prompt[-11:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert [x.logprob for x in cut.outputs[0].logprobs] == [x.logprob for x in alone.outputs[0].logprobs]
+    long = prompt + prompt  # 100 tokens in a 64-token context: -1 keeps 64, which leaves no room to generate
+    with pytest.raises(ValueError, match="prompt: 64 tokens"):
+        llm.generate([long], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)
+    out = llm.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=60), use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-60:] and len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: 65 is more than the model's context"):
+        llm.generate([prompt], SamplingParams(truncate_prompt_tokens=65), use_tqdm=False)
 
 
 def test_numpy_integers_are_token_ids():  # type: ignore[no-untyped-def]

@@ -362,6 +362,35 @@ def test_return_token_ids(server):  # type: ignore[no-untyped-def]
     assert "token_ids" not in plain["choices"][0] and "prompt_logprobs" not in plain["choices"][0]
 
 
+def test_truncate_prompt_tokens(server):  # type: ignore[no-untyped-def]
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (usage, prompt_token_ids, echo and the
+    greedy text are those of the last k ids sent as the prompt: 6 tokens, less than a KV block, so neither
+    request finds the other in the prefix cache); chat truncates the templated conversation; 0 and more
+    than the context are 400s naming the field."""
+    tok = server["engine"].tokenizer
+    text = "The quick brown fox jumps over the lazy dog, and then the dog"
+    ids = tok.encode(text)
+    body = {"model": "smollm2-135m", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    cut = post(server, "/v1/completions", {**body, "prompt": text, "truncate_prompt_tokens": 6, "echo": True}).json()
+    alone = post(server, "/v1/completions", {**body, "prompt": ids[-6:]}).json()
+    c = cut["choices"][0]
+    assert len(ids) > 12 and cut["usage"]["prompt_tokens"] == 6 and c["prompt_token_ids"] == ids[-6:]
+    assert c["token_ids"] == alone["choices"][0]["token_ids"]
+    assert c["text"] == tok.decode(ids[-6:], skip_special_tokens=False) + alone["choices"][0]["text"]
+    whole = post(server, "/v1/completions", {**body, "prompt": text, "truncate_prompt_tokens": 100}).json()
+    assert whole["choices"][0]["prompt_token_ids"] == ids  # a prompt shorter than k is left whole
+    chat = {**body, "messages": [{"role": "user", "content": text}]}
+    full = post(server, "/v1/chat/completions", chat).json()["prompt_token_ids"]
+    r = post(server, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 9}).json()
+    assert r["usage"]["prompt_tokens"] == 9 and r["prompt_token_ids"] == full[-9:]
+    events = sse_events(server, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 9, "stream": True})
+    assert events[0]["prompt_token_ids"] == full[-9:]
+    for k in (0, -2, 10 ** 6):
+        err = post(server, "/v1/completions", {**body, "prompt": text, "truncate_prompt_tokens": k})
+        assert err.status_code == 400 and "truncate_prompt_tokens" in err.json()["error"]["message"], err.text
+    assert_idle(server)
+
+
 def test_stop_and_token_id_prompts(client):  # type: ignore[no-untyped-def]
     free = client.completions.create(model="smollm2-135m", prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0)
     words = free.choices[0].text.split(",")

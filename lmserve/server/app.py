@@ -141,7 +141,8 @@ class OpenAIServer:
         with invalid_request(body.constraint_renames()):
             structured = body.structured()
             self.limits.check_constraint(structured.key() if structured is not None else None)
-            ids = self.ae.tokenize(prompt, getattr(body, "add_special_tokens", True))  # (completions: vLLM's)
+            ids = self.ae.tokenize(prompt, getattr(body, "add_special_tokens", True),  # (completions: vLLM's)
+                                   body.truncate_prompt_tokens)  # (before the default max_tokens is counted)
             family = max(body.n, body.best_of or 0) if body.use_beam_search else 1  # (beams run all at once)
             room = self.ae.room(len(ids), family)  # the default max_tokens: what the context and the pool leave
             req = self.ae.process_request(ids, body.to_sampling_params(room, self.sampling_defaults))
@@ -265,6 +266,8 @@ class OpenAIServer:
         with invalid_request():
             self.limits.check_prompts(len(prompts))
         jobs = [(f"{rid}-{i}", await self.prepare(p, body)) for i, p in enumerate(prompts)]
+        if body.truncate_prompt_tokens is not None:  # echo returns the prompt that ran
+            prompts = [req.prompt_token_ids for _, req in jobs]
         return await self.respond(request, body, jobs,
                                   CompletionFormatter(rid, self.served_model, self.ae.tokenizer, body, prompts))
 
@@ -272,9 +275,9 @@ class OpenAIServer:
         """POST /v1/chat/completions: the conversation through the chat template, one engine request."""
         body = await self.parse(request, ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        ids, req = await self.prepare_chat(body.messages, body.add_generation_prompt, body.template_kwargs(), body)
+        _, req = await self.prepare_chat(body.messages, body.add_generation_prompt, body.template_kwargs(), body)
         return await self.respond(request, body, [(rid, req)], ChatFormatter(
-            rid, self.served_model, self.ae.tokenizer, body, self.tool_parser, ids))
+            rid, self.served_model, self.ae.tokenizer, body, self.tool_parser, req.prompt_token_ids))
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or messages through the chat template, as token ids."""

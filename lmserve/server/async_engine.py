@@ -165,9 +165,11 @@ class AsyncEngine:
         """The engine's description: model, architecture, dtype, device, max_model_len, load time."""
         return self._engine.info()
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """A prompt (text or token ids) -> checked token ids; ValueError naming the field."""
-        return self._engine.tokenize_prompt(prompt, add_special_tokens)
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, truncate: int | None = None
+                 ) -> list[int]:
+        """A prompt (text or token ids) -> checked token ids, the last `truncate` of them when given
+        (InputProcessor.truncate); ValueError naming the field."""
+        return self._engine.inputs.truncate(self._engine.tokenize_prompt(prompt, add_special_tokens), truncate)
 
     def room(self, prompt_len: int, family: int = 1) -> int:
         """The most tokens a request may generate after a prompt of prompt_len tokens (InputProcessor.room)."""

@@ -125,6 +125,7 @@ class SamplingRequest(BaseRequest):
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids in the response
     allowed_token_ids: list[Int] | None = None  # vLLM's: only these tokens may be generated
     bad_words: list[str] | None = None  # vLLM's: words never generated
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens (-1: the context)
     # constrained decoding: OpenAI's response_format; vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -142,6 +143,8 @@ class SamplingRequest(BaseRequest):
             raise ValueError("best_of: cannot stream when best_of > n")
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not available when stream is true")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens: must be -1 (the model's context) or an integer >= 1")
 
     def usage_flags(self) -> tuple[bool, bool]:
         """(a final usage chunk, usage in every chunk) as stream_options / the vLLM extension ask."""
@@ -216,12 +219,12 @@ class SamplingRequest(BaseRequest):
             repetition_penalty=_given(self.repetition_penalty, d, "repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
-            structured_outputs=self.structured(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+            structured_outputs=self.structured(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 class CompletionRequest(SamplingRequest):
