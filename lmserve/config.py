@@ -279,6 +279,7 @@ class EngineConfig:
     spec_min_draft_prob: float = 0.0  # eagle: a chain ends before a draft whose top probability is below (0: off)
     # structured output: seconds a grammar (JSON schema, regex, EBNF) may take to compile; slower: a 400
     grammar_compile_timeout: float = 10.0
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask (vLLM's; -1: the vocabulary)
     # chats rendered with this template (a file, or the template itself) instead of the checkpoint's
     # (vLLM's --chat-template; a request's own chat_template still needs the server's trust)
     chat_template: str | None = None
@@ -310,7 +311,7 @@ class EngineConfig:
         for name, lo in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 1),
                          ("quantization_group_size", 1), ("num_speculative_tokens", 1), ("draft_num_layers", 1),
                          ("ngram_min", 1), ("ngram_max", self.ngram_min), ("spec_max_batch", 0),
-                         ("tensor_parallel_size", 1), ("seed", 0)):
+                         ("tensor_parallel_size", 1), ("seed", 0), ("max_logprobs", -1)):
             v = getattr(self, name)
             if v is not None and (not is_whole(v) or v < lo):
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")

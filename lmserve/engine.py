@@ -95,7 +95,7 @@ class Engine:
         self.spec = None if not c.speculative_method else SpecPolicy(
             build_proposer(c, cfg, draft_budget, draft, self.model, self.max_model_len), c, self.max_model_len)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, c.max_num_seqs,
-                                     self.block_manager, self.structured)
+                                     self.block_manager, self.structured, c.max_logprobs)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
         # a function of the RNG and the output processor, not a bound method: no engine <-> fan-out cycle
         # (a cycle would keep a dropped engine, and its KV cache, alive until the next GC pass)

@@ -19,8 +19,11 @@ class InputProcessor:
     never changes after start-up (the pool's size, not its contents), so any thread may use it."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 block_manager: BlockManager, structured: StructuredOutputs | None = None) -> None:
+                 block_manager: BlockManager, structured: StructuredOutputs | None = None, max_logprobs: int = 20
+                 ) -> None:
         self.tokenizer = tokenizer
+        # the most logprobs / prompt_logprobs a request may ask (EngineConfig.max_logprobs; -1: all)
+        self.max_logprobs = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
         self.structured = structured  # compiles (and caches) structured-output grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -111,6 +114,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
         params.validate()
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name}: at most {self.max_logprobs} (the engine's max_logprobs), got {k}")
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt: {n} tokens, but the model's context is {self.max_model_len}")

@@ -116,8 +116,6 @@ class SamplingParams:
     # bad_words as token ids (each word, and with a leading space), filled by the engine's input checks
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
-    MAX_LOGPROBS = 20
-
     def __post_init__(self) -> None:
         self.validate()
 
@@ -173,9 +171,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "must be in [-2, 2]")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None and not whole(name, 0, self.MAX_LOGPROBS):
-                raise bad(name, f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):  # (at most the engine's max_logprobs: its input checks)
+            if getattr(self, name) is not None and not whole(name, 0):
+                raise bad(name, "must be an integer >= 0")
         if self.truncate_prompt_tokens is not None and not (whole("truncate_prompt_tokens", 1)
                                                             or is_whole(self.truncate_prompt_tokens)
                                                             and self.truncate_prompt_tokens == -1):

@@ -58,7 +58,7 @@ def test_bad_input_raises_and_engine_survives(smol, field, make):  # type: ignor
 @pytest.mark.parametrize("field,kw", [("max_tokens", dict(max_tokens=0)), ("temperature", dict(temperature=-0.5)),
                                       ("temperature", dict(temperature=float("inf"))),
                                       ("top_p", dict(top_p=0.0)), ("top_k", dict(top_k=-3)),
-                                      ("logprobs", dict(logprobs=50)), ("min_p", dict(min_p=float("nan"))),
+                                      ("logprobs", dict(logprobs=-1)), ("min_p", dict(min_p=float("nan"))),
                                       # a bool is an int to Python: it must not pass for a count or an id
                                       ("logprobs", dict(logprobs=True)), ("n", dict(n=True)), ("top_k", dict(top_k=True)),
                                       ("seed", dict(seed=True)), ("seed", dict(seed=-(2 ** 63) - 1)),
@@ -94,6 +94,27 @@ def test_truncate_prompt_tokens(tiny_models):  # type: ignore[no-untyped-def]
     assert out.prompt_token_ids == long[-60:] and len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="truncate_prompt_tokens: 65 is more than the model's context"):
         llm.generate([prompt], SamplingParams(truncate_prompt_tokens=65), use_tqdm=False)
+
+
+def test_max_logprobs(tiny_models):  # type: ignore[no-untyped-def]
+    """vLLM's max_logprobs: 20 by default (more is refused by the engine, naming the field); raised, a
+    request gets that many alternatives, the model's own top-k in float64; -1 allows the vocabulary."""
+    path = str(tiny_models["llama"][0])
+    prompt = [5, 17, 33, 9, 100, 3]
+    with pytest.raises(ValueError, match=r"logprobs: at most 20 \(the engine's max_logprobs\), got 21"):
+        LLM(path).generate([prompt], SamplingParams(max_tokens=1, logprobs=21), use_tqdm=False)
+    llm = LLM(path, max_logprobs=-1)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=128, prompt_logprobs=40),
+                       use_tqdm=False)[0]
+    ref = torch.log_softmax(llm.score(prompt).double(), -1)  # (6, 128): each position's next-token log-probs
+    last = out.outputs[0].logprobs[0].top
+    assert len(last) == 128 and max(abs(v - ref[-1, t].item()) for t, v in last.items()) < 1e-4
+    top = out.prompt_logprobs[3].top  # prompt token 3's: the 40 likeliest after tokens 0..2
+    assert set(top) == set(ref[2].topk(40).indices.tolist()) and len(top) == 40
+    with pytest.raises(ValueError, match="prompt_logprobs: at most 128"):
+        llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=129), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(path, max_logprobs=-2)
 
 
 def test_numpy_integers_are_token_ids():  # type: ignore[no-untyped-def]

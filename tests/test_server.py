@@ -1277,6 +1277,47 @@ def test_limits_are_the_servers_and_in_its_document(server):  # type: ignore[no-
     assert doc["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == 3
 
 
+def test_max_logprobs_bounds_every_route(server, tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """The engine's max_logprobs (--max-logprobs, vLLM's; 20 by default) bounds completions' logprobs,
+    chat's top_logprobs and prompt_logprobs: past it a 400 naming the field the client sent; within a
+    raised one, as many alternatives as asked; the OpenAPI document states the bound in force."""
+    from fastapi.testclient import TestClient
+
+    from lmserve import LLM
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    from tests.conftest import char_tokenizer_model
+    msg = [{"role": "user", "content": "hi"}]
+    for route, body, param in (("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+                               ("/v1/chat/completions", {"messages": msg, "logprobs": True, "top_logprobs": 21},
+                                "top_logprobs"),
+                               ("/v1/chat/completions", {"messages": msg, "prompt_logprobs": 21}, "prompt_logprobs")):
+        r = post(server, route, {"max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and "at most 20" in r.text, r.text
+    path = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "llama")
+    tpl = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<a>"
+    app = build_app(AsyncEngine(LLM(str(path), max_logprobs=30, chat_template=tpl).engine), "tiny")
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 2, "logprobs": 25,
+                                            "prompt_logprobs": 30})
+        assert r.status_code == 200, r.text
+        c0 = r.json()["choices"][0]  # (the chosen token, and a prompt's own, come beside the k likeliest)
+        assert [len(t) in (25, 26) for t in c0["logprobs"]["top_logprobs"]] == [True, True]
+        assert [len(t) in (30, 31) for t in c0["prompt_logprobs"][1:]] == [True, True]
+        chat = {"messages": msg, "max_tokens": 2, "logprobs": True, "top_logprobs": 28}
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        assert [len(t["top_logprobs"]) for t in r.json()["choices"][0]["logprobs"]["content"]] == [28, 28]
+        r = c.post("/v1/chat/completions", json={**chat, "top_logprobs": 31})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs" and "at most 30" in r.text
+        doc = c.get("/openapi.json").json()["components"]["schemas"]
+    def maximum(model: str, prop: str) -> list[int]:  # (a nullable property's bound is on its integer alternative)
+        p = doc[model]["properties"][prop]
+        return [alt["maximum"] for alt in p.get("anyOf", [p]) if "maximum" in alt]
+    assert maximum("ChatCompletionRequest", "top_logprobs") == maximum("ChatCompletionRequest", "prompt_logprobs") == [30]
+    assert maximum("CompletionRequest", "logprobs") == maximum("CompletionRequest", "prompt_logprobs") == [30]
+
+
 def test_a_requests_own_chat_template_needs_the_operators_trust(server, client):  # type: ignore[no-untyped-def]
     """chat_template in a request: a 400 naming it unless the server trusts request templates; trusted,
     the request's template renders the prompt (in the same sandbox: one that runs past the render

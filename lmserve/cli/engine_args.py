@@ -44,6 +44,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                             "measured to give the most tokens a second here"},
     "spec_min_draft_prob": {"help": "eagle: stop a request's chain of drafts before the first whose distribution's "
                                     "top probability is below this (0: always k)"},
+    "max_logprobs": {"help": "the most logprobs / top_logprobs / prompt_logprobs a request may ask (default 20, "
+                             "as vLLM; -1: the whole vocabulary)"},
     "max_waiting_time": {"help": "seconds a request may wait for its first step before it is refused (503)"},
     "chat_template": {"help": "render chats with this template (a file, or the template itself) instead of the "
                               "model's own"},

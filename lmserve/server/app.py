@@ -138,7 +138,7 @@ class OpenAIServer:
     def engine_request(self, prompt: str | list[int], body: SamplingRequest) -> EngineRequest:
         """The prompt and the body's sampling options as an engine Request: tokenized and validated once
         (the default max_tokens needs the prompt's length); a 400 naming the field if it is bad."""
-        with invalid_request(body.constraint_renames()):
+        with invalid_request(body.field_renames()):
             structured = body.structured()
             self.limits.check_constraint(structured.key() if structured is not None else None)
             ids = self.ae.tokenize(prompt, getattr(body, "add_special_tokens", True),  # (completions: vLLM's)
@@ -363,5 +363,5 @@ def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, ma
     bodies += responses_api.register(app, srv)  # POST /v1/responses
     bodies += anthropic_api.register(app, srv)  # POST /v1/messages, /v1/messages/count_tokens
     ops.register(app, ae, srv.metrics)  # /health, /ping, /version, /metrics
-    oa.document(app, bodies, limits.bounds(), served_model)
+    oa.document(app, bodies, limits.bounds(ae.max_logprobs), served_model)
     return app

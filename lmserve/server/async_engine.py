@@ -171,6 +171,11 @@ class AsyncEngine:
         (InputProcessor.truncate); ValueError naming the field."""
         return self._engine.inputs.truncate(self._engine.tokenize_prompt(prompt, add_special_tokens), truncate)
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs / prompt_logprobs a request may ask (the engine's max_logprobs, resolved)."""
+        return self._engine.inputs.max_logprobs
+
     def room(self, prompt_len: int, family: int = 1) -> int:
         """The most tokens a request may generate after a prompt of prompt_len tokens (InputProcessor.room)."""
         return self._engine.inputs.room(prompt_len, family)

@@ -125,13 +125,16 @@ class ServerLimits:
                              f"(--max-schema-bytes)")
 
     # the OpenAPI document states the bounds in force
-    def bounds(self) -> dict[str, dict[str, dict[str, int]]]:
-        """model name -> property -> the JSON schema keywords that state this server's limits."""
-        sampling = {"n": {"maximum": self.max_n}, "best_of": {"maximum": self.max_n},
+    def bounds(self, max_logprobs: int) -> dict[str, dict[str, dict[str, int]]]:
+        """model name -> property -> the JSON schema keywords that state this server's limits (and the
+        engine's max_logprobs)."""
+        most = {"maximum": max_logprobs}
+        sampling = {"n": {"maximum": self.max_n}, "best_of": {"maximum": self.max_n}, "prompt_logprobs": most,
                     "stop_token_ids": {"maxItems": self.max_stop_token_ids}, "bad_words": {"maxItems": self.max_stop},
                     "logit_bias": {"maxProperties": self.max_logit_bias}}
-        chat = {**sampling, "messages": {"maxItems": self.max_messages}, "tools": {"maxItems": self.max_tools}}
-        return {"CompletionRequest": sampling, "ChatCompletionRequest": chat,
+        chat = {**sampling, "messages": {"maxItems": self.max_messages}, "tools": {"maxItems": self.max_tools},
+                "top_logprobs": most}
+        return {"CompletionRequest": {**sampling, "logprobs": most}, "ChatCompletionRequest": chat,
                 "TokenizeRequest": {"messages": {"maxItems": self.max_messages}}}
 
     @classmethod

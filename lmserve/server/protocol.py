@@ -16,9 +16,6 @@ from lmserve.chat_template import join_text
 from lmserve.sequence import SamplingParams, StructuredOutputsParams
 from lmserve.server.tool_schema import check_tools, tools_json_schema
 
-MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
-
-
 def _integral(v: Any) -> Any:
     """A float with no fraction is the integer JSON Schema says it is (2.0 is an integer there)."""
     return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
@@ -121,7 +118,7 @@ class SamplingRequest(BaseRequest):
     length_penalty: Float = 1.0
     early_stopping: StrictBool = False
     continuous_usage_stats: StrictBool = False
-    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, as vLLM returns them
+    prompt_logprobs: Int | None = Field(None, ge=0)  # each prompt token's, as vLLM returns them
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids in the response
     allowed_token_ids: list[Int] | None = None  # vLLM's: only these tokens may be generated
     bad_words: list[str] | None = None  # vLLM's: words never generated
@@ -166,9 +163,9 @@ class SamplingRequest(BaseRequest):
             raise ValueError(f"{found[1][0]}: only one output constraint is allowed (also given: {found[0][0]})")
         return found[0][1] if found else None
 
-    def constraint_renames(self) -> tuple[tuple[str, str], ...]:
+    def field_renames(self) -> tuple[tuple[str, str], ...]:
         """Errors about the output constraint (the library names it structured_outputs.<kind>) named by
-        the field the client sent it in."""
+        the field the client sent it in (chat: and its logprobs count, top_logprobs)."""
         try:
             found = self._constraints()
         except ValueError:  # (said by structured(), inside the checks)
@@ -230,7 +227,7 @@ class SamplingRequest(BaseRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[Int] | list[str] | list[list[Int]]
     max_tokens: Int | None = Field(16, ge=0)
-    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Int | None = Field(None, ge=0)
     echo: StrictBool = False
     suffix: str | None = None
     add_special_tokens: StrictBool = True  # vLLM's: false leaves out the tokenizer's BOS
@@ -344,10 +341,13 @@ class ChatCompletionRequest(SamplingRequest, TemplateArgs):
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0)
     chat_template: str | None = None  # the request's own template: refused unless the server trusts them
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
+
+    def field_renames(self) -> tuple[tuple[str, str], ...]:  # (the engine's logprobs are top_logprobs here)
+        return (*super().field_renames(), ("logprobs", "top_logprobs"))
 
     def check(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
