@@ -28,11 +28,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc=None) -> None:  # type: ignore[no-untyped-def]
-    """Until url's /health answers 200 (a minute at most; at once an AssertionError if proc exited)."""
+def wait_healthy(url: str, proc=None, verify=True) -> None:  # type: ignore[no-untyped-def]
+    """Until url's /health answers 200 (a minute at most; at once an AssertionError if proc exited);
+    verify: httpx's (an https URL's certificate file)."""
     for _ in range(600):
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + "/health", timeout=1, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -108,6 +110,84 @@ def test_a_port_in_use_is_said_before_the_model_loads(tmp_path):  # type: ignore
     finally:
         busy.close()
     assert proc.returncode == 2 and "--port" in proc.stderr and "no-such-model" not in proc.stderr, proc.stderr
+
+
+def _certificate(tmp_path, name: str) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    """A self-signed certificate for 127.0.0.1 and its key (PEM files), made by the openssl command."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl command to make a test certificate with")
+    key, cert = str(tmp_path / f"{name}.key"), str(tmp_path / f"{name}.pem")
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days",
+                    "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True)
+    return key, cert
+
+
+def test_https_with_the_servers_certificate(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """--ssl-certfile / --ssl-keyfile (vLLM's flags): the API over HTTPS to a client that trusts the
+    certificate; a client that does not, or one speaking plain HTTP, gets nothing. A missing half or a key
+    that is not the certificate's is said, naming the flags, before the model loads (the model here does
+    not exist)."""
+    key, cert = _certificate(tmp_path, "a")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--model", str(tiny_models["llama"][0]),
+                             "--port", str(port), "--ssl-keyfile", key, "--ssl-certfile", cert, "--no-web-ui"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, trust = f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=cert)
+    try:
+        wait_healthy(url, proc, verify=trust)
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 3, "ignore_eos": True},
+                       verify=trust, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(url + "/health", timeout=5)  # (the system's CAs do not vouch for it)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0]
+    assert f"on https://127.0.0.1:{port}" in out, out
+    other_key, _ = _certificate(tmp_path, "b")
+    import argparse
+
+    from lmserve.server.tls import add_tls_args, tls_from_args
+    parser = argparse.ArgumentParser()
+    add_tls_args(parser)
+    for flags, said in ((["--ssl-keyfile", key], "ssl_certfile: HTTPS needs both"),
+                        (["--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-cert-reqs", "2"], "ssl_ca_certs: "),
+                        (["--ssl-ca-certs", cert], "ssl_ca_certs: needs HTTPS"),
+                        (["--ssl-keyfile", key, "--ssl-certfile", key], "ssl_certfile / ssl_keyfile: cannot load")):
+        with pytest.raises(ValueError, match=said):
+            tls_from_args(parser.parse_args(flags))
+    from lmserve.router.cli import replica_argv  # --data-parallel: the front serves HTTPS, its replicas plain HTTP
+    assert replica_argv(["--ssl-keyfile", key, "--model", "m", "--ssl-certfile=" + cert, "--ssl-cert-reqs", "0"]) \
+        == ["--model", "m"]
+    port = free_port()
+    front = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "router", "--replica",
+                              f"http://127.0.0.1:{free_port()}", "--port", str(port), "--ssl-keyfile", key,
+                              "--ssl-certfile", cert],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:  # (its replica is not there: its /health says so, over HTTPS)
+        for _ in range(300):
+            try:
+                r = httpx.get(f"https://127.0.0.1:{port}/health", verify=trust, timeout=1)
+                break
+            except httpx.ConnectError:
+                assert front.poll() is None, front.communicate()[0]
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the router did not come up")
+        assert r.status_code == 503
+    finally:
+        front.terminate()
+        front.communicate(timeout=60)
+    # the command checks them first: no model load, no replica started, on a key that is not the certificate's
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--model", str(tmp_path / "no-such-model"),
+                        "--port", str(free_port()), "--ssl-keyfile", other_key, "--ssl-certfile", cert,
+                        "--data-parallel", "2"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "ssl_certfile / ssl_keyfile: cannot load" in p.stderr, p.stderr
+    assert "no-such-model" not in p.stderr and "replica" not in p.stderr, p.stderr
 
 
 def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_views_at_once(tiny_models):  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ from typing import Any
 
 from lmserve.router.policy import POLICIES
 from lmserve.server.cors import FLAGS as CORS_FLAGS, add_cors_args, cors_from_args
+from lmserve.server.tls import FLAGS as TLS_FLAGS, add_tls_args, scheme, tls_from_args
 from lmserve.utils import above, at_least
 
 
@@ -41,7 +42,8 @@ ROUTER_DEFAULTS = {"policy": "prefix", "balance": 4, "health_interval": 1.0, "up
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    add_cors_args(p)  # (the front's: replicas behind a router run without CORS)
+    add_cors_args(p)  # (the front's: replicas behind a router run without CORS, and without TLS)
+    add_tls_args(p)
     p.add_argument("--policy", default=ROUTER_DEFAULTS["policy"], choices=POLICIES,
                    help="prefix: the replica that saw the longest prefix of this prompt, unless busier than the "
                         "least-loaded one by more than --balance; least-load; round-robin (default prefix)")
@@ -72,6 +74,7 @@ def serve_router(replicas: list[str], a: argparse.Namespace, prefill: list[str] 
     data-parallel front stops its replicas then, so their drain's last events reach the clients)."""
     import uvicorn
 
+    tls = tls_from_args(a)
     from lmserve.router.app import build_router_app
     from lmserve.router.policy import Replica, Router
     router = Router([Replica(check_url(u, "--replica")) for u in replicas], a.policy, a.balance)
@@ -80,7 +83,8 @@ def serve_router(replicas: list[str], a: argparse.Namespace, prefill: list[str] 
                            a.max_connections)
     cors_from_args(a).install(app)
     print(f"lmserve router: {a.policy} over {', '.join(replicas)}"
-          + (f", prefill on {', '.join(prefill)}" if prefill else "") + f" on http://{a.host}:{a.port}", flush=True)
+          + (f", prefill on {', '.join(prefill)}" if prefill else "") + f" on {scheme(tls)}://{a.host}:{a.port}",
+          flush=True)
 
     class Front(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -90,7 +94,7 @@ def serve_router(replicas: list[str], a: argparse.Namespace, prefill: list[str] 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (uvicorn raises it again once it has shut down)
     # the replicas drain within --shutdown-timeout; the router waits for their last bytes
     server = Front(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
-                                  timeout_graceful_shutdown=a.shutdown_timeout + 10))
+                                  timeout_graceful_shutdown=a.shutdown_timeout + 10, **tls))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it shut down on again (as uvicorn.run swallows it)
@@ -114,7 +118,8 @@ VALUELESS = {"--allow-credentials"}  # front flags that take no value
 def replica_argv(argv: list[str]) -> list[str]:
     """`serve`'s command line without the flags that belong to the front (--data-parallel, --host, --port,
     the router's own)."""
-    drop = {"--data-parallel", "--host", "--port", *("--" + k.replace("_", "-") for k in (*ROUTER_DEFAULTS, *CORS_FLAGS))}
+    drop = {"--data-parallel", "--host", "--port",
+            *("--" + k.replace("_", "-") for k in (*ROUTER_DEFAULTS, *CORS_FLAGS, *TLS_FLAGS))}
     out, skip = [], False
     for arg in argv:
         if skip:

@@ -12,6 +12,7 @@ from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.server.cors import cors_from_args
+from lmserve.server.tls import scheme, tls_from_args
 from lmserve.utils import above, at_least, given_flags
 
 
@@ -56,6 +57,7 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    tls = tls_from_args(a)  # (a missing or mismatched certificate is said before anything starts)
     if a.data_parallel > 1:
         from lmserve.router.cli import run_data_parallel
         return run_data_parallel(a, a.argv)
@@ -91,14 +93,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.web_ui:
         from lmserve.server import web
         web.register(app, ae, a.served_model_name or a.model)
-    print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on http://{a.host}:{a.port}",
-          flush=True)
+    print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on {scheme(tls)}://{a.host}:"
+          f"{a.port}", flush=True)
     # uvicorn finishes in-flight requests on SIGTERM/SIGINT, then re-raises the signal under the handler
     # that was installed before it started: make that a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=a.shutdown_timeout + 5,
                             # the parser's own cap stays above ours, so that our 431 (with its JSON body) answers
-                            h11_max_incomplete_event_size=max(4 * limits.max_header_bytes, 64 * 1024))
+                            h11_max_incomplete_event_size=max(4 * limits.max_header_bytes, 64 * 1024), **tls)
     draining_server(uvicorn.Server, ae, a.shutdown_timeout)(config).run(sockets=[sock])
     engine.close()
     return 0
