@@ -212,6 +212,41 @@ def test_metrics_count_each_request_once(client, server):  # type: ignore[no-unt
     assert finished_requests(server) == before + 4
 
 
+def test_metrics_under_vllms_names(client, server):  # type: ignore[no-untyped-def]
+    """Each series VLLM_NAMES lists is also given under vLLM's name, with its model_name label (and
+    finished_reason for finish_reason), equal to ours in the same scrape; the router's load reading
+    takes a vLLM server's series (labelled, per engine) and does not count ours twice."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lmserve.router.app import parse_load
+    from lmserve.server.metrics import VLLM_NAMES
+    client.completions.create(model="smollm2-135m", prompt="Once", max_tokens=3)
+    text = httpx.get(server["url"] + "/metrics").text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    checked = 0
+    for (name, labels), value in samples.items():
+        ours = next((k for k in VLLM_NAMES if name.startswith(k) and not name.endswith("_created")), None)
+        if ours is None:
+            continue
+        for theirs in VLLM_NAMES[ours]:
+            want = {("finished_reason" if k == "finish_reason" else k): v for k, v in labels}
+            want["model_name"] = "smollm2-135m"
+            assert samples[(theirs + name[len(ours):], tuple(sorted(want.items())))] == value, (name, theirs)
+            checked += 1
+    assert checked >= 40  # gauges, counters, four reasons, every bucket of four histograms
+    assert samples[("vllm:generation_tokens_total", (("model_name", "smollm2-135m"),))] >= 3
+    load = samples[("lmserve_num_requests_running", ())] + samples[("lmserve_num_requests_waiting", ())]
+    assert parse_load(text) == load
+    vllm = ('# TYPE vllm:num_requests_running gauge\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_waiting{engine="1",model_name="m"} 0.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n')
+    assert parse_load(vllm) == 6
+
+
 def test_beam_search_and_best_of(client, server):  # type: ignore[no-untyped-def]
     kw = dict(model="smollm2-135m", prompt="The three primary colours are", max_tokens=8, n=2)
     beam = client.completions.create(extra_body={"use_beam_search": True}, best_of=3, temperature=0, **kw)

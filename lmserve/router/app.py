@@ -104,13 +104,18 @@ class _Metrics:
 
 
 def parse_load(metrics_text: str) -> int:
-    """running + waiting from a replica's Prometheus text."""
-    total = 0.0
+    """running + waiting from a replica's Prometheus text: lmserve's series, else vLLM's (a vLLM server, or
+    one engine of it: its gauges carry labels; summed over them)."""
+    ours, vllm = 0.0, 0.0
+    seen = False
     for line in metrics_text.splitlines():
-        name, _, value = line.partition(" ")
+        series, _, value = line.rpartition(" ")
+        name = series.partition("{")[0]
         if name in ("lmserve_num_requests_running", "lmserve_num_requests_waiting"):
-            total += float(value)
-    return int(total)
+            ours, seen = ours + float(value), True
+        elif name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            vllm += float(value)
+    return int(ours if seen else vllm)
 
 
 async def check(client: httpx.AsyncClient, rep: Replica) -> None:

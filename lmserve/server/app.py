@@ -67,7 +67,7 @@ class OpenAIServer:
         self.limits = limits or ServerLimits()
         self.max_body_bytes = self.limits.max_body_bytes
         self.request_timeout = request_timeout
-        self.metrics = ServerMetrics(ae)
+        self.metrics = ServerMetrics(ae, served_model)
 
     # ------------------------------------------------------------ parsing and checks
     async def parse(self, request: Request, model: type[Body]) -> Body:

@@ -2,14 +2,17 @@
 and token counters (the snapshot of the engine's stats that the engine thread last published: a scrape
 never touches the Engine, which that thread mutates). Tokens are counted by the engine as they are
 processed, as vLLM counts them: an aborted request's tokens count, a request refused before it ran does
-not."""
+not.
+
+Each series is also given under vLLM's name (`vllm:num_requests_waiting{model_name="..."}`, VLLM_NAMES), so
+that dashboards, autoscalers and gateways written for vLLM read this server unchanged."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from lmserve.outputs import RequestOutput
 
@@ -18,6 +21,25 @@ if TYPE_CHECKING:
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _WORST_FIRST = ("error", "abort", "length", "stop")
+# our series -> vLLM's names for the same quantity (vLLM's V1 engine; the KV usage under its older name too)
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "lmserve_num_requests_running": ("vllm:num_requests_running",),
+    "lmserve_num_requests_waiting": ("vllm:num_requests_waiting",),
+    "lmserve_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "lmserve_prefix_cache_hit_tokens": ("vllm:prefix_cache_hits",),
+    "lmserve_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "lmserve_prompt_tokens": ("vllm:prompt_tokens",),
+    "lmserve_generation_tokens": ("vllm:generation_tokens",),
+    "lmserve_preemptions": ("vllm:num_preemptions",),
+    "lmserve_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "lmserve_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "lmserve_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "lmserve_requests": ("vllm:request_success",),  # (its label is finished_reason there)
+    "lmserve_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "lmserve_request_time_per_output_token_seconds": ("vllm:request_time_per_output_token_seconds",),
+    "lmserve_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "lmserve_request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+}
 
 
 def finish_reason(out: RequestOutput) -> str:
@@ -62,10 +84,32 @@ class _EngineCollector:
         yield g("lmserve_engine_alive", "1 while the engine loop runs", value=1.0 if self.ae.alive else 0.0)
 
 
-class ServerMetrics:
-    """One registry per app (tests start several servers in one process)."""
+class _VllmNames:
+    """Every series of `sources` that VLLM_NAMES lists, again under vLLM's name(s), with vLLM's
+    model_name label (and finished_reason for finish_reason), read at scrape time."""
 
-    def __init__(self, async_engine: AsyncEngine) -> None:
+    def __init__(self, sources: list, model_name: str) -> None:  # type: ignore[type-arg]
+        self.sources, self.model_name = sources, model_name
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        for source in self.sources:
+            for fam in source.collect():
+                for name in VLLM_NAMES.get(fam.name, ()):
+                    out = Metric(name, fam.documentation, fam.type)
+                    for s in fam.samples:
+                        if s.name.endswith("_created"):  # (vLLM's series carry none)
+                            continue
+                        labels = {("finished_reason" if k == "finish_reason" else k): v for k, v in s.labels.items()}
+                        out.add_sample(name + s.name[len(fam.name):], {**labels, "model_name": self.model_name},
+                                       s.value)
+                    yield out
+
+
+class ServerMetrics:
+    """One registry per app (tests start several servers in one process); model_name: the served model,
+    vLLM's label on its series."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lmserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
@@ -79,7 +123,9 @@ class ServerMetrics:
                              registry=r)
         self.queue = Histogram("lmserve_request_queue_time_seconds", "Arrival to first schedule",
                                buckets=_LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(async_engine))
+        engine = _EngineCollector(async_engine)
+        r.register(engine)
+        r.register(_VllmNames([engine, self.requests, self.ttft, self.tpot, self.e2e, self.queue], model_name))
 
     def observe(self, out: RequestOutput) -> None:
         """Record a finished request."""
