@@ -34,24 +34,37 @@ class InputProcessor:
         """Tokenize and validate a request once; ValueError naming the field if it is bad. Reads only
         what never changes after start-up, so any thread may call it."""
         params = params or SamplingParams()
-        ids = whole = self.tokenize(prompt)
+        ids = self.tokenize(prompt)
         if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
             params.validate()  # (the value is checked before it is used)
-            ids = self.truncate(whole, params.truncate_prompt_tokens)
+            ids = self.truncate(prompt, ids, params.truncate_prompt_tokens)
         grammar = self.validate(ids, params)
-        # a truncated prompt's text is not what ran: the request then carries its token ids only
-        return Request(ids, params, prompt if isinstance(prompt, str) and ids is whole else None, grammar=grammar)
+        return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar)  # (the text given)
 
-    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the model's
-        context holds; None: all); ValueError when `keep` is more than the context."""
+    def truncate(self, prompt: str | list[int], ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's (tokenized as `ids`) last `keep` tokens (None: all;
+        -1: the model's context length, vLLM's meaning); a text prompt keeps the special tokens its
+        tokenization put first (a BOS), as HF's truncation does, and `keep` counts them. ValueError naming
+        the field when `keep` is more than the context, or when what it keeps fills the context (no room
+        to generate)."""
         if keep is None:
             return ids
+        if keep == 0 or keep < -1:  # (the server's value: SamplingParams checks the library's)
+            raise ValueError(f"truncate_prompt_tokens: must be -1 (the model's context) or an integer >= 1, got {keep}")
         keep = self.max_model_len if keep == -1 else keep
         if keep > self.max_model_len:
             raise ValueError(f"truncate_prompt_tokens: {keep} is more than the model's context "
                              f"({self.max_model_len})")
-        return ids[-keep:] if len(ids) > keep else ids
+        if len(ids) <= keep:
+            return ids
+        front = 0
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            plain = self.tokenizer.encode(prompt, add_special_tokens=False)
+            front = min(keep, len(ids) - len(plain)) if ids[len(ids) - len(plain):] == plain else 0
+        if keep >= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: keeping {keep} tokens fills the model's context "
+                             f"({self.max_model_len}) and leaves no room to generate; keep fewer")
+        return ids[:front] + ids[len(ids) - (keep - front):]
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A prompt (text or token ids) -> validated token ids; ValueError naming the problem. Text gets

@@ -77,10 +77,24 @@ def test_sampling_params_name_the_bad_field(field, kw):  # type: ignore[no-untyp
         SP(**kw)
 
 
-def test_truncate_prompt_tokens(tiny_models):  # type: ignore[no-untyped-def]
+def test_truncate_prompt_tokens(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
     """vLLM's truncate_prompt_tokens: the last k tokens run, as the same k sent alone (greedy tokens and
-    logprobs equal); -1 keeps what the context holds; more than the context is refused by name."""
-    llm = LLM(str(tiny_models["llama"][0]), max_model_len=64)
+    logprobs equal); a text prompt keeps the BOS its tokenization put first, within the k (HF's
+    truncation keeps special tokens), and the output its text; -1 is the context length (vLLM's meaning),
+    which leaves no room to generate after a prompt that long: refused by name, as is more than the context."""
+    from tokenizers import Tokenizer, processors
+
+    from tests.conftest import char_tokenizer_model
+    path = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "bos")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))  # characters, and a BOS (id 1) first
+    tok.post_processor = processors.TemplateProcessing(single="\x01 $A", special_tokens=[("\x01", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    llm = LLM(str(path), max_model_len=64)
+    text = "hello world, this is long"
+    out = llm.generate([text], SamplingParams(max_tokens=2, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [1] + [ord(ch) for ch in "long"] and out.prompt == text
+    out = llm.generate([text], SamplingParams(max_tokens=2, truncate_prompt_tokens=1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [1]
     prompt = [(7 * i) % 120 + 3 for i in range(50)]
     p = SamplingParams(max_tokens=5, temperature=0, logprobs=1, ignore_eos=True)
     cut, alone = (llm.generate([x], q, use_tqdm=False)[0] for x, q in (
@@ -88,7 +102,7 @@ def test_truncate_prompt_tokens(tiny_models):  # type: ignore[no-untyped-def]
     assert cut.prompt_token_ids == prompt[-11:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
     assert [x.logprob for x in cut.outputs[0].logprobs] == [x.logprob for x in alone.outputs[0].logprobs]
     long = prompt + prompt  # 100 tokens in a 64-token context: -1 keeps 64, which leaves no room to generate
-    with pytest.raises(ValueError, match="prompt: 64 tokens"):
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: keeping 64 tokens fills the model's context"):
         llm.generate([long], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)
     out = llm.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=60), use_tqdm=False)[0]
     assert out.prompt_token_ids == long[-60:] and len(out.outputs[0].token_ids) == 4

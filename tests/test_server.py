@@ -413,8 +413,9 @@ def test_truncate_prompt_tokens(server):  # type: ignore[no-untyped-def]
     assert len(ids) > 12 and cut["usage"]["prompt_tokens"] == 6 and c["prompt_token_ids"] == ids[-6:]
     assert c["token_ids"] == alone["choices"][0]["token_ids"]
     assert c["text"] == tok.decode(ids[-6:], skip_special_tokens=False) + alone["choices"][0]["text"]
-    whole = post(server, "/v1/completions", {**body, "prompt": text, "truncate_prompt_tokens": 100}).json()
-    assert whole["choices"][0]["prompt_token_ids"] == ids  # a prompt shorter than k is left whole
+    whole = post(server, "/v1/completions", {**body, "prompt": text, "truncate_prompt_tokens": 100, "echo": True}).json()
+    assert whole["choices"][0]["prompt_token_ids"] == ids  # a prompt shorter than k is left whole, its text echoed
+    assert whole["choices"][0]["text"].startswith(text)
     chat = {**body, "messages": [{"role": "user", "content": text}]}
     full = post(server, "/v1/chat/completions", chat).json()["prompt_token_ids"]
     r = post(server, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 9}).json()
@@ -425,6 +426,23 @@ def test_truncate_prompt_tokens(server):  # type: ignore[no-untyped-def]
         err = post(server, "/v1/completions", {**body, "prompt": text, "truncate_prompt_tokens": k})
         assert err.status_code == 400 and "truncate_prompt_tokens" in err.json()["error"]["message"], err.text
     assert_idle(server)
+
+
+def test_chat_echo_returns_the_assistants_prefill(server):  # type: ignore[no-untyped-def]
+    """vLLM's chat echo: with the conversation's last message the assistant's (a prefill continued with
+    continue_final_message), the reply's content is that message and then what was generated, whole and
+    streamed; after a user's message, or without echo, the content is what was generated alone."""
+    prefill = [{"role": "user", "content": "Write the word hello."}, {"role": "assistant", "content": "Sure, the word is"}]
+    body = {"messages": prefill, "max_tokens": 4, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True}
+    plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Sure, the word is" + plain and plain
+    events = sse_events(server, "/v1/chat/completions", {**body, "echo": True, "stream": True})
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == echoed
+    user = {"messages": prefill[:1], "max_tokens": 4, "temperature": 0}
+    alone = post(server, "/v1/chat/completions", user).json()["choices"][0]["message"]["content"]
+    assert post(server, "/v1/chat/completions", {**user, "echo": True}).json()["choices"][0]["message"]["content"] == alone
 
 
 def test_stop_and_token_id_prompts(client):  # type: ignore[no-untyped-def]

@@ -154,7 +154,11 @@ def test_https_with_the_servers_certificate(tiny_models, tmp_path):  # type: ign
     from lmserve.server.tls import add_tls_args, tls_from_args
     parser = argparse.ArgumentParser()
     add_tls_args(parser)
-    for flags, said in ((["--ssl-keyfile", key], "ssl_certfile: HTTPS needs both"),
+    both = tmp_path / "both.pem"  # a certificate file holding its key too (uvicorn's and vLLM's form)
+    both.write_text(open(cert).read() + open(key).read())
+    assert tls_from_args(parser.parse_args(["--ssl-certfile", str(both)]))["ssl_certfile"] == str(both)
+    for flags, said in ((["--ssl-keyfile", key], "ssl_certfile: --ssl-keyfile needs the certificate"),
+                        (["--ssl-certfile", cert], "ssl_certfile / ssl_keyfile: cannot load"),
                         (["--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-cert-reqs", "2"], "ssl_ca_certs: "),
                         (["--ssl-ca-certs", cert], "ssl_ca_certs: needs HTTPS"),
                         (["--ssl-keyfile", key, "--ssl-certfile", key], "ssl_certfile / ssl_keyfile: cannot load")):

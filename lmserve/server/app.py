@@ -141,12 +141,14 @@ class OpenAIServer:
         with invalid_request(body.field_renames()):
             structured = body.structured()
             self.limits.check_constraint(structured.key() if structured is not None else None)
-            ids = self.ae.tokenize(prompt, getattr(body, "add_special_tokens", True),  # (completions: vLLM's)
-                                   body.truncate_prompt_tokens)  # (before the default max_tokens is counted)
+            whole = self.ae.tokenize(prompt, getattr(body, "add_special_tokens", True))  # (completions: vLLM's)
+            ids = self.ae.truncate(prompt, whole, body.truncate_prompt_tokens)  # (before the default max_tokens)
             family = max(body.n, body.best_of or 0) if body.use_beam_search else 1  # (beams run all at once)
             room = self.ae.room(len(ids), family)  # the default max_tokens: what the context and the pool leave
             req = self.ae.process_request(ids, body.to_sampling_params(room, self.sampling_defaults))
-            return dataclasses.replace(req, priority=body.priority) if body.priority else req
+            # the text given, when it is what runs (echo): a cut prompt echoes its tokens
+            text = prompt if isinstance(prompt, str) and ids is whole else None
+            return dataclasses.replace(req, priority=body.priority, prompt=text)
 
     async def prepare(self, prompt: str | list[int], body: SamplingRequest) -> EngineRequest:
         """engine_request on a worker thread: compiling an output constraint's grammar (the first time a
@@ -267,7 +269,7 @@ class OpenAIServer:
             self.limits.check_prompts(len(prompts))
         jobs = [(f"{rid}-{i}", await self.prepare(p, body)) for i, p in enumerate(prompts)]
         if body.truncate_prompt_tokens is not None:  # echo returns the prompt that ran
-            prompts = [req.prompt_token_ids for _, req in jobs]
+            prompts = [req.prompt if req.prompt is not None else req.prompt_token_ids for _, req in jobs]
         return await self.respond(request, body, jobs,
                                   CompletionFormatter(rid, self.served_model, self.ae.tokenizer, body, prompts))
 

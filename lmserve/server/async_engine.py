@@ -165,11 +165,14 @@ class AsyncEngine:
         """The engine's description: model, architecture, dtype, device, max_model_len, load time."""
         return self._engine.info()
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, truncate: int | None = None
-                 ) -> list[int]:
-        """A prompt (text or token ids) -> checked token ids, the last `truncate` of them when given
-        (InputProcessor.truncate); ValueError naming the field."""
-        return self._engine.inputs.truncate(self._engine.tokenize_prompt(prompt, add_special_tokens), truncate)
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A prompt (text or token ids) -> checked token ids; ValueError naming the field."""
+        return self._engine.tokenize_prompt(prompt, add_special_tokens)
+
+    def truncate(self, prompt: str | list[int], ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's (tokenized as ids) last `keep` tokens (InputProcessor.truncate); ValueError naming
+        the field."""
+        return self._engine.inputs.truncate(prompt, ids, keep)
 
     @property
     def max_logprobs(self) -> int:

@@ -209,6 +209,8 @@ class ChatFormatter(Formatter):
         self.forced: dict[int, str] = {}  # forced mode, per choice: the text so far
         self.called: set[int] = set()  # choices that made a call
         self.held: dict[int, tuple[list[int], list[Logprob]]] = {}  # per choice: tokens (and logprobs) not yet sent
+        last = body.messages[-1]  # echo (vLLM's): an assistant's last message, which the output goes on from
+        self.echo = last.text() if body.echo and last.role == "assistant" else ""
 
     @property
     def max_calls(self) -> int | None:
@@ -248,7 +250,7 @@ class ChatFormatter(Formatter):
         return lj.chat(self.tok, ids, lps)
 
     def head(self) -> list[dict[str, Any]]:
-        first = self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        first = self.chunk([{"index": i, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                              "finish_reason": None} for i in range(self.body.n)])
         if self.body.return_token_ids:
             first["prompt_token_ids"] = self.prompt_ids
@@ -264,6 +266,7 @@ class ChatFormatter(Formatter):
 
     def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         content, calls = self.calls(c.text)
+        content = self.echo + (content or "") if self.echo else content
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.openai() for call in calls]

@@ -140,8 +140,6 @@ class SamplingRequest(BaseRequest):
             raise ValueError("best_of: cannot stream when best_of > n")
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not available when stream is true")
-        if self.truncate_prompt_tokens == 0:
-            raise ValueError("truncate_prompt_tokens: must be -1 (the model's context) or an integer >= 1")
 
     def usage_flags(self) -> tuple[bool, bool]:
         """(a final usage chunk, usage in every chunk) as stream_options / the vLLM extension ask."""
@@ -342,6 +340,7 @@ class ChatCompletionRequest(SamplingRequest, TemplateArgs):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Int | None = Field(None, ge=0)
+    echo: StrictBool = False  # vLLM's: an assistant's last message comes back before what was generated
     chat_template: str | None = None  # the request's own template: refused unless the server trusts them
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True

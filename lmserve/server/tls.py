@@ -1,7 +1,7 @@
-"""HTTPS: the server's certificate and key (uvicorn's TLS), vLLM's flags. Off unless --ssl-certfile and
---ssl-keyfile name them; --ssl-ca-certs with --ssl-cert-reqs 2 asks clients for their own certificate
-(mutual TLS). With --data-parallel (or `lmserve router`) the front terminates TLS; its replicas listen on
-loopback in plain HTTP.
+"""HTTPS: the server's certificate and key (uvicorn's TLS), vLLM's flags. Off unless --ssl-certfile
+names the certificate (its key in --ssl-keyfile, or in the same file); --ssl-ca-certs with
+--ssl-cert-reqs 2 asks clients for their own certificate (mutual TLS). With --data-parallel (or `lmserve
+router`) the front terminates TLS; its replicas listen on loopback in plain HTTP.
 
 No web framework at import: the CLI reads these flags without the server extras."""
 
@@ -15,7 +15,8 @@ FLAGS = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs")
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+    p.add_argument("--ssl-certfile", default=None,
+                   help="serve HTTPS with this certificate (PEM; its key in --ssl-keyfile or in this file)")
     p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
     p.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates are checked against")
     p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2],
@@ -32,17 +33,16 @@ def tls_from_args(a: argparse.Namespace) -> dict[str, Any]:
             if getattr(a, name) not in (None, int(ssl.CERT_NONE)):
                 raise ValueError(f"{name}: needs HTTPS (--ssl-certfile and --ssl-keyfile)")
         return {}
-    if a.ssl_certfile is None or a.ssl_keyfile is None:
-        missing = "ssl_certfile" if a.ssl_certfile is None else "ssl_keyfile"
-        raise ValueError(f"{missing}: HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    if a.ssl_certfile is None:  # (a certfile alone may hold the key too, as uvicorn takes it)
+        raise ValueError("ssl_certfile: --ssl-keyfile needs the certificate it is the key of")
     if a.ssl_cert_reqs == ssl.CERT_REQUIRED and a.ssl_ca_certs is None:
         raise ValueError("ssl_ca_certs: --ssl-cert-reqs 2 (client certificates required) needs the CAs to check them")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         ctx.load_cert_chain(a.ssl_certfile, a.ssl_keyfile)
     except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"ssl_certfile / ssl_keyfile: cannot load {a.ssl_certfile!r} with {a.ssl_keyfile!r}: "
-                         f"{e.strerror or e}") from None
+        raise ValueError(f"ssl_certfile / ssl_keyfile: cannot load {a.ssl_certfile!r} with key "
+                         f"{a.ssl_keyfile or '(in the same file)'!r}: {e.strerror or e}") from None
     if a.ssl_ca_certs is not None:
         try:
             ctx.load_verify_locations(a.ssl_ca_certs)
