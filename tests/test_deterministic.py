@@ -41,9 +41,11 @@ def _needle_vs_crowd(llm: LLM, seeded: bool, share_prefix: bool = False) -> tupl
 @pytest.mark.parametrize("quantization", ["none", "auto"])
 def test_needle_alone_equals_needle_in_a_crowd(quantization):  # type: ignore[no-untyped-def]
     """Greedy and seeded sampling, a crowd of 32 random requests (mixed lengths, greedy and sampled),
-    chunked prefill (a 64-token budget) and a prefix-cache hit: bit-identical tokens and logprobs."""
+    chunked prefill (a 64-token budget) and a prefix-cache hit: bit-identical tokens and logprobs. (Float
+    weights, whose every step multiplies in 16-row blocks, run the seeded case with the prefix hit only:
+    the crowd is the same, and the greedy one took another 45 s.)"""
     llm = LLM(quantization=quantization, deterministic=True, max_num_batched_tokens=64)
-    for seeded, share in ((False, False), (True, True)):
+    for seeded, share in ((False, False), (True, True)) if quantization == "auto" else ((True, True),):
         alone, crowd = _needle_vs_crowd(llm, seeded, share)
         assert alone[0] == crowd[0]
         assert torch.equal(alone[1], crowd[1]) and alone[2] == crowd[2]

@@ -1331,6 +1331,30 @@ def test_limits_are_the_servers_and_in_its_document(server):  # type: ignore[no-
     assert doc["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == 3
 
 
+def test_several_served_model_names(server):  # type: ignore[no-untyped-def]
+    """--served-model-name a b (vLLM's): a request may name either, responses carry the first, another
+    name is a 404 listing them, /v1/models has a card for each, the OpenAPI document enumerates them."""
+    import argparse
+
+    from fastapi.testclient import TestClient
+
+    from lmserve.server.app import build_app
+    from lmserve.server.cli import add_parser
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    assert sub.choices["serve"].parse_args(["--served-model-name", "smol", "alias"]).served_model_name == ["smol", "alias"]
+    app = build_app(server["ae"], ["smol", "alias"], manage_engine=False)
+    with TestClient(app) as c:
+        for name in ("smol", "alias"):
+            r = c.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "smol", r.text
+        r = c.post("/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 404 and "'smol', 'alias'" in r.json()["error"]["message"], r.text
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["smol", "alias"]
+        model = c.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
+    assert ["smol", "alias"] in [alt.get("enum") for alt in model.get("anyOf", [model])]
+
+
 def test_max_logprobs_bounds_every_route(server, tiny_models, tmp_path):  # type: ignore[no-untyped-def]
     """The engine's max_logprobs (--max-logprobs, vLLM's; 20 by default) bounds completions' logprobs,
     chat's top_logprobs and prompt_logprobs: past it a 400 naming the field the client sent; within a

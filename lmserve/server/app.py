@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -48,7 +48,7 @@ log = logging.getLogger("lmserve")
 class OpenAIServer:
     """Route handlers; holds the engine handle, limits and metrics."""
 
-    def __init__(self, ae: AsyncEngine, served_model: str, api_key: str | None = None,
+    def __init__(self, ae: AsyncEngine, served_model: str | Sequence[str], api_key: str | None = None,
                  limits: ServerLimits | None = None, request_timeout: float | None = None,
                  tool_call_parser: str | None = None, auto_tool_choice: bool = True) -> None:
         self.ae = ae
@@ -58,7 +58,9 @@ class OpenAIServer:
         if name not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser: {name!r} is not one of {', '.join(TOOL_PARSERS)}")
         self.tool_parser = TOOL_PARSERS[name]
-        self.served_model = served_model
+        # the names a request may give (vLLM's --served-model-name a b: any of them); responses carry the first
+        self.served_models = (served_model,) if isinstance(served_model, str) else tuple(served_model)
+        self.served_model = self.served_models[0]
         self.api_key = api_key
         self.sampling_defaults = sampling_defaults(ae.config)  # the model's, for fields a body leaves unset
         if self.sampling_defaults:
@@ -67,7 +69,7 @@ class OpenAIServer:
         self.limits = limits or ServerLimits()
         self.max_body_bytes = self.limits.max_body_bytes
         self.request_timeout = request_timeout
-        self.metrics = ServerMetrics(ae, served_model)
+        self.metrics = ServerMetrics(ae, self.served_model)
 
     # ------------------------------------------------------------ parsing and checks
     async def parse(self, request: Request, model: type[Body]) -> Body:
@@ -79,8 +81,9 @@ class OpenAIServer:
             err = e.errors()[0]
             loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or None
             raise ApiError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param=loc) from None
-        if body.model is not None and body.model != self.served_model:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.served_model!r}",
+        if body.model is not None and body.model not in self.served_models:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.served_models))}",
                            param="model", code="model_not_found")
         with invalid_request():
             self.limits.check(body)  # before anything reads the fields at length
@@ -302,14 +305,14 @@ class OpenAIServer:
         return JSONResponse({"prompt": text})
 
     async def models(self, request: Request) -> Response:
-        """GET /v1/models: the served model."""
+        """GET /v1/models: the served model, a card for each of its names (as vLLM lists them)."""
         return JSONResponse({"object": "list", "data": [{
-            "id": self.served_model, "object": "model", "created": int(time.time()), "owned_by": "lmserve",
-            "root": self.ae.info()["model"], "max_model_len": self.ae.max_model_len}]})
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "lmserve",
+            "root": self.ae.info()["model"], "max_model_len": self.ae.max_model_len} for name in self.served_models]})
 
 
-def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, max_body_bytes: int | None = None,
-              request_timeout: float | None = None, manage_engine: bool = True,
+def build_app(ae: AsyncEngine, served_model: str | Sequence[str], api_key: str | None = None,
+              max_body_bytes: int | None = None, request_timeout: float | None = None, manage_engine: bool = True,
               tool_call_parser: str | None = None, limits: ServerLimits | None = None,
               cors: Cors | None = None, auto_tool_choice: bool = True) -> FastAPI:
     """The ASGI app. With manage_engine, the app starts the engine loop on startup and stops it on
@@ -365,5 +368,5 @@ def build_app(ae: AsyncEngine, served_model: str, api_key: str | None = None, ma
     bodies += responses_api.register(app, srv)  # POST /v1/responses
     bodies += anthropic_api.register(app, srv)  # POST /v1/messages, /v1/messages/count_tokens
     ops.register(app, ae, srv.metrics)  # /health, /ping, /version, /metrics
-    oa.document(app, bodies, limits.bounds(ae.max_logprobs), served_model)
+    oa.document(app, bodies, limits.bounds(ae.max_logprobs), srv.served_models)
     return app

@@ -22,7 +22,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LMSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set LMSERVE_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model id(s) clients send; with several, any of them (responses carry the first; "
+                        "default: --model)")
     p.add_argument("--max-queue", type=at_least(1), default=256, help="waiting requests before answering 429")
     from lmserve.server.limits import ServerLimits  # (pydantic-free: the CLI loads without the server extras)
     for flag, dest, kind, default, text in ServerLimits.flags():
@@ -86,14 +88,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if hasattr(engine.model, "on_lost"):  # tensor parallel: a rank lost while idle is fatal too
         engine.model.on_lost = ae.die
     limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)})
-    app = build_app(ae, a.served_model_name or a.model, a.api_key, request_timeout=a.request_timeout,
+    names = a.served_model_name or [a.model]
+    app = build_app(ae, names, a.api_key, request_timeout=a.request_timeout,
                     tool_call_parser=a.tool_call_parser, limits=limits, cors=cors,
                     auto_tool_choice=a.enable_auto_tool_choice)
     disagg.register(app, app.state.server, a.role, tuple(a.kv_peer), a.kv_secret, engine)
     if a.web_ui:
         from lmserve.server import web
-        web.register(app, ae, a.served_model_name or a.model)
-    print(f"lmserve: {engine.info()} - serving {a.served_model_name or a.model!r} on {scheme(tls)}://{a.host}:"
+        web.register(app, ae, names[0])
+    print(f"lmserve: {engine.info()} - serving {', '.join(map(repr, names))} on {scheme(tls)}://{a.host}:"
           f"{a.port}", flush=True)
     # uvicorn finishes in-flight requests on SIGTERM/SIGINT, then re-raises the signal under the handler
     # that was installed before it started: make that a clean exit.
