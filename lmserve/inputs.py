@@ -57,13 +57,13 @@ class InputProcessor:
                              f"({self.max_model_len})")
         if len(ids) <= keep:
             return ids
+        if keep >= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: keeping {keep} tokens fills the model's context "
+                             f"({self.max_model_len}) and leaves no room to generate; keep fewer")
         front = 0
         if isinstance(prompt, str) and self.tokenizer is not None:
             plain = self.tokenizer.encode(prompt, add_special_tokens=False)
             front = min(keep, len(ids) - len(plain)) if ids[len(ids) - len(plain):] == plain else 0
-        if keep >= self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens: keeping {keep} tokens fills the model's context "
-                             f"({self.max_model_len}) and leaves no room to generate; keep fewer")
         return ids[:front] + ids[len(ids) - (keep - front):]
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

@@ -49,6 +49,12 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """A CUDA device's streaming multiprocessors (what a kernel grid is sized against), looked up once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """t._version (bumped by every in-place change), or -1 for a tensor made under inference_mode, which
     tracks none (then only its address identifies it)."""

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from lmserve.attention.backend import AttentionMetadata
 from lmserve.kv.cache import QuantizedKV
-from lmserve.utils import to_device
+from lmserve.utils import sm_count, to_device
 
 
 def grid_target(device: torch.device) -> int:
@@ -42,7 +42,7 @@ def grid_target(device: torch.device) -> int:
     which still splits a small batch's keys (a 4-sequence step over 2 KV heads in 2 parts)."""
     if device.type != "cuda":
         return 16
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * sm_count(device)
 
 
 @triton.jit(do_not_specialize=["slot_ptr"])

@@ -128,7 +128,8 @@ def decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_t
     """q_lat (B, H, L), q_pe (B, H, R), cache (S, L + R), block_tables (B, M), seq_lens (B,) (0: a padding
     row) -> o_lat (B, H, L) in q_lat's dtype. Splits: enough programs for ~target_programs (default
     triton_attn.grid_target: two waves of the GPU's SMs), at most one a page of the widest table (from
-    shapes: no host lengths). keys per iteration: 32 (16 for float32: a 512-wide latent tile is then 32 KiB, as in bf16)."""
+    shapes: no host lengths). keys per iteration: 32 (16 for float32: a 512-wide latent tile is then
+    32 KiB, as in bf16)."""
     b, h, L = q_lat.shape
     R = q_pe.shape[-1]
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()

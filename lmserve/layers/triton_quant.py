@@ -41,6 +41,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from lmserve.utils import sm_count
+
 try:
     import triton
     import triton.language as tl
@@ -297,14 +299,9 @@ def _fit_block_k(block_k: int, w: PackedWeight, min_k: int) -> tuple[int, int] |
     return (b, 1) if b >= min_k else None
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _target_programs(device: torch.device) -> int:
     """Programs a grid should have to keep every SM's memory pipes busy (0 off CUDA: no target)."""
-    return PROGRAMS_PER_SM * _sm_count(device) if device.type == "cuda" else 0
+    return PROGRAMS_PER_SM * sm_count(device) if device.type == "cuda" else 0
 
 
 def _split_k(programs: int, k_tiles: int, device: torch.device) -> int:

@@ -271,10 +271,9 @@ class OpenAIServer:
         with invalid_request():
             self.limits.check_prompts(len(prompts))
         jobs = [(f"{rid}-{i}", await self.prepare(p, body)) for i, p in enumerate(prompts)]
-        if body.truncate_prompt_tokens is not None:  # echo returns the prompt that ran
-            prompts = [req.prompt if req.prompt is not None else req.prompt_token_ids for _, req in jobs]
+        ran = [req.prompt if req.prompt is not None else req.prompt_token_ids for _, req in jobs]  # (echo's)
         return await self.respond(request, body, jobs,
-                                  CompletionFormatter(rid, self.served_model, self.ae.tokenizer, body, prompts))
+                                  CompletionFormatter(rid, self.served_model, self.ae.tokenizer, body, ran))
 
     async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions: the conversation through the chat template, one engine request."""

@@ -215,7 +215,8 @@ class ResponsesFormatter(Formatter):
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": b.parallel_tool_calls, "previous_response_id": None,
-                "store": False, "temperature": self.sampling[0], "top_p": self.sampling[1], "text": {"format": fmt or {"type": "text"}},
+                "store": False, "temperature": self.sampling[0], "top_p": self.sampling[1],
+                "text": {"format": fmt or {"type": "text"}},
                 "tool_choice": b.tool_choice or "auto", "tools": b.tools or [], "truncation": "disabled",
                 "usage": usage}
 

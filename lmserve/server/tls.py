@@ -31,7 +31,7 @@ def tls_from_args(a: argparse.Namespace) -> dict[str, Any]:
     if a.ssl_certfile is None and a.ssl_keyfile is None:
         for name in ("ssl_ca_certs", "ssl_cert_reqs"):
             if getattr(a, name) not in (None, int(ssl.CERT_NONE)):
-                raise ValueError(f"{name}: needs HTTPS (--ssl-certfile and --ssl-keyfile)")
+                raise ValueError(f"{name}: needs HTTPS (--ssl-certfile)")
         return {}
     if a.ssl_certfile is None:  # (a certfile alone may hold the key too, as uvicorn takes it)
         raise ValueError("ssl_certfile: --ssl-keyfile needs the certificate it is the key of")
