@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lmserve.config_spec import speculative_fields
 from lmserve.utils import is_whole, parse_bytes  # noqa: F401 - parse_bytes: part of this module's API
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -207,31 +208,6 @@ QUANTIZATIONS = ("auto", "none", None, "int8", "int4", "awq", "gguf", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
-# vLLM's speculative_config keys -> EngineConfig fields; its methods -> ours
-_SPEC_KEYS = {"method": "speculative_method", "model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
-              "prompt_lookup_max": "ngram_max", "prompt_lookup_min": "ngram_min"}
-_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "eagle": "eagle"}
-
-
-def speculative_fields(spec: Any, method_given: str | None) -> dict[str, Any]:
-    """The EngineConfig fields a vLLM speculative_config dict sets; ValueError naming the key."""
-    if not isinstance(spec, dict):
-        raise ValueError(f"speculative_config must be a dict, got {spec!r}")
-    if method_given is not None:
-        raise ValueError("speculative_config: give it or speculative_method, not both")
-    unknown = sorted(set(spec) - set(_SPEC_KEYS) - {"draft_tensor_parallel_size"})
-    if unknown:
-        raise ValueError(f"speculative_config.{unknown[0]}: not supported (keys: {', '.join(_SPEC_KEYS)})")
-    if spec.get("draft_tensor_parallel_size", 1) != 1:
-        raise ValueError("speculative_config.draft_tensor_parallel_size: the draft runs on one rank (1)")
-    method = spec.get("method") or ("draft" if spec.get("model") else None)  # (vLLM: a model alone is a draft)
-    if method not in _SPEC_METHODS:
-        raise ValueError(f"speculative_config.method: {method!r} is not one of {', '.join(_SPEC_METHODS)}")
-    out = {_SPEC_KEYS[k]: v for k, v in spec.items() if k in _SPEC_KEYS}
-    out["speculative_method"] = _SPEC_METHODS[method]
-    return out
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine options, named as vLLM names them."""
@@ -280,6 +256,12 @@ class EngineConfig:
     # structured output: seconds a grammar (JSON schema, regex, EBNF) may take to compile; slower: a 400
     grammar_compile_timeout: float = 10.0
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask (vLLM's; -1: the vocabulary)
+    # LoRA adapters (lmserve/lora, PEFT's format): a request may name one (LLM.generate's lora_request, the
+    # server's --lora-modules); max_loras: adapters kept loaded (the least recently used let go; a step may
+    # mix any number of them); max_lora_rank: the highest rank taken
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # chats rendered with this template (a file, or the template itself) instead of the checkpoint's
     # (vLLM's --chat-template; a request's own chat_template still needs the server's trust)
     chat_template: str | None = None
@@ -311,7 +293,8 @@ class EngineConfig:
         for name, lo in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 1),
                          ("quantization_group_size", 1), ("num_speculative_tokens", 1), ("draft_num_layers", 1),
                          ("ngram_min", 1), ("ngram_max", self.ngram_min), ("spec_max_batch", 0),
-                         ("tensor_parallel_size", 1), ("seed", 0), ("max_logprobs", -1)):
+                         ("tensor_parallel_size", 1), ("seed", 0), ("max_logprobs", -1),
+                         ("max_loras", 1), ("max_lora_rank", 1)):
             v = getattr(self, name)
             if v is not None and (not is_whole(v) or v < lo):
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -342,6 +325,8 @@ class EngineConfig:
             raise ValueError("preemption_mode: swapping is not mirrored across tensor-parallel ranks; use recompute")
         if self.tensor_parallel_size > 1 and on_cuda and self.kv_cache_memory is None:
             raise ValueError("kv_cache_memory: give each tensor-parallel rank's KV budget (no memory profile yet)")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora: adapters are not sharded across tensor-parallel ranks; use tensor_parallel_size=1")
         if self.max_waiting_time is not None and not self.max_waiting_time > 0:
             raise ValueError(f"max_waiting_time must be > 0, got {self.max_waiting_time}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

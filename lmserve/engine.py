@@ -22,6 +22,7 @@ from lmserve.graphs import graphs_wanted
 from lmserve.inputs import InputProcessor, init_sequence
 from lmserve.kv import BlockManager, KVCache
 from lmserve.kv.swap import swap_policy
+from lmserve.lora import LoRARegistry
 from lmserve.models.loader import load_model
 from lmserve.parallel.driver import load_tensor_parallel
 from lmserve.outputs import OutputProcessor, RequestOutput
@@ -84,6 +85,7 @@ class Engine:
                            sum(p.numel() for p in self.model.parameters()), str(c.device))
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, *swap)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, c.grammar_compile_timeout)
+        self.lora = LoRARegistry(self.model, c.max_loras, c.max_lora_rank, c.torch_dtype, c.device) if c.enable_lora else None
         self.runner = ModelRunner(self.model, self.kv_cache, c.device, self.structured)
         self.graph_capture_time: float | None = None  # seconds spent capturing decode CUDA graphs
         if graphs_wanted(c, self.model):
@@ -95,10 +97,9 @@ class Engine:
         self.spec = None if not c.speculative_method else SpecPolicy(
             build_proposer(c, cfg, draft_budget, draft, self.model, self.max_model_len), c, self.max_model_len)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, c.max_num_seqs,
-                                     self.block_manager, self.structured, c.max_logprobs)
+                                     self.block_manager, self.structured, c.max_logprobs, self.lora)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
-        # a function of the RNG and the output processor, not a bound method: no engine <-> fan-out cycle
-        # (a cycle would keep a dropped engine, and its KV cache, alive until the next GC pass)
+        # not a bound method: an engine <-> fan-out cycle would keep a dropped engine's KV cache until a GC pass
         self._init_seq = functools.partial(init_sequence, random.Random(c.seed), self.output, self.structured)
         self.fanout = FanOut(self.scheduler, self.block_manager, self._init_seq, self.output.fail)
         self.requests: dict[str, list[Sequence]] = {}  # the request table: each request's sequences
@@ -114,32 +115,32 @@ class Engine:
         """A prompt (text or token ids) -> validated token ids; ValueError naming the problem."""
         return self.inputs.tokenize(prompt, add_special_tokens)
 
-    def process_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
-        """Tokenize and validate a request once; ValueError naming the field if it is bad. Reads only
-        what never changes after start-up, so any thread may call it."""
-        return self.inputs.process(prompt, params)
+    def process_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                        lora_request: Any = None) -> Request:
+        """Tokenize and validate a request once (with a LoRARequest: its adapter loaded); ValueError naming
+        the field if it is bad. Reads only what never changes after start-up, so any thread may call it."""
+        return self.inputs.process(prompt, params, lora_request)
 
     def add_request(self, request_id: str, request: Request | str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, final_only: bool = False) -> None:
+                    arrival_time: float | None = None, final_only: bool = False, lora_request: Any = None) -> None:
         """Queue a request: a Request from process_request, or a prompt (text or token ids) with its
-        params, processed here. Raises ValueError (naming the field) and changes nothing if bad.
+        params (and LoRARequest), processed here. Raises ValueError (naming the field) and changes nothing if bad.
 
         final_only: step() returns its output once, at its end (batch callers: LLM.generate); streams leave it off.
         """
         if not isinstance(request, Request):
-            request = self.process_request(request, params)
+            request = self.process_request(request, params, lora_request)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids)
         seq = Sequence(request_id, request.prompt_token_ids, request.params, prompt=request.prompt,
                        eos_token_ids=eos, arrival_time=arrival_time or time.time(), compiled_grammar=request.grammar,
-                       priority=request.priority)
+                       priority=request.priority, lora=request.lora)
         self._init_seq(seq)
         family = self.requests[request_id] = [seq]
         self.scheduler.add(seq)  # before fanout.start: a one-token prompt's children queue behind it
         self.fanout.start(seq, family)
-        if final_only:
-            self.final_only.add(request_id)
+        self.final_only.update([request_id] if final_only else [])
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False if it is unknown or already done."""

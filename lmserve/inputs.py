@@ -8,6 +8,7 @@ import random
 from typing import Any
 
 from lmserve.kv.block_manager import BlockManager
+from lmserve.lora import LoRAAdapter, LoRARegistry
 from lmserve.outputs import OutputProcessor
 from lmserve.sequence import Request, SamplingParams, Sequence
 from lmserve.structured import StructuredOutputs
@@ -19,9 +20,10 @@ class InputProcessor:
     never changes after start-up (the pool's size, not its contents), so any thread may use it."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 block_manager: BlockManager, structured: StructuredOutputs | None = None, max_logprobs: int = 20
-                 ) -> None:
+                 block_manager: BlockManager, structured: StructuredOutputs | None = None, max_logprobs: int = 20,
+                 lora: LoRARegistry | None = None) -> None:
         self.tokenizer = tokenizer
+        self.lora = lora  # the engine's adapters (enable_lora), loaded here on a request's first use
         # the most logprobs / prompt_logprobs a request may ask (EngineConfig.max_logprobs; -1: all)
         self.max_logprobs = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
         self.structured = structured  # compiles (and caches) structured-output grammars
@@ -30,16 +32,27 @@ class InputProcessor:
         self.max_num_seqs = max_num_seqs
         self.bm = block_manager
 
-    def process(self, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+    def process(self, prompt: str | list[int], params: SamplingParams | None = None, lora_request: Any = None
+                ) -> Request:
         """Tokenize and validate a request once; ValueError naming the field if it is bad. Reads only
-        what never changes after start-up, so any thread may call it."""
+        what never changes after start-up (and the adapter registry, which locks), so any thread may call it."""
+        adapter = self.adapter(lora_request)
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
             params.validate()  # (the value is checked before it is used)
             ids = self.truncate(prompt, ids, params.truncate_prompt_tokens)
         grammar = self.validate(ids, params)
-        return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar)  # (the text given)
+        return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar,  # (the text given)
+                       lora=adapter)
+
+    def adapter(self, lora_request: Any) -> LoRAAdapter | None:
+        """The loaded adapter of a LoRARequest (None: the base model); ValueError naming the problem."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora)")
+        return self.lora.get(lora_request)
 
     def truncate(self, prompt: str | list[int], ids: list[int], keep: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's (tokenized as `ids`) last `keep` tokens (None: all;

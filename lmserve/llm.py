@@ -51,12 +51,14 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None, lora_request: Any = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids: a list, tuple, numpy array or tensor of them, or
         vLLM's {"prompt": text} / {"prompt_token_ids": ids}); outputs come back in input order.
 
         All requests are validated before any is queued, so one bad prompt raises and runs nothing.
-        priority: one per prompt, lower first (admitted before, preempted after, higher ones). One call
+        priority: one per prompt, lower first (admitted before, preempted after, higher ones).
+        lora_request: a LoRARequest for every prompt, or a list of them (None: the base model). One call
         at a time: another thread's call waits for this one to end; one from inside it is a RuntimeError.
         """
         prompts = prompt_list(prompts)
@@ -68,7 +70,11 @@ class LLM:
         if priority is not None and (len(priority) != len(prompts) or
                                      any(isinstance(x, bool) or not isinstance(x, int) for x in priority)):
             raise ValueError(f"priority: one integer per prompt ({len(prompts)})")
-        requests = [self.engine.process_request(p, sp) for p, sp in zip(prompts, plist)]  # all, before any runs
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        requests = [self.engine.process_request(p, sp, lr)  # all, before any runs
+                    for p, sp, lr in zip(prompts, plist, loras)]
         if priority is not None:
             requests = [dataclasses.replace(r, priority=x) for r, x in zip(requests, priority)]
         with self._alone():
@@ -100,8 +106,8 @@ class LLM:
                 self._owner = None
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             params: SamplingParams | None = None, use_tqdm: bool = False, **template_kwargs: Any
-             ) -> list[RequestOutput]:
+             params: SamplingParams | None = None, use_tqdm: bool = False, lora_request: Any = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
         """Apply the model's chat template (or `chat_template`, vLLM's name; `template`) to one conversation
         (or a list of them) and generate; other keywords (and `chat_template_kwargs`, vLLM's dict of them)
         are the template's variables, `add_generation_prompt` and `continue_final_message` among them."""
@@ -115,7 +121,7 @@ class LLM:
             raise ValueError("messages: this model has no tokenizer")
         prompts = [self.tokenizer.apply_chat_template(c, **template_kwargs) for c in convs]  # type: ignore[arg-type]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(ids, params, use_tqdm=use_tqdm)
+        return self.generate(ids, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -141,15 +147,16 @@ class LLM:
                 bar.close()
         return [done[i] for i in ids]
 
-    def score(self, prompt: str | list[int], last_only: bool = False, decode_from: int | None = None
-              ) -> torch.Tensor:
+    def score(self, prompt: str | list[int], last_only: bool = False, decode_from: int | None = None,
+              lora_request: Any = None) -> torch.Tensor:
         """Logits (T, V) float32 at every position of the prompt (or (1, V) for the last), teacher-
         forced through the paged cache: one prefill, or with decode_from=P a prefill of P tokens and
-        one decode step per later token. For checks against a reference and the no-cache baseline."""
+        one decode step per later token (with a LoRARequest: its adapter's). For checks against a
+        reference and the no-cache baseline."""
         ids = self.engine.tokenize_prompt(prompt)
         if len(ids) > self.engine.max_model_len:  # (past the rotary table: an IndexError, on CUDA a device assert)
             raise ValueError(f"prompt: {len(ids)} tokens, past max_model_len ({self.engine.max_model_len})")
-        seq = Sequence("__score__", ids, SamplingParams(max_tokens=1))
+        seq = Sequence("__score__", ids, SamplingParams(max_tokens=1), lora=self.engine.inputs.adapter(lora_request))
         with self._alone():
             return self.engine.runner.score(seq, self.engine.block_manager, last_only, decode_from)
 

@@ -57,6 +57,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(invariant=getattr(model, "batch_invariant", False))  # (deterministic mode)
         self.graphs: DecodeGraphs | None = None  # set by enable_graphs: decode steps replay CUDA graphs
+        self.lora = getattr(model, "lora", None)  # enable_lora: the step's adapter rows (lora.LoRAContext)
 
     def enable_graphs(self, sizes: list[int], max_model_len: int, capture: bool = True) -> float:
         """Run one-token-per-sequence steps through DecodeGraphs; returns the capture time (s).
@@ -66,11 +67,17 @@ class ModelRunner:
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
         """The model over the step's flattened tokens: hidden states (N, hidden), from a CUDA graph
-        when the step is all single-token sequences and fits one, else eagerly."""
-        if self.graphs is not None and self.graphs.can_run(out):
-            return self.graphs.run(out)
-        input_ids, positions, meta = self.build_inputs(out)
-        return self.model(input_ids, positions, self.kv_cache.layers, meta)  # (N, hidden)
+        when the step is all single-token sequences and fits one, else eagerly (a step with LoRA
+        adapter rows: always eagerly)."""
+        lora = self.lora is not None and self.lora.begin(out.scheduled, self.device)
+        try:
+            if self.graphs is not None and not lora and self.graphs.can_run(out):
+                return self.graphs.run(out)
+            input_ids, positions, meta = self.build_inputs(out)
+            return self.model(input_ids, positions, self.kv_cache.layers, meta)  # (N, hidden)
+        finally:
+            if lora:
+                self.lora.end()
 
     def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the step: input_ids (N,), positions (N,), metadata. Host lists first, then one

@@ -185,7 +185,7 @@ class Scheduler:
             use_cache = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
             # a forking sequence must have its fork-point token (the prompt's last) left to run
             limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None
-            prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit) if use_cache else []
+            prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit, seq.cache_salt) if use_cache else []
             cached = len(prefix[0]) * self.bm.block_size if prefix else 0
             n = min(self._tokens_to_compute(seq, cached), budget)
             if not self.bm.allocate(seq.block_tables, cached + n, prefix):
@@ -332,13 +332,13 @@ class Scheduler:
             filled = min(seq.num_computed_tokens, seq.num_tokens)  # tokens whose KV is in the blocks
             first = 0 if seq in restored else before // bs
             if filled // bs > first:  # a block filled up this step (or came back from the host)
-                self.bm.cache_full_blocks(seq.block_tables, seq.token_ids, filled, seq.block_hashes, first=first)
+                self.bm.cache_full_blocks(seq.block_tables, seq.token_ids, filled, seq.block_hashes, first, seq.cache_salt)
             if stop is not None:
                 self.finish(seq, *stop)
         for seq in restored - dict(out.scheduled).keys():  # back with 0 tokens (a beam sibling took the budget)
             if seq.block_tables and min(seq.num_computed_tokens, seq.num_tokens) >= bs:
                 self.bm.cache_full_blocks(seq.block_tables, seq.token_ids, min(seq.num_computed_tokens, seq.num_tokens),
-                                          seq.block_hashes)
+                                          seq.block_hashes, salt=seq.cache_salt)
         return received
 
     def release_pins(self) -> None:

@@ -256,6 +256,7 @@ class Request:
     prompt: str | None = None  # the text, when the prompt was given as text
     grammar: Any = None  # the compiled grammar (xgrammar) of a structured-output request
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities: first come, first served
+    lora: Any = None  # the LoRA adapter it runs with (lora.LoRAAdapter), or None
 
 
 class Status(enum.Enum):
@@ -330,6 +331,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.time)
     index: int = 0  # which of the request's n outputs
     priority: int = 0  # the request's: lower is admitted first, and preempted last
+    lora: Any = None  # the request's LoRA adapter (lora.LoRAAdapter), or None: the base model
 
     token_ids: list[int] = field(init=False)
     block_tables: list[list[int]] = field(default_factory=list, init=False)  # one per KV group; [] when none held
@@ -356,6 +358,12 @@ class Sequence:
         if not isinstance(self.request_id, str):  # (vLLM's rule; None and 7 were taken, a list failed as unhashable)
             raise TypeError(f"request_id: must be a str, got {type(self.request_id).__name__}")
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """What its prefix-cache block hashes start from: its adapter's, so KV is shared only between
+        sequences that computed it with the same weights."""
+        return None if self.lora is None else self.lora.salt
 
     @property
     def block_table(self) -> list[int]:

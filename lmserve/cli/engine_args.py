@@ -46,6 +46,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                                     "top probability is below this (0: always k)"},
     "max_logprobs": {"help": "the most logprobs / top_logprobs / prompt_logprobs a request may ask (default 20, "
                              "as vLLM; -1: the whole vocabulary)"},
+    "enable_lora": {"help": "serve LoRA adapters (PEFT's format) that requests name (serve: implied by --lora-modules)"},
+    "max_loras": {"help": "LoRA adapters kept loaded, the least recently used let go (a batch may mix any number)"},
+    "max_lora_rank": {"help": "the highest LoRA rank an adapter may have"},
     "max_waiting_time": {"help": "seconds a request may wait for its first step before it is refused (503)"},
     "chat_template": {"help": "render chats with this template (a file, or the template itself) instead of the "
                               "model's own"},

@@ -98,8 +98,10 @@ class BlockManager:
         w = self.windows[g]
         return 0 if w is None else max(0, start - w + 1) // self.block_size
 
-    def block_hashes(self, token_ids: Seq[int], num_full: int, known: list[bytes] | None = None) -> list[bytes]:
-        """Chained hashes of the first `num_full` full blocks of token_ids.
+    def block_hashes(self, token_ids: Seq[int], num_full: int, known: list[bytes] | None = None,
+                     salt: bytes | None = None) -> list[bytes]:
+        """Chained hashes of the first `num_full` full blocks of token_ids; the first block's chain
+        starts from `salt` (a LoRA adapter's: its KV differs from the base model's for the same tokens).
 
         `known` is the caller's memo of hashes already computed for these tokens (a Sequence keeps
         one); it is extended in place, so each block is hashed once in a sequence's life.
@@ -107,18 +109,18 @@ class BlockManager:
         out = known if known is not None else []
         bs = self.block_size
         for i in range(len(out), num_full):
-            out.append(chain_hash(out[-1] if out else None, token_ids[i * bs:(i + 1) * bs]))
+            out.append(chain_hash(out[-1] if out else salt, token_ids[i * bs:(i + 1) * bs]))
         return out[:num_full]
 
     def find_cached_prefix(self, token_ids: Seq[int], known: list[bytes] | None = None,
-                           limit: int | None = None) -> list[list[int]]:
+                           limit: int | None = None, salt: bytes | None = None) -> list[list[int]]:
         """Per group, the blocks of the longest cached prefix of token_ids that ends at least one token
         before `limit` (default: the last token, which is always computed, so there are logits to
         sample from); NULL_BLOCK where a windowed group does not need the block. [] for no hit."""
         if not self.enable_prefix_caching:
             return []
         limit = len(token_ids) - 1 if limit is None else limit
-        hashes = self.block_hashes(token_ids, max(0, limit) // self.block_size, known)
+        hashes = self.block_hashes(token_ids, max(0, limit) // self.block_size, known, salt)
         hits = [[self.hash_to_block.get((g, h)) for h in hashes] for g in range(self.num_groups)]
         n = len(hashes)
         for g, w in enumerate(self.windows):  # a full group needs every block of the hit
@@ -247,13 +249,13 @@ class BlockManager:
             self._release(b)
 
     def cache_full_blocks(self, tables: list[list[int]], token_ids: Seq[int], num_computed: int,
-                          known: list[bytes] | None = None, first: int = 0) -> None:
+                          known: list[bytes] | None = None, first: int = 0, salt: bytes | None = None) -> None:
         """Register the hashes of the full, computed blocks of a sequence so others can share them;
-        blocks before `first` were seen on an earlier step."""
+        blocks before `first` were seen on an earlier step; `salt` as for block_hashes."""
         if not self.enable_prefix_caching or not tables:
             return
         num_full = min(num_computed // self.block_size, len(tables[0]))
-        hashes = self.block_hashes(token_ids, num_full, known)
+        hashes = self.block_hashes(token_ids, num_full, known, salt)
         for g, table in enumerate(tables):
             for i in range(first, num_full):
                 b, key = table[i], (g, hashes[i])

@@ -52,9 +52,12 @@ class LinearBase(nn.Module):
 
     batch_invariant = False
     reduce: Any = None  # tensor parallel, a row-parallel layer: the TPGroup whose all-reduce sums its output
+    lora: Any = None  # a LoRA target: its lora.layers.LoRAPoint, which adds the step's adapters' deltas
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         y = row_blocks(super().__call__, x) if self.batch_invariant and x.dim() == 2 else super().__call__(x)
+        if self.lora is not None:
+            y = self.lora(x, y, self.batch_invariant)
         return y if self.reduce is None else self.reduce.all_reduce(y)
 
     def __init__(self, in_features: int, sizes: int | Sequence[int], bias: bool = False) -> None:

@@ -192,7 +192,7 @@ class MessagesRequest(CountTokensRequest):
         choice = None if tc is None else ({"type": "function", "function": {"name": tc.name}} if tc.type == "tool"
                                           else CHOICES[tc.type])
         chat = ChatCompletionRequest(
-            messages=self.chat_messages(), max_tokens=self.max_tokens, stop=self.stop_sequences,
+            model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens, stop=self.stop_sequences,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, tools=self.chat_tools(),
             tool_choice=choice, parallel_tool_calls=not (tc and tc.disable_parallel_tool_use), stream=self.stream)
         chat.check()
@@ -296,7 +296,7 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
             ids, req = await srv.prepare_chat(chat.messages, True, chat.template_kwargs(), chat)
             rid = f"msg_{uuid.uuid4().hex}"
             jobs = [(rid, req)]
-        fmt = MessagesFormatter(rid, srv.served_model, srv.ae.tokenizer, chat, srv.tool_parser, len(ids))
+        fmt = MessagesFormatter(rid, srv.response_model(body), srv.ae.tokenizer, chat, srv.tool_parser, len(ids))
         return await srv.respond(request, chat, jobs, fmt)
 
     async def count_tokens(request: Request) -> Response:

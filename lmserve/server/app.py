@@ -25,13 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmserve.generation_config import sampling_defaults
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request as EngineRequest
-from lmserve.server import anthropic_api, disagg, ops, responses_api
+from lmserve.server import anthropic_api, disagg, lora_api, ops, responses_api
 from lmserve.server import openapi as oa
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.server.cors import Cors
 from lmserve.server.errors import ApiError, invalid_request
 from lmserve.server.gate import Gate
 from lmserve.server.limits import ServerLimits
+from lmserve.server.lora_api import LoRAModules
 from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Formatter
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import (BaseRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -50,7 +51,8 @@ class OpenAIServer:
 
     def __init__(self, ae: AsyncEngine, served_model: str | Sequence[str], api_key: str | None = None,
                  limits: ServerLimits | None = None, request_timeout: float | None = None,
-                 tool_call_parser: str | None = None, auto_tool_choice: bool = True) -> None:
+                 tool_call_parser: str | None = None, auto_tool_choice: bool = True,
+                 lora_modules: list[tuple[str, str]] = ()) -> None:
         self.ae = ae
         self.auto_tool_choice = auto_tool_choice  # off: tool_choice auto is a 400 (vLLM without --enable-auto-tool-choice)
         tok = ae.tokenizer
@@ -61,6 +63,8 @@ class OpenAIServer:
         # the names a request may give (vLLM's --served-model-name a b: any of them); responses carry the first
         self.served_models = (served_model,) if isinstance(served_model, str) else tuple(served_model)
         self.served_model = self.served_models[0]
+        # LoRA adapters a request may name instead (--lora-modules; loaded now: a bad one fails start-up)
+        self.loras = LoRAModules(ae, list(lora_modules), self.served_models)
         self.api_key = api_key
         self.sampling_defaults = sampling_defaults(ae.config)  # the model's, for fields a body leaves unset
         if self.sampling_defaults:
@@ -81,14 +85,22 @@ class OpenAIServer:
             err = e.errors()[0]
             loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or None
             raise ApiError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param=loc) from None
-        if body.model is not None and body.model not in self.served_models:
+        if body.model is not None and body.model not in self.model_names():
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
-                                f"{', '.join(map(repr, self.served_models))}",
+                                f"{', '.join(map(repr, self.model_names()))}",
                            param="model", code="model_not_found")
         with invalid_request():
             self.limits.check(body)  # before anything reads the fields at length
             body.check()
         return body
+
+    def model_names(self) -> tuple[str, ...]:
+        """What a request's `model` may be: the served model's names, then the LoRA adapters'."""
+        return self.served_models + tuple(self.loras.requests)
+
+    def response_model(self, body: Any) -> str:
+        """The `model` a response carries: the adapter the request named, else the served model's first name."""
+        return body.model if self.loras.get(body.model) is not None else self.served_model
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """A JSON object body within the size limit; else a 4xx."""
@@ -148,7 +160,8 @@ class OpenAIServer:
             ids = self.ae.truncate(prompt, whole, body.truncate_prompt_tokens)  # (before the default max_tokens)
             family = max(body.n, body.best_of or 0) if body.use_beam_search else 1  # (beams run all at once)
             room = self.ae.room(len(ids), family)  # the default max_tokens: what the context and the pool leave
-            req = self.ae.process_request(ids, body.to_sampling_params(room, self.sampling_defaults))
+            req = self.ae.process_request(ids, body.to_sampling_params(room, self.sampling_defaults),
+                                          self.loras.get(body.model))
             # the text given, when it is what runs (echo): a cut prompt echoes its tokens
             text = prompt if isinstance(prompt, str) and ids is whole else None
             return dataclasses.replace(req, priority=body.priority, prompt=text)
@@ -273,7 +286,7 @@ class OpenAIServer:
         jobs = [(f"{rid}-{i}", await self.prepare(p, body)) for i, p in enumerate(prompts)]
         ran = [req.prompt if req.prompt is not None else req.prompt_token_ids for _, req in jobs]  # (echo's)
         return await self.respond(request, body, jobs,
-                                  CompletionFormatter(rid, self.served_model, self.ae.tokenizer, body, ran))
+                                  CompletionFormatter(rid, self.response_model(body), self.ae.tokenizer, body, ran))
 
     async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions: the conversation through the chat template, one engine request."""
@@ -281,7 +294,7 @@ class OpenAIServer:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         _, req = await self.prepare_chat(body.messages, body.add_generation_prompt, body.template_kwargs(), body)
         return await self.respond(request, body, [(rid, req)], ChatFormatter(
-            rid, self.served_model, self.ae.tokenizer, body, self.tool_parser, req.prompt_token_ids))
+            rid, self.response_model(body), self.ae.tokenizer, body, self.tool_parser, req.prompt_token_ids))
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or messages through the chat template, as token ids."""
@@ -304,23 +317,28 @@ class OpenAIServer:
         return JSONResponse({"prompt": text})
 
     async def models(self, request: Request) -> Response:
-        """GET /v1/models: the served model, a card for each of its names (as vLLM lists them)."""
+        """GET /v1/models: the served model, a card for each of its names, then the LoRA adapters' (as vLLM
+        lists them)."""
         return JSONResponse({"object": "list", "data": [{
             "id": name, "object": "model", "created": int(time.time()), "owned_by": "lmserve",
-            "root": self.ae.info()["model"], "max_model_len": self.ae.max_model_len} for name in self.served_models]})
+            "root": self.ae.info()["model"], "max_model_len": self.ae.max_model_len} for name in self.served_models]
+            + self.loras.cards(self.served_model, self.ae.max_model_len)})
 
 
 def build_app(ae: AsyncEngine, served_model: str | Sequence[str], api_key: str | None = None,
               max_body_bytes: int | None = None, request_timeout: float | None = None, manage_engine: bool = True,
               tool_call_parser: str | None = None, limits: ServerLimits | None = None,
-              cors: Cors | None = None, auto_tool_choice: bool = True) -> FastAPI:
+              cors: Cors | None = None, auto_tool_choice: bool = True, lora_modules: list[tuple[str, str]] = (),
+              allow_runtime_lora: bool = False) -> FastAPI:
     """The ASGI app. With manage_engine, the app starts the engine loop on startup and stops it on
     shutdown. limits: the bounds on requests (max_body_bytes, when given, replaces theirs); cors: which
-    other origins' pages may use it (none by default)."""
+    other origins' pages may use it (none by default); lora_modules: [(name, adapter folder)], with
+    allow_runtime_lora the routes that load and unload adapters while it runs."""
     limits = limits or ServerLimits()
     if max_body_bytes is not None:
         limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
-    srv = OpenAIServer(ae, served_model, api_key, limits, request_timeout, tool_call_parser, auto_tool_choice)
+    srv = OpenAIServer(ae, served_model, api_key, limits, request_timeout, tool_call_parser, auto_tool_choice,
+                       lora_modules)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
@@ -367,5 +385,7 @@ def build_app(ae: AsyncEngine, served_model: str | Sequence[str], api_key: str |
     bodies += responses_api.register(app, srv)  # POST /v1/responses
     bodies += anthropic_api.register(app, srv)  # POST /v1/messages, /v1/messages/count_tokens
     ops.register(app, ae, srv.metrics)  # /health, /ping, /version, /metrics
-    oa.document(app, bodies, limits.bounds(ae.max_logprobs), srv.served_models)
+    if allow_runtime_lora:
+        lora_api.register(app, srv)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+    oa.document(app, bodies, limits.bounds(ae.max_logprobs), srv.model_names)
     return app

@@ -183,9 +183,18 @@ class AsyncEngine:
         """The most tokens a request may generate after a prompt of prompt_len tokens (InputProcessor.room)."""
         return self._engine.inputs.room(prompt_len, family)
 
-    def process_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+    def process_request(self, prompt: str | list[int], params: SamplingParams, lora_request: Any = None) -> Request:
         """Tokenize and validate a request once, on the caller's thread; ValueError naming the field."""
-        return self._engine.process_request(prompt, params)
+        return self._engine.process_request(prompt, params, lora_request)
+
+    def load_lora(self, req: Any) -> None:
+        """Load a LoRARequest's adapter now (any thread: the registry locks); ValueError naming the problem."""
+        self._engine.inputs.adapter(req)
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        """Let an adapter go (requests running with it finish with it)."""
+        if self._engine.lora is not None:
+            self._engine.lora.remove(lora_int_id)
 
     # ------------------------------------------------------------ requests
     def submit(self, request_id: str, request: Request) -> _Stream:

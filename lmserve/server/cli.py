@@ -25,6 +25,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model id(s) clients send; with several, any of them (responses carry the first; "
                         "default: --model)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) requests may name as their model (vLLM's flag; also its JSON "
+                        "form {\"name\": ..., \"path\": ...}); implies --enable-lora")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; its "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); implies --enable-lora")
     p.add_argument("--max-queue", type=at_least(1), default=256, help="waiting requests before answering 429")
     from lmserve.server.limits import ServerLimits  # (pydantic-free: the CLI loads without the server extras)
     for flag, dest, kind, default, text in ServerLimits.flags():
@@ -71,6 +77,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.kv_peer and a.role != "prefill":
         raise ValueError("kv_peer: only a prefill instance (--role prefill) pushes KV to peers")
     cors = cors_from_args(a)  # (a bad list is said before the model loads)
+    from lmserve.server.lora_api import parse_lora_modules
+    loras = parse_lora_modules(a.lora_modules)
     import uvicorn
 
     from lmserve.config import EngineConfig
@@ -82,7 +90,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     logging.getLogger("lmserve").setLevel(a.log_level.upper())
     sock = listen_socket(a.host, a.port)  # a port in use is said before the model loads, not after
-    engine = Engine(EngineConfig(model=a.model, **engine_kwargs(a)))
+    lora_on = {"enable_lora": True} if loras or a.allow_runtime_lora_updating else {}
+    engine = Engine(EngineConfig(model=a.model, **{**engine_kwargs(a), **lora_on}))
     ae = AsyncEngine(engine, max_queue=a.max_queue)
     ae.on_fatal = exit_soon
     if hasattr(engine.model, "on_lost"):  # tensor parallel: a rank lost while idle is fatal too
@@ -91,7 +100,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     names = a.served_model_name or [a.model]
     app = build_app(ae, names, a.api_key, request_timeout=a.request_timeout,
                     tool_call_parser=a.tool_call_parser, limits=limits, cors=cors,
-                    auto_tool_choice=a.enable_auto_tool_choice)
+                    auto_tool_choice=a.enable_auto_tool_choice, lora_modules=loras,
+                    allow_runtime_lora=a.allow_runtime_lora_updating)
     disagg.register(app, app.state.server, a.role, tuple(a.kv_peer), a.kv_secret, engine)
     if a.web_ui:
         from lmserve.server import web

@@ -187,10 +187,11 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def document(app: FastAPI, bodies: list[type[BaseModel]], bounds: dict[str, dict[str, dict[str, int]]],
-             served_models: tuple[str, ...]) -> None:
+             served_models: Callable[[], tuple[str, ...]]) -> None:
     """Make app.openapi() put the request models in the document's components (their nested models
     too), with the server's limits (`bounds`: model -> property -> JSON schema keywords, from
-    ServerLimits.bounds) on their properties and `model` one of the served names (another is a 404); FastAPI
+    ServerLimits.bounds) on their properties and `model` one of `served_models()` (the served names and LoRA
+    adapters, read when the document is built; another is a 404); FastAPI
     builds the rest from the routes' `responses`."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -202,7 +203,7 @@ def document(app: FastAPI, bodies: list[type[BaseModel]], bounds: dict[str, dict
                 schemas.update(schema.pop("$defs", {}))
                 prop = schema.get("properties", {}).get("model")
                 if prop is not None:  # the one served, optional where the body has it optional
-                    served = {"type": "string", "enum": list(served_models)}
+                    served = {"type": "string", "enum": list(served_models())}
                     nullable = any(alt.get("type") == "null" for alt in prop.get("anyOf", []))
                     schema["properties"]["model"] = {"anyOf": [served, {"type": "null"}]} if nullable else served
                 schemas[model.__name__] = schema

@@ -173,7 +173,8 @@ class ResponsesRequest(BaseRequest):
         tc = self.tool_choice
         fmt = self.text.format if self.text else None
         chat = ChatCompletionRequest(
-            messages=self.messages(), max_completion_tokens=self.max_output_tokens, temperature=self.temperature,
+            model=self.model, messages=self.messages(), max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature,
             top_p=self.top_p, tools=tools, parallel_tool_calls=self.parallel_tool_calls, stream=self.stream,
             tool_choice={"type": "function", "function": {"name": tc["name"]}} if isinstance(tc, dict) else tc,
             response_format=None if fmt is None or fmt.type == "text" else {
@@ -345,7 +346,7 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
             _, req = await srv.prepare_chat(chat.messages, True, chat.template_kwargs(), chat)
             rid = new_id("resp")
             jobs = [(rid, req)]
-        fmt = ResponsesFormatter(rid, srv.served_model, srv.ae.tokenizer, body, chat, srv.tool_parser,
+        fmt = ResponsesFormatter(rid, srv.response_model(body), srv.ae.tokenizer, body, chat, srv.tool_parser,
                                  (req.params.temperature, req.params.top_p))
         return await srv.respond(request, chat, jobs, fmt)
 

@@ -1,0 +1,316 @@
+"""LoRA adapters (lmserve/lora): PEFT's own adapters and PEFT's own forward as the reference."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmserve import LLM, LoRARequest, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = [5, 17, 33, 9, 100, 3, 44, 12, 70, 71, 72, 20]
+
+
+def make_adapter(hf, path: Path, targets=ALL, r: int = 4, alpha: float = 8, seed: int = 0, **kw):  # type: ignore[no-untyped-def]
+    """A PEFT LoRA adapter on a copy of `hf` with random (seeded) A and B (PEFT starts B at zero), saved at
+    path; returns the PeftModel, the reference."""
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, **kw)
+    pm = peft.get_peft_model(copy.deepcopy(hf), cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    pm.save_pretrained(path)
+    return pm.eval()
+
+
+def peft_greedy(pm, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        out = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """Two adapters on the tiny llama: A on every projection, B on q / v only with rsLoRA's scale."""
+    root = tmp_path_factory.mktemp("lora")
+    path, hf = tiny_models["llama"]
+    a = make_adapter(hf, root / "a", seed=1)
+    b = make_adapter(hf, root / "b", targets=["q_proj", "v_proj"], r=8, alpha=4, seed=2, use_rslora=True)
+    return {"model": path, "hf": hf, "a": (LoRARequest("a", 1, str(root / "a")), a),
+            "b": (LoRARequest("b", 2, str(root / "b")), b), "root": root}
+
+
+@pytest.fixture(scope="module")
+def llm(adapters):  # type: ignore[no-untyped-def]
+    return LLM(str(adapters["model"]), kv_cache_memory="64MiB", enable_lora=True, block_size=4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llama_mqa"])
+def test_logits_match_peft(tiny_models, tmp_path, family):  # type: ignore[no-untyped-def]
+    """Every position's logits, prefilled and decoded one token a step, equal PEFT's forward with the adapter;
+    the base model's stay the base model's (qwen2: q/k/v biases; llama_mqa: one KV head, tied embeddings)."""
+    path, hf = tiny_models[family]
+    pm = make_adapter(hf, tmp_path / "ad", seed=3)
+    llm = LLM(str(path), kv_cache_memory="64MiB", enable_lora=True)
+    lr = LoRARequest("ad", 1, str(tmp_path / "ad"))
+    with torch.no_grad():
+        ref = pm(torch.tensor([PROMPT])).logits[0].float()  # (T, V)
+        with pm.disable_adapter():
+            base = pm(torch.tensor([PROMPT])).logits[0].float()
+    assert (ref - base).abs().max() > 0.5  # the adapter matters
+    for kw in ({}, {"decode_from": 4}):
+        assert (llm.score(PROMPT, lora_request=lr, **kw) - ref).abs().max() < 1e-4, kw
+        assert (llm.score(PROMPT, **kw) - base).abs().max() < 1e-4, kw
+    assert llm.stats().used_blocks == 0
+
+
+def test_rank_padding_partial_targets_and_rslora(adapters, llm):  # type: ignore[no-untyped-def]
+    """B: rank 8 on q and v only (k's rows of the fused qkv untouched), scale alpha / sqrt(r)."""
+    lr, pm = adapters["b"]
+    with torch.no_grad():
+        ref = pm(torch.tensor([PROMPT])).logits[0].float()
+    assert (llm.score(PROMPT, lora_request=lr) - ref).abs().max() < 1e-4
+
+
+def test_mixed_batch_matches_peft_generate(adapters, llm):  # type: ignore[no-untyped-def]
+    """One generate call mixing the base model, A and B (and A's n=2 children): each request's greedy tokens
+    are PEFT's for its adapter."""
+    (ra, pa), (rb, pb) = adapters["a"], adapters["b"]
+    prompts = [PROMPT, PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT[:5], PROMPT]
+    loras = [None, ra, rb, ra, rb]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * 5
+    params[3] = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, n=2)
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    with pa.disable_adapter():
+        base = peft_greedy(pa, PROMPT, 10)
+    refs = [base, peft_greedy(pa, PROMPT, 10), peft_greedy(pb, prompts[2], 10), peft_greedy(pa, PROMPT[:5], 10),
+            peft_greedy(pb, PROMPT, 10)]
+    assert len({tuple(r) for r in refs}) >= 3  # the adapters change the output
+    for out, ref in zip(outs, refs):
+        assert all(c.token_ids == ref for c in out.outputs), (out.outputs[0].token_ids, ref)
+    assert llm.stats().used_blocks == 0
+
+
+def test_prefix_cache_keeps_adapters_apart(adapters, llm):  # type: ignore[no-untyped-def]
+    """KV computed with the base model (or another adapter) is never reused for an adapter's request: the
+    same prompt run first without, then with A, gives A's tokens and logprobs; A's second run hits A's cache."""
+    ra, pa = adapters["a"]
+    prompt = list(range(30, 70))
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    llm.reset_prefix_cache()
+    llm.generate([prompt], p, use_tqdm=False)  # the base model's blocks, cached
+    first = llm.generate([prompt], p, lora_request=ra, use_tqdm=False)[0]
+    again = llm.generate([prompt], p, lora_request=ra, use_tqdm=False)[0]
+    assert first.metrics.num_cached_tokens == 0 and again.metrics.num_cached_tokens > 0
+    assert first.outputs[0].token_ids == peft_greedy(pa, prompt, 6) == again.outputs[0].token_ids
+    with torch.no_grad():
+        full = torch.tensor([prompt + first.outputs[0].token_ids])
+        lps = pa(full).logits[0].float().log_softmax(-1)  # (T, V)
+    for i, (tok, lp) in enumerate(zip(first.outputs[0].token_ids, first.outputs[0].logprobs)):
+        want = lps[len(prompt) - 1 + i, tok].item()
+        assert lp.token_id == tok and abs(lp.logprob - want) < 1e-4
+        assert abs(again.outputs[0].logprobs[i].logprob - want) < 1e-4
+
+
+def test_speculation_with_an_adapter_stays_exact(adapters):  # type: ignore[no-untyped-def]
+    """n-gram drafts verified with the adapter's rows: greedy equals PEFT's."""
+    ra, pa = adapters["a"]
+    llm = LLM(str(adapters["model"]), kv_cache_memory="64MiB", enable_lora=True, speculative_method="ngram",
+              num_speculative_tokens=3)
+    prompt = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9]
+    out = llm.generate([prompt, prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                       lora_request=[ra, None], use_tqdm=False)
+    assert out[0].outputs[0].token_ids == peft_greedy(pa, prompt, 16)
+    with pa.disable_adapter():
+        assert out[1].outputs[0].token_ids == peft_greedy(pa, prompt, 16)
+
+
+def test_deterministic_mode_an_adapter_request_alone_and_in_a_crowd(adapters):  # type: ignore[no-untyped-def]
+    """deterministic: an adapter request's logprobs are bit-identical alone and among others (other adapters,
+    the base model, other lengths)."""
+    ra, rb = adapters["a"][0], adapters["b"][0]
+    llm = LLM(str(adapters["model"]), kv_cache_memory="64MiB", enable_lora=True, deterministic=True)
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    alone = llm.generate([PROMPT], p, lora_request=ra, use_tqdm=False)[0].outputs[0]
+    g = torch.Generator().manual_seed(0)
+    crowd = [torch.randint(3, 120, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (9,), generator=g)]
+    outs = llm.generate(crowd[:4] + [PROMPT] + crowd[4:], p, use_tqdm=False,
+                        lora_request=[rb, None, ra, rb, ra, None, rb, ra, None, rb])
+    mine = outs[4].outputs[0]
+    assert mine.token_ids == alone.token_ids
+    got = torch.tensor([[s.logprob, *s.top.values()] for s in mine.logprobs])  # (8, 4)
+    want = torch.tensor([[s.logprob, *s.top.values()] for s in alone.logprobs])
+    assert torch.equal(got, want)
+
+
+def test_least_recently_used_adapters_are_let_go_and_reloaded(adapters):  # type: ignore[no-untyped-def]
+    (ra, pa), (rb, pb) = adapters["a"], adapters["b"]
+    llm = LLM(str(adapters["model"]), kv_cache_memory="64MiB", enable_lora=True, max_loras=1)
+    p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    for lr, pm in ((ra, pa), (rb, pb), (ra, pa)):
+        assert llm.generate([PROMPT], p, lora_request=lr, use_tqdm=False)[0].outputs[0].token_ids == \
+            peft_greedy(pm, PROMPT, 5)
+        assert [x.name for x in llm.engine.lora.loaded()] == [lr.lora_name]
+
+
+def write_adapter(src: Path, dst: Path, config: dict | None = None, drop: str | None = None,
+                  rename: tuple[str, str] | None = None) -> str:
+    """A copy of the adapter at src with its config updated and a tensor dropped or renamed."""
+    from safetensors.torch import load_file, save_file
+    dst.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text()) | (config or {})
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    t = load_file(str(src / "adapter_model.safetensors"))
+    if drop:
+        t = {k: v for k, v in t.items() if drop not in k}
+    if rename:
+        t = {k.replace(*rename): v for k, v in t.items()}
+    save_file(t, str(dst / "adapter_model.safetensors"))
+    return str(dst)
+
+
+def test_bad_adapters_are_refused_naming_the_field(adapters, llm, tmp_path):  # type: ignore[no-untyped-def]
+    a = adapters["root"] / "a"
+    p = SamplingParams(max_tokens=2)
+    cases = {
+        "lora_path": [str(tmp_path / "missing"), write_adapter(a, tmp_path / "dora", {"use_dora": True}),
+                      write_adapter(a, tmp_path / "bias", {"bias": "all"}),
+                      write_adapter(a, tmp_path / "half", drop="q_proj.lora_B"),
+                      write_adapter(a, tmp_path / "head", rename=("layers.0.mlp.down_proj", "lm_head"))],
+        "lora_request": [write_adapter(a, tmp_path / "big", {"r": 64})],
+    }
+    for i, (field, paths) in enumerate(cases.items()):
+        for j, path in enumerate(paths):
+            with pytest.raises(ValueError, match=f"^{field}"):
+                llm.generate([PROMPT], p, lora_request=LoRARequest(f"bad{i}{j}", 100 + 10 * i + j, path))
+    with pytest.raises(ValueError, match="^lora_request.lora_int_id"):
+        llm.generate([PROMPT], p, lora_request=LoRARequest("other", 1, str(a)))  # id 1 is "a" (once loaded)
+    with pytest.raises(ValueError, match="^lora_request.lora_int_id"):
+        LoRARequest("x", 0, str(a))
+    with pytest.raises(ValueError, match="^lora_request"):
+        LLM(str(adapters["model"]), kv_cache_memory="64MiB").generate([PROMPT], p, lora_request=adapters["a"][0])
+    assert llm.generate([PROMPT], p, lora_request=adapters["a"][0], use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.stats().used_blocks == 0
+
+
+def test_default_model_quantized_adapter_rows_leave_the_cpu_plan(tmp_path):  # type: ignore[no-untyped-def]
+    """The default model as served (its GGUF blocks through the CPU decode plan): a step with adapter rows
+    runs the module path, one without still runs the plan. An adapter with B = 0 (PEFT's initial one)
+    gives the base model's tokens and logprobs bit for bit (the module path and the plan are bit-equal);
+    a trained one changes them, and a batch mixing both gives each its own alone-run's tokens."""
+    import transformers as tf
+    llm = LLM(enable_lora=True)
+    cfg = llm.engine.model_config
+    hf = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        tie_word_embeddings=True))  # (only the adapter's shapes come from it)
+    peft.get_peft_model(hf, peft.LoraConfig(r=8, target_modules=ALL)).save_pretrained(tmp_path / "zero")
+    del hf
+    make_adapter_from = tmp_path / "zero"
+    trained = write_adapter(make_adapter_from, tmp_path / "trained")
+    from safetensors.torch import load_file, save_file
+    t = load_file(trained + "/adapter_model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({k: torch.randn(v.shape, generator=g) * 0.05 for k, v in t.items()}, trained + "/adapter_model.safetensors")
+    zero, lora = LoRARequest("zero", 1, str(make_adapter_from)), LoRARequest("trained", 2, trained)
+    plan = llm.engine.model.cpu_plan()
+    assert plan is not None
+    calls = []
+    real = plan.run
+    plan.run = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # type: ignore[method-assign]
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    prompt = "The capital of France is"
+    base = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+    assert len(calls) >= 10  # the decode steps ran the plan
+    calls.clear()
+    z = llm.generate([prompt], p, lora_request=zero, use_tqdm=False)[0].outputs[0]
+    assert not calls  # adapter rows: the module path
+    assert z.token_ids == base.token_ids
+    assert [(s.logprob, s.top) for s in z.logprobs] == [(s.logprob, s.top) for s in base.logprobs]
+    alone = llm.generate([prompt], p, lora_request=lora, use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids != base.token_ids
+    mixed = llm.generate([prompt, prompt], p, lora_request=[lora, None], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone.token_ids and mixed[1].outputs[0].token_ids == base.token_ids
+
+
+# ---------------------------------------------------------------- the server
+
+@pytest.fixture(scope="module")
+def served(adapters, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The tiny llama with a character tokenizer, adapter A from --lora-modules, runtime updates allowed."""
+    pytest.importorskip("fastapi")
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    from tests.conftest import char_tokenizer_model
+    from tests.test_server import serving
+    model = char_tokenizer_model(adapters["model"], tmp_path_factory.mktemp("chars") / "m")
+    llm = LLM(str(model), kv_cache_memory="64MiB", enable_lora=True,
+              chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    ae = AsyncEngine(llm.engine)
+    app = build_app(ae, "tiny", lora_modules=[("a", adapters["a"][0].lora_path)], allow_runtime_lora=True)
+    with serving(app) as (url, _):
+        yield url, llm.tokenizer
+
+
+def test_server_serves_adapters_by_model_name(adapters, served):  # type: ignore[no-untyped-def]
+    import httpx
+    import openai
+    (_, pa), (rb, pb) = adapters["a"], adapters["b"]
+    served, tok = served
+    prompt = "Hello there"
+    ids = tok.encode(prompt)
+    tids = {"extra_body": {"return_token_ids": True}}
+    with pa.disable_adapter():
+        base = peft_greedy(pa, ids, 8)
+    client = openai.OpenAI(base_url=served + "/v1", api_key="x", max_retries=0)
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", "a"} and models["a"].parent == "tiny" and models["a"].root == adapters["a"][0].lora_path
+    r = client.completions.create(model="a", prompt=prompt, max_tokens=8, temperature=0, **tids)
+    assert r.model == "a" and r.choices[0].token_ids == peft_greedy(pa, ids, 8)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, **tids)
+    assert r.model == "tiny" and r.choices[0].token_ids == base
+    chat = client.chat.completions.create(model="a", messages=[{"role": "user", "content": prompt}], max_tokens=8,
+                                          temperature=0, **tids)
+    assert chat.model == "a" and chat.choices[0].token_ids == peft_greedy(pa, ids, 8)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="b", prompt=prompt, max_tokens=2)
+    post = lambda path, body: httpx.post(served + path, json=body, timeout=60)  # noqa: E731
+    assert post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": rb.lora_path}).status_code == 200
+    assert "b" in {m.id for m in client.models.list().data}
+    assert "b" in httpx.get(served + "/openapi.json").json()["components"]["schemas"]["CompletionRequest"][
+        "properties"]["model"]["anyOf"][0]["enum"]
+    r = client.completions.create(model="b", prompt=prompt, max_tokens=8, temperature=0, **tids)
+    assert r.choices[0].token_ids == peft_greedy(pb, ids, 8)
+    bad = post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "/nonexistent"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    again = post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": rb.lora_path})
+    assert again.status_code == 400 and "already in use" in again.json()["error"]["message"]
+    assert post("/v1/load_lora_adapter", {"lora_name": 3}).json()["error"]["param"] == "lora_name"
+    assert post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
+    assert post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="b", prompt=prompt, max_tokens=2)
+
+
+def test_lora_modules_flag_forms_and_a_bad_adapter_at_start(adapters):  # type: ignore[no-untyped-def]
+    from lmserve.server.lora_api import parse_lora_modules
+    assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y=z", "base_model_name": "m"}']) == \
+        [("a", "/x"), ("b", "/y=z")]
+    for bad in (["a"], ["=x"], ["a=/x", "a=/y"], ['{"name": 1}'], ["{oops"]):
+        with pytest.raises(ValueError, match="^lora_modules"):
+            parse_lora_modules(bad)
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    llm = LLM(str(adapters["model"]), kv_cache_memory="64MiB", enable_lora=True)
+    with pytest.raises(ValueError, match="^lora_path"):
+        build_app(AsyncEngine(llm.engine), "tiny", lora_modules=[("a", "/nonexistent")], manage_engine=False)
