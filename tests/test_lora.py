@@ -202,11 +202,11 @@ def test_bad_adapters_are_refused_naming_the_field(adapters, llm, tmp_path):  # 
     assert llm.stats().used_blocks == 0
 
 
-def test_default_model_quantized_adapter_rows_leave_the_cpu_plan(tmp_path):  # type: ignore[no-untyped-def]
-    """The default model as served (its GGUF blocks through the CPU decode plan): a step with adapter rows
-    runs the module path, one without still runs the plan. An adapter with B = 0 (PEFT's initial one)
-    gives the base model's tokens and logprobs bit for bit (the module path and the plan are bit-equal);
-    a trained one changes them, and a batch mixing both gives each its own alone-run's tokens."""
+def test_default_model_quantized_adapter_rows_run_the_cpu_plan(tmp_path):  # type: ignore[no-untyped-def]
+    """The default model as served (its GGUF blocks through the CPU decode plan): decode steps with adapter
+    rows run the plan too (decode.c adds the deltas), with the module path's bits: the same tokens and
+    logprobs with the plan off. An adapter with B = 0 (PEFT's initial one) gives the base model's, bit for
+    bit; a trained one changes them, and a batch mixing both gives each its own alone-run's."""
     import transformers as tf
     llm = LLM(enable_lora=True)
     cfg = llm.engine.model_config
@@ -216,31 +216,116 @@ def test_default_model_quantized_adapter_rows_leave_the_cpu_plan(tmp_path):  # t
         tie_word_embeddings=True))  # (only the adapter's shapes come from it)
     peft.get_peft_model(hf, peft.LoraConfig(r=8, target_modules=ALL)).save_pretrained(tmp_path / "zero")
     del hf
-    make_adapter_from = tmp_path / "zero"
-    trained = write_adapter(make_adapter_from, tmp_path / "trained")
+    trained = write_adapter(tmp_path / "zero", tmp_path / "trained")
     from safetensors.torch import load_file, save_file
     t = load_file(trained + "/adapter_model.safetensors")
     g = torch.Generator().manual_seed(0)
     save_file({k: torch.randn(v.shape, generator=g) * 0.05 for k, v in t.items()}, trained + "/adapter_model.safetensors")
-    zero, lora = LoRARequest("zero", 1, str(make_adapter_from)), LoRARequest("trained", 2, trained)
-    plan = llm.engine.model.cpu_plan()
+    zero, lora = LoRARequest("zero", 1, str(tmp_path / "zero")), LoRARequest("trained", 2, trained)
+    model = llm.engine.model
+    plan = model.cpu_plan()
     assert plan is not None
     calls = []
     real = plan.run
     plan.run = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # type: ignore[method-assign]
     p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompt = "The capital of France is"
-    base = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
-    assert len(calls) >= 10  # the decode steps ran the plan
-    calls.clear()
-    z = llm.generate([prompt], p, lora_request=zero, use_tqdm=False)[0].outputs[0]
-    assert not calls  # adapter rows: the module path
-    assert z.token_ids == base.token_ids
-    assert [(s.logprob, s.top) for s in z.logprobs] == [(s.logprob, s.top) for s in base.logprobs]
-    alone = llm.generate([prompt], p, lora_request=lora, use_tqdm=False)[0].outputs[0]
-    assert alone.token_ids != base.token_ids
+
+    def run(req, plan_on=True):  # type: ignore[no-untyped-def]
+        calls.clear()
+        model._cpu_plan = plan if plan_on else None
+        out = llm.generate([prompt], p, lora_request=req, use_tqdm=False)[0].outputs[0]
+        assert (len(calls) >= 10) == plan_on  # the decode steps ran the plan, or not
+        return out.token_ids, [(s.logprob, s.top) for s in out.logprobs]
+    base = run(None)
+    assert run(zero) == base
+    with_plan = run(lora)
+    assert with_plan[0] != base[0] and with_plan == run(lora, plan_on=False)
     mixed = llm.generate([prompt, prompt], p, lora_request=[lora, None], use_tqdm=False)
-    assert mixed[0].outputs[0].token_ids == alone.token_ids and mixed[1].outputs[0].token_ids == base.token_ids
+    assert mixed[0].outputs[0].token_ids == with_plan[0] and mixed[1].outputs[0].token_ids == base[0]
+
+
+def test_cpu_kernel_matches_float64(tmp_path):  # type: ignore[no-untyped-def]
+    """decode.c's lm_lora_add: the rows of one group get (x At) Bt added, the others are left as they were;
+    against float64 (widths off the vector lengths, ranks 1..48)."""
+    from lmserve.layers import cpu_native
+    if not cpu_native.available():
+        pytest.skip("no C compiler: the torch path serves")
+    g = torch.Generator().manual_seed(0)
+    for b, k, r, n in ((1, 64, 16, 96), (5, 37, 3, 11), (7, 576, 48, 960), (3, 9, 1, 5), (2, 40, 33, 700)):
+        x, y = torch.randn(b, k, generator=g), torch.randn(b, n, generator=g)
+        at, bt = torch.randn(k, r, generator=g), torch.randn(r, n, generator=g)
+        groups = torch.tensor([i % 3 - 1 for i in range(b)])  # -1, 0, 1, -1, ...
+        got = y.clone()
+        cpu_native.lora_add(x, got, at, bt, groups, 0)
+        want = y.double() + (groups == 0).double()[:, None] * (x.double() @ at.double() @ bt.double())
+        assert (got.double() - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item())
+        assert torch.equal(got[groups != 0], y[groups != 0])
+        every = y.clone()
+        cpu_native.lora_add(x, every, at, bt, None, 0)
+        assert torch.allclose(every.double(), y.double() + x.double() @ at.double() @ bt.double(), atol=1e-3)
+        if r % 3 == 0:  # three shards of r / 3 rows, each reaching a third of the columns (the rest of Bt: 0)
+            cut = [0, n // 3, 2 * n // 3, n]
+            spans = torch.tensor([(cut[s], cut[s + 1]) for s in range(3)])
+            block = bt.clone()
+            for s in range(3):
+                block[s * r // 3:(s + 1) * r // 3, :cut[s]] = 0
+                block[s * r // 3:(s + 1) * r // 3, cut[s + 1]:] = 0
+            skipped, full = y.clone(), y.clone()
+            cpu_native.lora_add(x, skipped, at, bt, groups, 1, spans)  # bt's off-span entries are never read
+            cpu_native.lora_add(x, full, at, block, groups, 1)
+            assert torch.equal(skipped, full)
+
+
+def tiny_gemma(path: Path):  # type: ignore[no-untyped-def]
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              max_position_embeddings=256)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    hf = tf.Gemma3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.3 if "norm" in name else 0.08)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cpu_plan_with_adapters_equals_the_module_path(tiny_models, tmp_path, family):  # type: ignore[no-untyped-def]
+    """A quantized tiny model's decode steps through the CPU plan (decode.c's Llama and Gemma loops) with
+    adapter rows: the module path's logits bit for bit, and a batch mixing two adapters and the base model
+    gives the module path's tokens."""
+    from lmserve.layers import cpu_native
+    if not cpu_native.available() or not cpu_native.int8_x():
+        pytest.skip("the plan runs where our CPU kernels take the tile kernel (AVX2 or VNNI)")
+    path, hf = (tmp_path / "g", tiny_gemma(tmp_path / "g")) if family == "gemma3" else tiny_models[family]
+    make_adapter(hf, tmp_path / "a", seed=5)
+    make_adapter(hf, tmp_path / "b", targets=["k_proj", "up_proj", "down_proj"], r=2, seed=6)
+    ra, rb = LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b"))
+    llm = LLM(str(path), kv_cache_memory="16MiB", block_size=4, quantization="int4", enable_lora=True)
+    model = llm.engine.model
+    plan = model.cpu_plan()
+    assert plan is not None
+    runs = []
+    real = plan.run
+    plan.run = lambda *a, **k: (runs.append(1), real(*a, **k))[1]  # type: ignore[method-assign]
+    ids = [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 11, 2, 9, 30, 31, 32]
+    with_plan = llm.score(ids, decode_from=3, lora_request=ra)
+    assert len(runs) >= 13
+    model._cpu_plan = None
+    assert torch.equal(with_plan, llm.score(ids, decode_from=3, lora_request=ra))
+    assert not torch.equal(with_plan, llm.score(ids, decode_from=3))
+    prompts = [[5, 9, 2, 7], [4, 4, 8, 4, 4, 8], [1, 2, 3], [5, 9, 2, 7]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    loras = [ra, rb, None, rb]
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras, use_tqdm=False)]
+    model._cpu_plan = plan
+    runs.clear()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras, use_tqdm=False)] == ref
+    assert len(runs) >= 9
 
 
 # ---------------------------------------------------------------- the server

@@ -104,14 +104,15 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_rotary.argtypes = [p, i64, i64, i64, i64, i64, p, p]
     lib.lm_apply_bitmask.argtypes = [p, i64, i64, p, i64, i32]
     lib.lm_llama_layers.argtypes = [i64, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, p, p, i32, i32, i32,
-                                    i32, p, p, p, p, p, p, p, p]
+                                    i32, p, p, p, p, p, p, p, p, p, i64, p]  # (+ LoRA: deltas [G, L, 4, 3], G, row groups)
     lib.lm_gemma_layers.argtypes = [i64, p, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, i32, i32, i32, i32,
-                                    p, p, p, p, p, p, p, p, p]
+                                    p, p, p, p, p, p, p, p, p, p, i64, p]
+    lib.lm_lora_add.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, p, i64, i32]
     lib.lm_eagle_kv.argtypes = [i64, p, p, p, p, p, p, p, p, f32, i32, i32, i64, p, p, p, p, i32, i32, p, p, p, p, p, p]
     lib.lm_eagle_draft.argtypes = [i64, i64, p, p, p, p, p, i64, p, p, i64, p, p, p, p, p, p, p, f32, i32, i32, i32, i64,
                                    p, p, p, p, i32, i32, i32, f32, p, p, p, *[p] * 13]
     for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary, lib.lm_apply_bitmask,
-               lib.lm_llama_layers, lib.lm_gemma_layers, lib.lm_eagle_kv):
+               lib.lm_llama_layers, lib.lm_gemma_layers, lib.lm_eagle_kv, lib.lm_lora_add):
         fn.restype = None
     lib.lm_eagle_draft.restype = i64  # the rounds run
     return lib
@@ -345,3 +346,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKV
                              D, block_size, scale, window or 0, out.data_ptr(), simd, torch.get_num_threads(), *ptrs,
                              H * D, Hkv * D)
     return out
+
+
+def lora_add(x: torch.Tensor, y: torch.Tensor, at: torch.Tensor, bt: torch.Tensor, row_group: torch.Tensor | None,
+             g: int, spans: torch.Tensor | None = None) -> None:
+    """y (B, n) += (x (B, k) @ at (k, r)) @ bt (r, n) in place, on the rows whose row_group (B,) int64 is g
+    (every row: None); float32, y contiguous; spans (S, 2) int64: the output columns each block of r / S rows
+    of bt reaches (None: all). Each element in a fixed order, whatever the batch (fused.c: lm_lora_add)."""
+    x = x.contiguous()
+    rb = at.shape[1] // spans.shape[0] if spans is not None else at.shape[1]
+    lib().lm_lora_add(x.data_ptr(), x.shape[0], x.shape[1], at.data_ptr(), bt.data_ptr(), at.shape[1], bt.shape[1],
+                      y.data_ptr(), None if row_group is None else row_group.data_ptr(), g,
+                      None if spans is None else spans.data_ptr(), rb, torch.get_num_threads())

@@ -4,7 +4,9 @@ An adapter adds (alpha / r) * B @ A to some of the model's projections (y = x W^
 Ours are our fused layers (q/k/v in one qkv_proj, gate/up in one gate_up_proj), so the shards an
 adapter has for one fused layer are stacked: A_cat (S*r, in) holds each shard's A, B_cat (out, S*r)
 each shard's B (scale folded in) in that shard's output rows and its own r columns, zeros elsewhere.
-One fused layer then takes one low-rank product per adapter, whatever shards the adapter trained.
+One fused layer then takes one low-rank product per adapter, whatever shards the adapter trained. Both
+are kept transposed, At = A_cat^T (in, S*r) and Bt = B_cat^T (S*r, out): delta = (x At) Bt, which the
+CPU kernel (decode.c: lm_lora_add) computes as axpys over contiguous rows.
 """
 
 from __future__ import annotations
@@ -45,20 +47,32 @@ class LoRARequest:
 
 @dataclass(eq=False)
 class LoRAAdapter:
-    """A loaded adapter: per target module (our path, e.g. 'layers.3.self_attn.qkv_proj') the stacked
-    (A_cat (S*r, in), B_cat (out, S*r)) with the scale in B_cat, in the model's dtype and device."""
+    """A loaded adapter: per target module (our path, e.g. 'layers.3.self_attn.qkv_proj') the stacked,
+    transposed factors (At (in, S*r), Bt (S*r, out)), the scale in Bt, in the model's dtype and device, and
+    spans (S, 2) int64 on the host: the output columns each shard's r rows of Bt reach (the rest are zeros)."""
 
     name: str
     id: int
     path: str
     rank: int
     scale: float
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     salt: bytes  # sha256 of its files: prefix-cache blocks computed with the adapter are keyed by it
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ab in self.weights.values() for t in ab)
+
+    def table(self, names: tuple[str, ...]) -> torch.Tensor:
+        """(len(names), 5) int64: (At, Bt, S*r, spans, r) of each named module, zeros where the adapter has
+        none: the CPU decode plan's view of it (memoised; the tensors live as long as the adapter)."""
+        memo = self.__dict__.setdefault("_tables", {})
+        if names not in memo:
+            found = [self.weights.get(n) for n in names]
+            memo[names] = torch.tensor([(w[0].data_ptr(), w[1].data_ptr(), w[0].shape[1], w[2].data_ptr(),
+                                         w[0].shape[1] // w[2].shape[0]) if w is not None else (0,) * 5
+                                        for w in found], dtype=torch.int64)
+        return memo[names]
 
 
 def read_config(folder: Path, max_rank: int) -> tuple[dict[str, Any], int, float]:
@@ -143,7 +157,10 @@ def load_adapter(req: LoRARequest, targets: dict[str, tuple[int, list[int]]], st
                                  f"{tuple(ab['B'].shape)} do not fit {want_a} / {want_b}")
             a_cat[j * r:(j + 1) * r] = ab["A"].float()
             b_cat[rows, j * r:(j + 1) * r] = ab["B"].float() * scale
-        weights[target] = (a_cat.to(device=device, dtype=dtype), b_cat.to(device=device, dtype=dtype))
+        spans = torch.tensor([(0, sum(sizes)) if s is None else (offsets[s], offsets[s] + sizes[s]) for s in order],
+                             dtype=torch.int64)  # (S, 2)
+        weights[target] = (a_cat.t().contiguous().to(device=device, dtype=dtype),  # At (in, S*r)
+                           b_cat.t().contiguous().to(device=device, dtype=dtype), spans)  # Bt (S*r, out)
     if not weights:
         raise ValueError(f"lora_path: {WEIGHTS} holds no LoRA weights")
     salt = hashlib.sha256(b"lora\0" + json.dumps(cfg, sort_keys=True).encode() + b"\0" + raw).digest()

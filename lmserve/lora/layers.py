@@ -4,8 +4,10 @@ delta (LoRAPoint), hooked into the model's linears.
 Tokens are flattened, so one step may hold rows of several adapters and rows of none. The runner
 writes the step's groups ([(adapter, rows)]) into the LoRAContext before the forward and clears them
 after; every adapted linear (`LinearBase.lora`) then adds, for each group whose adapter has weights
-for it, (x[rows] A_cat^T) B_cat^T to its output rows. A step without adapter rows costs nothing more,
-and takes the fast paths (the CPU decode plan, CUDA graphs); a step with some runs eagerly.
+for it, (x[rows] At) Bt to its output rows. A step without adapter rows costs nothing more. On the CPU
+(float32) the delta is decode.c's lm_lora_add, row by row, which the CPU decode plan calls too (so a
+step with adapter rows keeps the plan, with the same bits as the module path); elsewhere it is two
+matmuls, and a step with adapter rows runs without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from lmserve.layers import cpu_native
 from lmserve.layers.linear import LinearBase, row_blocks
 from lmserve.lora.adapter import LoRAAdapter
 
@@ -23,11 +25,13 @@ MODELS = ("LlamaForCausalLM", "Gemma3ForCausalLM")  # (MLA's absorbed projection
 
 
 class LoRAContext:
-    """The step's adapter rows in the flat batch: [(adapter, rows)], rows a slice or an index tensor.
-    Written by the runner around each forward (`begin` / `end`), read by the LoRA points."""
+    """The step's adapter rows in the flat batch: [(adapter, rows)], rows a slice or an index tensor, and
+    row_group (N,) int64 on the host: each row's index in groups (-1: the base model). Written by the
+    runner around each forward (`begin` / `end`), read by the LoRA points and the CPU decode plan."""
 
     def __init__(self) -> None:
         self.groups: list[tuple[LoRAAdapter, slice | torch.Tensor]] = []
+        self.row_group: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:
@@ -37,11 +41,13 @@ class LoRAContext:
         """Group the step's rows by adapter (scheduled: [(seq, n)], each seq's n rows in a row, its
         adapter `seq.lora` or None); True when any row has one."""
         rows: dict[int, tuple[LoRAAdapter, list[int]]] = {}
-        start = 0
+        start, marks = 0, []
         for seq, n in scheduled:
             if seq.lora is not None:
                 rows.setdefault(id(seq.lora), (seq.lora, []))[1].extend(range(start, start + n))
+            marks.append((list(rows).index(id(seq.lora)) if seq.lora is not None else -1, n))
             start += n
+        self.row_group = torch.tensor([g for g, n in marks for _ in range(n)], dtype=torch.long)  # (N,)
         self.groups = []
         for adapter, idx in rows.values():
             contiguous = idx[-1] - idx[0] + 1 == len(idx)
@@ -50,7 +56,7 @@ class LoRAContext:
         return self.active
 
     def end(self) -> None:
-        self.groups = []
+        self.groups, self.row_group = [], None
 
 
 class LoRAPoint:
@@ -61,13 +67,18 @@ class LoRAPoint:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, invariant: bool) -> torch.Tensor:
         """x (N, in), y (N, out) the base output -> y with the deltas added (in place). invariant
-        (deterministic mode): the products over fixed row blocks, as the base linear's."""
-        for adapter, rows in self.ctx.groups:
+        (deterministic mode): the matmuls over fixed row blocks, as the base linear's (the CPU kernel
+        takes each row on its own already)."""
+        native = x.device.type == "cpu" and x.dtype == torch.float32 and y.is_contiguous() and cpu_native.available()
+        for g, (adapter, rows) in enumerate(self.ctx.groups):
             ab = adapter.weights.get(self.name)
             if ab is None:
                 continue
-            a, b = ab  # (S*r, in), (out, S*r)
-            delta = lambda t: F.linear(F.linear(t, a), b)  # noqa: E731 - (R, in) -> (R, out)
+            at, bt, spans = ab  # (in, S*r), (S*r, out), (S, 2)
+            if native:
+                cpu_native.lora_add(x, y, at, bt, self.ctx.row_group, g, spans)
+                continue
+            delta = lambda t: (t @ at) @ bt  # noqa: E731 - (R, in) -> (R, out)
             xs = x[rows]  # (R, in)
             d = row_blocks(delta, xs) if invariant else delta(xs)  # (R, out)
             if isinstance(rows, slice):

@@ -129,9 +129,22 @@ class CpuDecodePlan:
     def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """This step can run here: at most ROWS_PER_SEQ new tokens a sequence (decode, verification; any
         number of sequences), float32 or int8 caches, fused ops not off."""
+        lora = getattr(self.model, "lora", None)  # LoRA rows: the C loop takes them, the Python loop not
         return (dispatch.cpu_fast_allowed() and not meta.static_decode and meta.max_query_len <= ROWS_PER_SEQ
                 and all(cpu_native.kv_reads(c) and cpu_native.kv_pointers(c)[0] in (0, 2) for c in kv_caches[:1])
-                and self._weights_unchanged())
+                and (self.native is not None or lora is None or not lora.active) and self._weights_unchanged())
+
+    def lora_args(self) -> tuple[Any, ...]:
+        """decode.c's LoRA arguments for this step: (deltas [G, L, 4, 5] (adapter.table), G, row groups (B,)) as
+        pointers, and the tensors that hold them (to keep alive for the call); (None, 0, None) without
+        adapter rows."""
+        ctx = getattr(self.model, "lora", None)
+        if ctx is None or not ctx.active:
+            return (None, 0, None), ()
+        names = tuple(f"layers.{i}.{leaf}" for i in range(len(self.layers)) for leaf in
+                      ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+        table = torch.stack([adapter.table(names) for adapter, _ in ctx.groups])  # (G, 4L, 5)
+        return (table.data_ptr(), len(ctx.groups), ctx.row_group.data_ptr()), (table, ctx.row_group)
 
     def _weights_unchanged(self) -> bool:
         """The weights are those the plan read: each the same tensor (a linear's qweight looked up again)
@@ -224,12 +237,13 @@ class CpuDecodePlan:
         lin, norms, scales, windows = self.native  # type: ignore[misc]
         rows, caches, kind = self._step_arrays(kv_caches, meta)
         res, hbuf, tmp, out, qkv, att, gate_up, act = self._buffers(x.shape[0])
+        lora, _alive = self.lora_args()
         self.lib.lm_llama_layers(len(self.layers), lin.data_ptr(), norms.data_ptr(), scales.data_ptr(),
                                  windows.data_ptr(), caches.data_ptr(), rows.data_ptr(), x.data_ptr(), x.shape[0],
                                  self.hidden, self.eps, self.h, self.hkv, self.d, meta.block_size, cos.data_ptr(),
                                  sin.data_ptr(), self.simd, torch.get_num_threads(), self.layers[0][1].vnni, kind,
                                  res.data_ptr(), hbuf.data_ptr(), qkv.data_ptr(), att.data_ptr(), tmp.data_ptr(),
-                                 gate_up.data_ptr(), act.data_ptr(), out.data_ptr())
+                                 gate_up.data_ptr(), act.data_ptr(), out.data_ptr(), *lora)
         return out, res
 
 
@@ -340,10 +354,11 @@ class GemmaDecodePlan(CpuDecodePlan):
             rope.append((cos.data_ptr(), sin.data_ptr()))
         rope_t = torch.tensor(rope, dtype=torch.int64)  # (L, 2)
         res, hbuf, tmp, out, normed, qkv, att, gate_up, act = self._buffers(x.shape[0], extra=1)
+        lora, _alive = self.lora_args()
         self.lib.lm_gemma_layers(len(self.layers), lin.data_ptr(), norms.data_ptr(), scales.data_ptr(),
                                  windows.data_ptr(), caches.data_ptr(), rows.data_ptr(), rope_t.data_ptr(), x.data_ptr(),
                                  x.shape[0], self.hidden, self.eps, self.h, self.hkv, self.d, meta.block_size, self.simd,
                                  torch.get_num_threads(), self.layers[0][1].vnni, kind, res.data_ptr(), hbuf.data_ptr(),
                                  qkv.data_ptr(), att.data_ptr(), tmp.data_ptr(), normed.data_ptr(), gate_up.data_ptr(),
-                                 act.data_ptr(), out.data_ptr())
+                                 act.data_ptr(), out.data_ptr(), *lora)
         return out, res

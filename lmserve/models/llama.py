@@ -148,8 +148,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (N,) -> final hidden states (N, hidden)."""
         x = self.embed(input_ids)  # (N, hidden)
         plan = self.cpu_plan() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-        if plan is not None and not (self.lora is not None and self.lora.active) and plan.applies(x, kv_caches, meta):
-            # a decode step on the CPU without adapter rows: our kernels in a row
+        if plan is not None and plan.applies(x, kv_caches, meta):  # a decode step on the CPU: our kernels in a row
             x, residual = plan.run(x, positions, kv_caches, meta)
         else:
             residual = None
@@ -159,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     plan_class: type[CpuDecodePlan] = CpuDecodePlan  # the CPU decode plan of this model's layer shape
-    lora: Any = None  # with enable_lora: the step's adapter rows (lora.layers.LoRAContext), set by attach_lora
+    lora: Any = None  # with enable_lora: the step's adapter rows (lora.layers.LoRAContext, set by attach_lora;
+    # the CPU plan reads it)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, hidden)
         return self.embed_tokens(input_ids)

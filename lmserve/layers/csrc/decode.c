@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+void lm_lora_add(const float *x, int64_t b, int64_t k, const float *at, const float *bt, int64_t r, int64_t n,
+                 float *y, const int64_t *row_group, int64_t g, const int64_t *spans, int64_t rb, int nthreads);
 void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t sr, const float *w, float eps, int64_t n,
                     int64_t d, float *out, float *new_res, int nthreads);
 void lm_silu_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthreads);
@@ -37,6 +39,19 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
 static void linear(const int64_t *l, const float *x, int64_t b, float *y, int nthreads, int vnni) {
   lm_qgemm_tiles(x, b, l[3], (const uint8_t *)P(l[0]), (int)l[1], l[2], (const float *)P(l[4]), (const float *)P(l[5]),
                  l[6], y, nthreads, vnni);
+}
+
+/* the LoRA deltas of linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer i for each of the step's G adapter
+ * groups: lora [G, L, 4, 5] holds (At, Bt, r, spans, rb) per group, layer and linear (At = 0: the adapter
+ * has none; lm_lora_add's arguments) */
+static void lora_deltas(const int64_t *lora, int64_t G, int64_t L, const int64_t *row_group, int64_t i, int j,
+                        const float *x, int64_t b, int64_t k, float *y, int64_t n, int nthreads) {
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t *e = lora + ((g * L + i) * 4 + j) * 5;
+    if (e[0] != 0)
+      lm_lora_add(x, b, k, (const float *)P(e[0]), (const float *)P(e[1]), e[2], n, y, row_group, g,
+                  (const int64_t *)P(e[3]), e[4], nthreads);
+  }
 }
 
 /* residual = x (layer 0) or residual += the last layer's output; hbuf = norm(residual) * w */
@@ -65,21 +80,25 @@ void lm_llama_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
                      const int64_t *cache, const int64_t *rows, const float *x, int64_t b, int64_t hd, float eps, int h,
                      int hkv, int d, int64_t block_size, const float *cos_, const float *sin_, int simd, int nthreads,
                      int vnni, int kv_kind, float *res, float *hbuf, float *qkv, float *att, float *tmp, float *gate_up, float *act,
-                     float *out) {
+                     float *out, const int64_t *lora, int64_t G, const int64_t *row_group) {
   const int64_t width = (int64_t)(h + 2 * hkv) * d;
   for (int64_t i = 0; i < L; i++) {
     const int64_t *li = lin + i * 28, *r = rows + i * 4;
     const float *w_in = (const float *)P(norms[2 * i]), *w_post = (const float *)P(norms[2 * i + 1]);
     block_input(i, x, out, res, w_in, eps, b, hd, hbuf, nthreads);
     linear(li, hbuf, b, qkv, nthreads, vnni);
+    lora_deltas(lora, G, L, row_group, i, 0, hbuf, b, hd, qkv, width, nthreads);
     lm_rotary(qkv, b, h + hkv, d, width, d, cos_, sin_); /* q and k heads */
     attend(qkv, cache + 4 * i, r, kv_kind, b, h, hkv, d, block_size, scales[i], windows[i], att, simd, nthreads);
     linear(li + 7, att, b, tmp, nthreads, vnni);
+    lora_deltas(lora, G, L, row_group, i, 1, att, b, (int64_t)h * d, tmp, hd, nthreads);
     lm_add_rmsnorm(tmp, hd, res, hd, w_post, eps, b, hd, hbuf, res, nthreads);
     const int64_t gu = li[14 + 2]; /* gate_up's n = 2 I */
     linear(li + 14, hbuf, b, gate_up, nthreads, vnni);
+    lora_deltas(lora, G, L, row_group, i, 2, hbuf, b, hd, gate_up, gu, nthreads);
     lm_silu_and_mul(gate_up, b, gu / 2, act, nthreads);
     linear(li + 21, act, b, out, nthreads, vnni);
+    lora_deltas(lora, G, L, row_group, i, 3, act, b, gu / 2, out, hd, nthreads);
   }
 }
 
@@ -95,7 +114,7 @@ void lm_gemma_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
                      const int64_t *cache, const int64_t *rows, const int64_t *rope, const float *x, int64_t b,
                      int64_t hd, float eps, int h, int hkv, int d, int64_t block_size, int simd, int nthreads, int vnni,
                      int kv_kind, float *res, float *hbuf, float *qkv, float *att, float *tmp, float *normed,
-                     float *gate_up, float *act, float *out) {
+                     float *gate_up, float *act, float *out, const int64_t *lora, int64_t G, const int64_t *row_group) {
   const int64_t width = (int64_t)(h + 2 * hkv) * d;
   for (int64_t i = 0; i < L; i++) {
     const int64_t *li = lin + i * 28, *r = rows + i * 4, *nw = norms + i * 6;
@@ -104,6 +123,7 @@ void lm_gemma_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
     const float *w_post_ff = (const float *)P(nw[5]);
     block_input(i, x, out, res, w_in, eps, b, hd, hbuf, nthreads);
     linear(li, hbuf, b, qkv, nthreads, vnni);
+    lora_deltas(lora, G, L, row_group, i, 0, hbuf, b, hd, qkv, width, nthreads);
     for (int64_t t = 0; t < b; t++) { /* q and k heads normed in place, a row of d per head */
       float *row = qkv + t * width;
       lm_add_rmsnorm(row, d, NULL, 0, w_q, eps, h, d, row, NULL, nthreads);
@@ -112,12 +132,15 @@ void lm_gemma_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
     lm_rotary(qkv, b, h + hkv, d, width, d, (const float *)P(rope[2 * i]), (const float *)P(rope[2 * i + 1]));
     attend(qkv, cache + 4 * i, r, kv_kind, b, h, hkv, d, block_size, scales[i], windows[i], att, simd, nthreads);
     linear(li + 7, att, b, tmp, nthreads, vnni);
+    lora_deltas(lora, G, L, row_group, i, 1, att, b, (int64_t)h * d, tmp, hd, nthreads);
     lm_add_rmsnorm(tmp, hd, NULL, 0, w_post_attn, eps, b, hd, normed, NULL, nthreads); /* the attention block's output norm */
     lm_add_rmsnorm(normed, hd, res, hd, w_pre_ff, eps, b, hd, hbuf, res, nthreads);
     const int64_t gu = li[14 + 2];
     linear(li + 14, hbuf, b, gate_up, nthreads, vnni);
+    lora_deltas(lora, G, L, row_group, i, 2, hbuf, b, hd, gate_up, gu, nthreads);
     lm_gelu_tanh_and_mul(gate_up, b, gu / 2, act, nthreads);
     linear(li + 21, act, b, tmp, nthreads, vnni);
+    lora_deltas(lora, G, L, row_group, i, 3, act, b, gu / 2, tmp, hd, nthreads);
     lm_add_rmsnorm(tmp, hd, NULL, 0, w_post_ff, eps, b, hd, out, NULL, nthreads); /* the MLP block's output, normed */
   }
 }
@@ -198,7 +221,7 @@ int64_t lm_eagle_draft(int64_t rounds, int64_t b, float *feats, const float *emb
       memcpy(s + t * d, sin_tab + pos[t] * d, sizeof(float) * (size_t)d);
     }
     lm_llama_layers(1, lin, norms, scales, windows, cache, rows, x, b, hd, eps, h, hkv, d, block_size, c, s, simd,
-                    nthreads, vnni, 0, res, hbuf, qkv, att, tmp, gate_up, act, out);
+                    nthreads, vnni, 0, res, hbuf, qkv, att, tmp, gate_up, act, out, NULL, 0, NULL);
     for (int64_t i = 0; i < b * hd; i++) feats[i] = res[i] + out[i];
     linear(readout, feats, b, logits, nthreads, vnni);
     for (int64_t t = 0; t < b; t++) {

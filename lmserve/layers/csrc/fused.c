@@ -3,6 +3,7 @@
  * Each replaces 3-8 torch ops (and their per-op overhead) on the decode path. Rows in parallel. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vmath.h"
 
@@ -105,4 +106,60 @@ CLONES void lm_apply_bitmask(float *logits, int64_t n, int64_t v, const int32_t 
     for (int64_t t = full * 32; t < v; t++)  /* the last, partial word */
       if (!((m[full] >> (t - full * 32)) & 1u)) l[t] = -INFINITY;
   }
+}
+
+/* LoRA (lora/layers.py): y[t] += (x[t] At) Bt for the rows t of group g (row_group[t] == g; every row when
+ * row_group is NULL). x (B, k), y (B, n) row-major float32; At (k, r) and Bt (r, n) the adapter's stacked
+ * factors, transposed so that both products are axpys over contiguous rows. A fused layer's adapter is
+ * block-diagonal in Bt: rows [s rb, (s + 1) rb) of Bt reach only columns spans[2 s] .. spans[2 s + 1]
+ * (the shard's outputs; spans NULL: all), so the zeros are never read. Each element's sum runs in a fixed
+ * order (u[t][j] over i, then y[t][c] over j), and every element is one thread's: the result does not
+ * depend on the batch, the threads or the vector width. u = x At in chunks of 16 of its r columns; then
+ * y += u Bt over column chunks, each chunk of Bt read once for all the group's rows. Compiled for each ISA
+ * like the ops above: without contraction every clone rounds each element as written (the same bits). */
+#define LORA_COLS 256
+#define LORA_U 16
+
+CLONES void lm_lora_add(const float *x, int64_t b, int64_t k, const float *at, const float *bt, int64_t r, int64_t n,
+                        float *y, const int64_t *row_group, int64_t g, const int64_t *spans, int64_t rb, int nthreads) {
+  int64_t *sel = malloc(sizeof(int64_t) * (size_t)(b > 0 ? b : 1)), m = 0;
+  for (int64_t t = 0; t < b; t++)
+    if (row_group == NULL || row_group[t] == g) sel[m++] = t;
+  float *u = calloc((size_t)(m * r > 0 ? m * r : 1), sizeof(float));
+  if (sel == NULL || u == NULL) abort();
+  const int64_t uchunks = (r + LORA_U - 1) / LORA_U, cchunks = (n + LORA_COLS - 1) / LORA_COLS;
+#pragma omp parallel num_threads(nthreads)
+  {
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t s = 0; s < m; s++) /* u[s][j0:j1] = x[sel[s]] At[:, j0:j1] */
+      for (int64_t q = 0; q < uchunks; q++) {
+        const int64_t j0 = q * LORA_U, j1 = j0 + LORA_U < r ? j0 + LORA_U : r;
+        const float *xt = x + sel[s] * k;
+        float *us = u + s * r;
+        for (int64_t i = 0; i < k; i++) {
+          const float xv = xt[i], *a = at + i * r;
+          for (int64_t j = j0; j < j1; j++) us[j] += xv * a[j];
+        }
+      }
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < cchunks; q++) { /* y[sel[s]][c0:c1] += u[s] Bt[:, c0:c1] */
+      const int64_t c0 = q * LORA_COLS, c1 = c0 + LORA_COLS < n ? c0 + LORA_COLS : n;
+      for (int64_t j = 0; j < r; j++) {
+        int64_t lo = c0, hi = c1;
+        if (spans != NULL) { /* the block of j reaches its shard's columns only */
+          const int64_t *sp = spans + 2 * (j / rb);
+          lo = lo > sp[0] ? lo : sp[0];
+          hi = hi < sp[1] ? hi : sp[1];
+        }
+        const float *bj = bt + j * n;
+        for (int64_t s = 0; s < m; s++) {
+          const float uv = u[s * r + j];
+          float *yt = y + sel[s] * n;
+          for (int64_t c = lo; c < hi; c++) yt[c] += uv * bj[c];
+        }
+      }
+    }
+  }
+  free(u);
+  free(sel);
 }
