@@ -97,7 +97,7 @@ class Engine:
         self.spec = None if not c.speculative_method else SpecPolicy(
             build_proposer(c, cfg, draft_budget, draft, self.model, self.max_model_len), c, self.max_model_len)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, c.max_num_seqs,
-                                     self.block_manager, self.structured, c.max_logprobs, self.lora)
+                                     self.block_manager, self.structured, c.max_logprobs, self.lora, cfg.hidden_size)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
         # not a bound method: an engine <-> fan-out cycle would keep a dropped engine's KV cache until a GC pass
         self._init_seq = functools.partial(init_sequence, random.Random(c.seed), self.output, self.structured)
@@ -135,7 +135,7 @@ class Engine:
         eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids)
         seq = Sequence(request_id, request.prompt_token_ids, request.params, prompt=request.prompt,
                        eos_token_ids=eos, arrival_time=arrival_time or time.time(), compiled_grammar=request.grammar,
-                       priority=request.priority, lora=request.lora)
+                       priority=request.priority, lora=request.lora, pooling=request.pooling)
         self._init_seq(seq)
         family = self.requests[request_id] = [seq]
         self.scheduler.add(seq)  # before fanout.start: a one-token prompt's children queue behind it

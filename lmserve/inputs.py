@@ -10,6 +10,7 @@ from typing import Any
 from lmserve.kv.block_manager import BlockManager
 from lmserve.lora import LoRAAdapter, LoRARegistry
 from lmserve.outputs import OutputProcessor
+from lmserve.pooling import PoolingParams
 from lmserve.sequence import Request, SamplingParams, Sequence
 from lmserve.structured import StructuredOutputs
 from lmserve.tokenizer import Tokenizer
@@ -21,8 +22,9 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
                  block_manager: BlockManager, structured: StructuredOutputs | None = None, max_logprobs: int = 20,
-                 lora: LoRARegistry | None = None) -> None:
+                 lora: LoRARegistry | None = None, hidden_size: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.hidden_size = hidden_size  # an embedding's length (PoolingParams.dimensions at most)
         self.lora = lora  # the engine's adapters (enable_lora), loaded here on a request's first use
         # the most logprobs / prompt_logprobs a request may ask (EngineConfig.max_logprobs; -1: all)
         self.max_logprobs = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
@@ -37,6 +39,11 @@ class InputProcessor:
         """Tokenize and validate a request once; ValueError naming the field if it is bad. Reads only
         what never changes after start-up (and the adapter registry, which locks), so any thread may call it."""
         adapter = self.adapter(lora_request)
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:  # an embedding: the prompt runs, then one throw-away step ends it
+            pooling.validate(self.hidden_size)
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                    truncate_prompt_tokens=pooling.truncate_prompt_tokens)
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
@@ -44,7 +51,7 @@ class InputProcessor:
             ids = self.truncate(prompt, ids, params.truncate_prompt_tokens)
         grammar = self.validate(ids, params)
         return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar,  # (the text given)
-                       lora=adapter)
+                       lora=adapter, pooling=pooling)
 
     def adapter(self, lora_request: Any) -> LoRAAdapter | None:
         """The loaded adapter of a LoRARequest (None: the base model); ValueError naming the problem."""

@@ -15,7 +15,8 @@ import torch
 from lmserve.config import DEFAULT_MODEL, EngineConfig
 from lmserve.engine import Engine, EngineStats
 from lmserve.generation_config import sampling_defaults
-from lmserve.outputs import RequestOutput
+from lmserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from lmserve.pooling import PoolingParams
 from lmserve.sequence import SamplingParams, Sequence
 
 
@@ -87,6 +88,19 @@ class LLM:
                     self.engine.abort_request(rid)
                 raise
             return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Any, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              use_tqdm: bool = True, lora_request: Any = None) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (vLLM's LLM.embed): the final hidden states pooled (PoolingParams: the last
+        token's by default, or the mean), cut to `dimensions`, L2-normalised; prompts as generate() takes them."""
+        n = len(prompt_list(prompts))
+        pp = pooling_params if isinstance(pooling_params, list) else [pooling_params or PoolingParams()] * n
+        outs = self.generate(prompts, pp, use_tqdm=use_tqdm, lora_request=lora_request)  # type: ignore[arg-type]
+        for o in outs:
+            if o.embedding is None:  # (a failed step: its error)
+                raise RuntimeError(f"embed: request {o.request_id} failed: {o.outputs[0].error}")
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids)  # type: ignore[arg-type]
+                for o in outs]
 
     @contextmanager
     def _alone(self) -> Iterator[None]:

@@ -84,6 +84,22 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[Logprob | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's (pooling.py), once its prompt has run
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result for one prompt (vLLM's)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 class OutputProcessor:
@@ -188,7 +204,8 @@ class OutputProcessor:
                 error_status=o.error_status))
         metrics = request_metrics(seqs, finished, sum(s.num_output_tokens for s in seqs))
         return RequestOutput(rid, s0.prompt, s0.prompt_token_ids, outs, finished,
-                             metrics, list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None)
+                             metrics, list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None,
+                             s0.pooled.embedding if s0.pooled is not None else None)
 
     def _beam_output(self, rid: str, seqs: list[Sequence], beam: BeamState) -> RequestOutput:
         """A beam search shows nothing until it ends; then its n best hypotheses."""

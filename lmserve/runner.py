@@ -127,6 +127,8 @@ class ModelRunner:
         for seq, n in out.scheduled:
             if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                 self._prompt_logprobs(seq, hidden[start:start + n], n)
+            if seq.pooled is not None:  # an embedding request: the states its pooling needs
+                seq.pooled.add(seq.num_computed_tokens, hidden[start:start + n])
             if seq.spec.num_draft:
                 speculating.append((seq, start, n))
             elif seq.num_computed_tokens + n == seq.num_tokens:

@@ -182,7 +182,8 @@ class Scheduler:
                 taken.append((seq, seq.num_computed_tokens, got[0]))
                 budget -= got[0]
                 continue
-            use_cache = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
+            # prompt logprobs and mean pooling need every position computed
+            use_cache = seq.params.prompt_logprobs is None and (seq.pooled is None or seq.pooling.pooling_type == "last")
             # a forking sequence must have its fork-point token (the prompt's last) left to run
             limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None
             prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit, seq.cache_salt) if use_cache else []

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmserve.pooling import PoolingState
 from lmserve.utils import is_whole
 
 
@@ -257,6 +258,7 @@ class Request:
     grammar: Any = None  # the compiled grammar (xgrammar) of a structured-output request
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities: first come, first served
     lora: Any = None  # the LoRA adapter it runs with (lora.LoRAAdapter), or None
+    pooling: Any = None  # an embedding request's pooling.PoolingParams (its params then run the prompt alone)
 
 
 class Status(enum.Enum):
@@ -332,6 +334,7 @@ class Sequence:
     index: int = 0  # which of the request's n outputs
     priority: int = 0  # the request's: lower is admitted first, and preempted last
     lora: Any = None  # the request's LoRA adapter (lora.LoRAAdapter), or None: the base model
+    pooling: Any = None  # an embedding request's PoolingParams (pooling.py); its state in `pooled`
 
     token_ids: list[int] = field(init=False)
     block_tables: list[list[int]] = field(default_factory=list, init=False)  # one per KV group; [] when none held
@@ -353,11 +356,14 @@ class Sequence:
     compiled_grammar: Any = None  # the request's compiled grammar (structured output), shared by its children
     grammar: Any = field(default=None, init=False)  # structured.GrammarState, written by StructuredOutputs
     swapped: Any = field(default=None, init=False)  # Scheduler: its tables' shape while its KV is on the host
+    pooled: PoolingState | None = field(default=None, init=False)  # an embedding request's, written by the runner
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str):  # (vLLM's rule; None and 7 were taken, a list failed as unhashable)
             raise TypeError(f"request_id: must be a str, got {type(self.request_id).__name__}")
         self.token_ids = list(self.prompt_token_ids)
+        if self.pooling is not None:
+            self.pooled = PoolingState(self.pooling, len(self.prompt_token_ids))
 
     @property
     def cache_salt(self) -> bytes | None:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmserve.generation_config import sampling_defaults
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request as EngineRequest
-from lmserve.server import anthropic_api, disagg, lora_api, ops, responses_api
+from lmserve.server import anthropic_api, disagg, embeddings_api, lora_api, ops, responses_api
 from lmserve.server import openapi as oa
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.server.cors import Cors
@@ -384,6 +384,7 @@ def build_app(ae: AsyncEngine, served_model: str | Sequence[str], api_key: str |
     bodies = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
     bodies += responses_api.register(app, srv)  # POST /v1/responses
     bodies += anthropic_api.register(app, srv)  # POST /v1/messages, /v1/messages/count_tokens
+    bodies += embeddings_api.register(app, srv)  # POST /v1/embeddings
     ops.register(app, ae, srv.metrics)  # /health, /ping, /version, /metrics
     if allow_runtime_lora:
         lora_api.register(app, srv)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter

@@ -1,0 +1,73 @@
+"""Embeddings from a decoder model (vLLM's pooling runner, `LLM.embed`, `/v1/embeddings`).
+
+A pooling request runs its prompt like any other (chunked, batched with generating requests, through
+the prefix cache when it pools the last token) and the runner keeps the final hidden states (after the
+model's final norm: HF's `last_hidden_state`) its pooling needs; when the prompt's last chunk has run,
+the embedding is made (`embedding`) and the request ends. Pooling: `last` (the last prompt token's
+state: decoder embedding models, Qwen3-Embedding, e5-mistral, gte-Qwen2, vLLM's default for them) or
+`mean` (every prompt position's, averaged); then optionally the first `dimensions` (Matryoshka) and an
+L2 normalisation (on by default, as vLLM's embed task does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass
+class PoolingParams:
+    """How a request's prompt becomes one vector (vLLM's PoolingParams, embed task)."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None  # keep the first this many (Matryoshka models), before normalising
+    truncate_prompt_tokens: int | None = None  # run the prompt's last k tokens (as SamplingParams': -1 the context)
+
+    def validate(self, hidden_size: int) -> None:
+        """ValueError naming the field."""
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type: must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize: must be true or false, got {self.normalize!r}")
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= hidden_size):
+            raise ValueError(f"dimensions: must be an integer in [1, {hidden_size}] (the model's hidden size), got {d!r}")
+
+
+class PoolingState:
+    """One sequence's pooled hidden states while its prompt runs, owned by the runner: the rows its
+    pooling needs, written by position, so a prompt recomputed after a preemption writes them again."""
+
+    def __init__(self, params: PoolingParams, prompt_len: int) -> None:
+        self.params, self.prompt_len = params, prompt_len
+        self.rows: torch.Tensor | None = None  # (P, hidden) for mean; (1, hidden) for last
+        self.embedding: list[float] | None = None
+
+    def add(self, start: int, hidden: torch.Tensor) -> None:
+        """hidden (n, H): the final states of prompt positions start .. start + n - 1 (a chunk)."""
+        n = min(hidden.shape[0], self.prompt_len - start)
+        if n <= 0:
+            return
+        if self.params.pooling_type == "last":
+            if start + n == self.prompt_len:
+                self.rows = hidden[n - 1:n].float().clone()
+        else:
+            if self.rows is None:
+                self.rows = hidden.new_zeros(self.prompt_len, hidden.shape[1], dtype=torch.float32)
+            self.rows[start:start + n] = hidden[:n].float()
+        if start + n == self.prompt_len:
+            self.embedding = self.finish()
+
+    def finish(self) -> list[float]:
+        """The embedding: pooled (float32), cut to `dimensions`, L2-normalised."""
+        assert self.rows is not None
+        v = self.rows[-1] if self.params.pooling_type == "last" else self.rows.mean(dim=0)  # (H,)
+        if self.params.dimensions is not None:
+            v = v[:self.params.dimensions]
+        if self.params.normalize:
+            v = torch.nn.functional.normalize(v, dim=0)
+        return v.cpu().tolist()

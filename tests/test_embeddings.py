@@ -1,0 +1,155 @@
+"""Embeddings (pooling.py, LLM.embed, POST /v1/embeddings) against HF's own final hidden states."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from lmserve import LLM, PoolingParams, SamplingParams
+
+PROMPTS = [[5, 17, 33, 9, 100, 3, 44, 12, 70, 71, 72, 20], [9, 8, 7], list(range(20, 50)), list(range(20, 44)) + [5]]
+
+
+def hf_states(hf, prompt: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """HF's last_hidden_state (after the final norm) for one prompt: (T, H)."""
+    with torch.no_grad():
+        return hf.model(torch.tensor([prompt])).last_hidden_state[0].float()
+
+
+def unit(v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(v, dim=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "llama_mqa"])
+def test_embeddings_match_hf_hidden_states(tiny_models, family):  # type: ignore[no-untyped-def]
+    """Last-token and mean pooling, normalised or not, cut to `dimensions`, equal HF's final hidden states
+    pooled in float64; prompts prefilled in chunks of 8 tokens, the last two sharing a cached prefix."""
+    path, hf = tiny_models[family]
+    llm = LLM(str(path), kv_cache_memory="64MiB", max_num_batched_tokens=8, block_size=4)
+    cases = [PoolingParams(), PoolingParams(pooling_type="mean"), PoolingParams(normalize=False),
+             PoolingParams(pooling_type="mean", dimensions=20, normalize=False), PoolingParams(dimensions=16)]
+    for pp in cases:
+        outs = llm.embed(PROMPTS, pp, use_tqdm=False)
+        for prompt, out in zip(PROMPTS, outs):
+            h = hf_states(hf, prompt).double()
+            v = h[-1] if pp.pooling_type == "last" else h.mean(dim=0)
+            v = v[:pp.dimensions] if pp.dimensions else v
+            want = unit(v) if pp.normalize else v
+            got = torch.tensor(out.outputs.embedding, dtype=torch.float64)
+            assert got.shape == want.shape and (got - want).abs().max() < 1e-5, (pp, prompt)
+            assert out.prompt_token_ids == prompt
+    assert llm.stats().prefix_hit_tokens > 0 and llm.stats().used_blocks == 0
+
+
+def test_embeddings_and_generation_share_batches(tiny_models):  # type: ignore[no-untyped-def]
+    """Embedding and generating requests in the same steps: each gets what it gets alone."""
+    path, hf = tiny_models["llama"]
+    llm = LLM(str(path), kv_cache_memory="64MiB", max_num_batched_tokens=16, block_size=4)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone_gen = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    alone_emb = [o.outputs.embedding for o in llm.embed(PROMPTS, PoolingParams(pooling_type="mean"), use_tqdm=False)]
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"g{i}", p, params)
+        eng.add_request(f"e{i}", p, PoolingParams(pooling_type="mean"))
+    done = {}
+    steps_with_both = 0
+    while eng.has_unfinished_requests():
+        kinds = {s.request_id[0] for s in eng.scheduler.running}
+        outs = eng.step()
+        steps_with_both += kinds == {"g", "e"}
+        done.update({o.request_id: o for o in outs if o.finished})
+    assert steps_with_both > 0
+    for i in range(len(PROMPTS)):
+        assert done[f"g{i}"].outputs[0].token_ids == alone_gen[i]
+        assert done[f"e{i}"].embedding == pytest.approx(alone_emb[i], abs=1e-6)
+
+
+def test_an_adapters_embedding_is_the_adapted_models(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    peft = pytest.importorskip("peft")
+    from lmserve import LoRARequest
+    from tests.test_lora import make_adapter
+    path, hf = tiny_models["llama"]
+    pm = make_adapter(hf, tmp_path / "a", seed=4)
+    llm = LLM(str(path), kv_cache_memory="64MiB", enable_lora=True)
+    out = llm.embed([PROMPTS[0]], lora_request=LoRARequest("a", 1, str(tmp_path / "a")), use_tqdm=False)[0]
+    with torch.no_grad():
+        h = pm.base_model.model.model(torch.tensor([PROMPTS[0]])).last_hidden_state[0].double()
+    assert (torch.tensor(out.outputs.embedding, dtype=torch.float64) - unit(h[-1])).abs().max() < 1e-5
+    assert peft is not None
+
+
+def test_bad_pooling_params_are_refused_naming_the_field(tiny_models):  # type: ignore[no-untyped-def]
+    llm = LLM(str(tiny_models["llama"][0]), kv_cache_memory="64MiB")
+    for pp, field in ((PoolingParams(dimensions=65), "dimensions"), (PoolingParams(dimensions=0), "dimensions"),
+                      (PoolingParams(pooling_type="cls"), "pooling_type"), (PoolingParams(normalize=1), "normalize"),
+                      (PoolingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens")):
+        with pytest.raises(ValueError, match=f"^{field}"):
+            llm.embed([PROMPTS[0]], pp)
+    assert len(llm.embed([[1] * 30], PoolingParams(truncate_prompt_tokens=5), use_tqdm=False)[0].prompt_token_ids) == 5
+    assert llm.stats().used_blocks == 0
+
+
+def test_server_embeddings_route(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """The OpenAI SDK's embeddings.create against LLM.embed: texts and token ids, base64, dimensions,
+    usage; bad inputs are 400s naming the field, an unknown model a 404."""
+    pytest.importorskip("fastapi")
+    import httpx
+    import openai
+
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    from tests.conftest import char_tokenizer_model
+    from tests.test_server import serving
+    model = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "m")
+    llm = LLM(str(model), kv_cache_memory="64MiB")
+    texts = ["Hello there", "general Kenobi", "x"]
+    ref = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+    ref_ids = llm.embed([PROMPTS[1]], PoolingParams(pooling_type="mean", dimensions=8), use_tqdm=False)[0].outputs.embedding
+    app = build_app(AsyncEngine(llm.engine), "tiny")
+    with serving(app) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = client.embeddings.create(model="tiny", input=texts)
+        assert [d.index for d in r.data] == [0, 1, 2] and r.model == "tiny"
+        for d, want in zip(r.data, ref):
+            assert d.embedding == pytest.approx(want, abs=1e-6)
+        assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(t) for t in texts)
+        raw = httpx.post(url + "/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}).json()
+        assert np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4").tolist() == \
+            pytest.approx(ref[0], abs=1e-6)
+        r = client.embeddings.create(model="tiny", input=PROMPTS[1], dimensions=8, extra_body={"pooling_type": "mean"})
+        assert r.data[0].embedding == pytest.approx(ref_ids, abs=1e-6)
+        for body, field in (({"input": []}, "input"), ({"input": ["a", ""]}, "input"),
+                            ({"input": "a", "dimensions": 65}, "dimensions"), ({"input": [1000]}, "prompt_token_ids"),
+                            ({"input": "a", "encoding_format": "int8"}, "encoding_format")):
+            bad = httpx.post(url + "/v1/embeddings", json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (body, bad.text)
+        assert httpx.post(url + "/v1/embeddings", json={"input": "a", "model": "other"}).status_code == 404
+        assert llm.stats().used_blocks == 0
+
+
+def test_mean_pooling_through_preemption(tiny_models):  # type: ignore[no-untyped-def]
+    """A tight pool (40 blocks of 4) preempts an embedding request mid-prompt and recomputes it: its mean
+    pooling still counts each position once (HF's in float64)."""
+    from lmserve.kv.cache import KVCache
+    from lmserve.models.loader import hf_config
+    path, hf = tiny_models["llama"]
+    per_block = KVCache.bytes_per_block(hf_config(path), 4, torch.float32)
+    llm = LLM(str(path), kv_cache_memory=per_block * 40, block_size=4, max_num_batched_tokens=12,
+              enable_prefix_caching=False)
+    eng = llm.engine
+    gen = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = {f"e{i}": list(range(40 + i, 80 + i)) for i in range(4)}
+    for i in range(4):
+        eng.add_request(f"g{i}", list(range(10 + i, 30 + i)), gen)
+        eng.add_request(f"e{i}", prompts[f"e{i}"], PoolingParams(pooling_type="mean"))
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert any(done[r].metrics.num_preemptions for r in prompts)
+    for rid, prompt in prompts.items():
+        want = unit(hf_states(hf, prompt).double().mean(dim=0))
+        assert (torch.tensor(done[rid].embedding, dtype=torch.float64) - want).abs().max() < 1e-5, rid
