@@ -132,6 +132,7 @@ def test_speculation_with_an_adapter_stays_exact(adapters):  # type: ignore[no-u
     assert out[0].outputs[0].token_ids == peft_greedy(pa, prompt, 16)
     with pa.disable_adapter():
         assert out[1].outputs[0].token_ids == peft_greedy(pa, prompt, 16)
+    assert llm.stats().spec["accepted"] > 0  # drafts were verified (and some kept) with the adapter's rows
 
 
 def test_deterministic_mode_an_adapter_request_alone_and_in_a_crowd(adapters):  # type: ignore[no-untyped-def]
@@ -163,12 +164,14 @@ def test_least_recently_used_adapters_are_let_go_and_reloaded(adapters):  # type
 
 
 def write_adapter(src: Path, dst: Path, config: dict | None = None, drop: str | None = None,
-                  rename: tuple[str, str] | None = None) -> str:
-    """A copy of the adapter at src with its config updated and a tensor dropped or renamed."""
+                  rename: tuple[str, str] | None = None, raw_config: str | None = None) -> str:
+    """A copy of the adapter at src with its config updated (None values: keys removed; or replaced
+    by raw_config's text) and a tensor dropped or renamed."""
     from safetensors.torch import load_file, save_file
     dst.mkdir()
     cfg = json.loads((src / "adapter_config.json").read_text()) | (config or {})
-    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (dst / "adapter_config.json").write_text(raw_config if raw_config is not None else json.dumps(cfg))
     t = load_file(str(src / "adapter_model.safetensors"))
     if drop:
         t = {k: v for k, v in t.items() if drop not in k}
@@ -185,15 +188,17 @@ def test_bad_adapters_are_refused_naming_the_field(adapters, llm, tmp_path):  # 
         "lora_path": [str(tmp_path / "missing"), write_adapter(a, tmp_path / "dora", {"use_dora": True}),
                       write_adapter(a, tmp_path / "bias", {"bias": "all"}),
                       write_adapter(a, tmp_path / "half", drop="q_proj.lora_B"),
-                      write_adapter(a, tmp_path / "head", rename=("layers.0.mlp.down_proj", "lm_head"))],
+                      write_adapter(a, tmp_path / "head", rename=("layers.0.mlp.down_proj", "lm_head")),
+                      write_adapter(a, tmp_path / "deep", raw_config="[" * 100000 + "]" * 100000)],
         "lora_request": [write_adapter(a, tmp_path / "big", {"r": 64})],
     }
     for i, (field, paths) in enumerate(cases.items()):
         for j, path in enumerate(paths):
             with pytest.raises(ValueError, match=f"^{field}"):
                 llm.generate([PROMPT], p, lora_request=LoRARequest(f"bad{i}{j}", 100 + 10 * i + j, path))
+    assert llm.generate([PROMPT], p, lora_request=adapters["a"][0], use_tqdm=False)  # id 1 is "a" now
     with pytest.raises(ValueError, match="^lora_request.lora_int_id"):
-        llm.generate([PROMPT], p, lora_request=LoRARequest("other", 1, str(a)))  # id 1 is "a" (once loaded)
+        llm.generate([PROMPT], p, lora_request=LoRARequest("other", 1, str(a)))
     with pytest.raises(ValueError, match="^lora_request.lora_int_id"):
         LoRARequest("x", 0, str(a))
     with pytest.raises(ValueError, match="^lora_request"):
@@ -243,6 +248,56 @@ def test_default_model_quantized_adapter_rows_run_the_cpu_plan(tmp_path):  # typ
     assert with_plan[0] != base[0] and with_plan == run(lora, plan_on=False)
     mixed = llm.generate([prompt, prompt], p, lora_request=[lora, None], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == with_plan[0] and mixed[1].outputs[0].token_ids == base[0]
+
+
+def test_a_config_without_lora_alpha_takes_peft_default(adapters, llm, tmp_path):  # type: ignore[no-untyped-def]
+    """PEFT's LoraConfig default lora_alpha is 8 (not r): a hand-written config without the key scales as PEFT
+    reads it."""
+    path = write_adapter(adapters["root"] / "a", tmp_path / "noalpha", {"lora_alpha": None})
+    assert "lora_alpha" not in json.loads((Path(path) / "adapter_config.json").read_text())
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(adapters["hf"]), path).eval()
+    with torch.no_grad():
+        ref = pm(torch.tensor([PROMPT])).logits[0].float()
+    assert (llm.score(PROMPT, lora_request=LoRARequest("noalpha", 77, path)) - ref).abs().max() < 1e-4
+
+
+def test_a_load_never_holds_up_lookups_or_unloads(adapters, monkeypatch):  # type: ignore[no-untyped-def]
+    """While one adapter's files are read (held here until released), a loaded adapter is still looked up
+    and another name unloaded: neither waits for the load (they ran under its lock, and the server's
+    unload on the event loop, so every stream stopped for the load's length)."""
+    import threading
+
+    from lmserve.lora import registry
+    from lmserve.server.async_engine import AsyncEngine
+    from lmserve.server.lora_api import LoRAModules
+    (ra, _), (rb, _) = adapters["a"], adapters["b"]
+    llm = LLM(str(adapters["model"]), kv_cache_memory="16MiB", enable_lora=True)
+    mods = LoRAModules(AsyncEngine(llm.engine), [("a2", ra.lora_path)], ("tiny",))  # id 1
+    ra = mods.requests["a2"]
+    gate, entered = threading.Event(), threading.Event()
+    real = registry.load_adapter
+
+    def held(*a, **k):  # type: ignore[no-untyped-def]
+        entered.set()
+        gate.wait(60)
+        return real(*a, **k)
+    monkeypatch.setattr(registry, "load_adapter", held)
+    loader = threading.Thread(target=mods.add, args=("b2", rb.lora_path))
+    loader.start()
+    try:
+        assert entered.wait(30)
+        others = [threading.Thread(target=llm.engine.lora.get, args=(ra,)), threading.Thread(target=mods.remove,
+                                                                                             args=("a2",))]
+        for t in others:
+            t.start()
+        for t in others:
+            t.join(30)
+        assert not any(t.is_alive() for t in others) and loader.is_alive()  # done while the load is held
+        assert "a2" not in mods.requests and "b2" not in mods.requests
+    finally:
+        gate.set()
+        loader.join(30)
+    assert "b2" in mods.requests
 
 
 def test_cpu_kernel_matches_float64(tmp_path):  # type: ignore[no-untyped-def]
@@ -344,14 +399,14 @@ def served(adapters, tmp_path_factory):  # type: ignore[no-untyped-def]
     ae = AsyncEngine(llm.engine)
     app = build_app(ae, "tiny", lora_modules=[("a", adapters["a"][0].lora_path)], allow_runtime_lora=True)
     with serving(app) as (url, _):
-        yield url, llm.tokenizer
+        yield url, llm.tokenizer, app.state.server
 
 
 def test_server_serves_adapters_by_model_name(adapters, served):  # type: ignore[no-untyped-def]
     import httpx
     import openai
     (_, pa), (rb, pb) = adapters["a"], adapters["b"]
-    served, tok = served
+    served, tok, srv = served
     prompt = "Hello there"
     ids = tok.encode(prompt)
     tids = {"extra_body": {"return_token_ids": True}}
@@ -383,6 +438,10 @@ def test_server_serves_adapters_by_model_name(adapters, served):  # type: ignore
     assert post("/v1/load_lora_adapter", {"lora_name": 3}).json()["error"]["param"] == "lora_name"
     assert post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
     assert post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 404
+    from lmserve.server.errors import ApiError
+    with pytest.raises(ApiError) as gone:  # a body read before the unload, run after it: a 404, not the base model
+        srv.adapter("b")
+    assert gone.value.status == 404 and srv.adapter("tiny") is None and srv.adapter("a").lora_name == "a"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="b", prompt=prompt, max_tokens=2)
 

@@ -104,7 +104,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_rotary.argtypes = [p, i64, i64, i64, i64, i64, p, p]
     lib.lm_apply_bitmask.argtypes = [p, i64, i64, p, i64, i32]
     lib.lm_llama_layers.argtypes = [i64, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, p, p, i32, i32, i32,
-                                    i32, p, p, p, p, p, p, p, p, p, i64, p]  # (+ LoRA: deltas [G, L, 4, 3], G, row groups)
+                                    i32, p, p, p, p, p, p, p, p, p, i64, p]  # (+ LoRA: deltas [G, L, 4, 5], G, row groups)
     lib.lm_gemma_layers.argtypes = [i64, p, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, i32, i32, i32, i32,
                                     p, p, p, p, p, p, p, p, p, p, i64, p]
     lib.lm_lora_add.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, p, i64, i32]

@@ -82,8 +82,10 @@ def read_config(folder: Path, max_rank: int) -> tuple[dict[str, Any], int, float
         raise ValueError(f"lora_path: {str(folder)!r} has no {CONFIG} (a PEFT LoRA adapter's folder)")
     try:
         cfg = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"lora_path: {CONFIG} is not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
+        raise ValueError(f"lora_path: {CONFIG} is not JSON ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise ValueError(f"lora_path: {CONFIG} cannot be read ({e.strerror or e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"lora_path: {CONFIG} must hold a JSON object")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
@@ -96,7 +98,7 @@ def read_config(folder: Path, max_rank: int) -> tuple[dict[str, Any], int, float
             raise ValueError(f"lora_path: the adapter uses {what}, which is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"lora_path: bias {cfg.get('bias')!r} is not supported (only 'none')")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)  # (PEFT's LoraConfig default)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"lora_path: {CONFIG}'s r must be an integer >= 1, got {r!r}")
     if r > max_rank:
@@ -121,10 +123,10 @@ def load_adapter(req: LoRARequest, targets: dict[str, tuple[int, list[int]]], st
     if not (folder / WEIGHTS).is_file():
         raise ValueError(f"lora_path: {str(folder)!r} has no {WEIGHTS} (a .bin adapter is a pickle; "
                          f"save it with safe_serialization)")
-    raw = (folder / WEIGHTS).read_bytes()
     try:
+        raw = (folder / WEIGHTS).read_bytes()
         tensors = load_file(str(folder / WEIGHTS))
-    except Exception as e:  # noqa: BLE001 - a damaged file: the caller's error, not the engine's
+    except Exception as e:  # noqa: BLE001 - a damaged or unreadable file: the caller's error, not the engine's
         raise ValueError(f"lora_path: {WEIGHTS} cannot be read ({e})") from None
     parts: dict[str, dict[Any, dict[str, torch.Tensor]]] = {}  # target -> shard -> {"A", "B"}
     for key, t in tensors.items():

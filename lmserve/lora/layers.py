@@ -40,6 +40,9 @@ class LoRAContext:
     def begin(self, scheduled: list[tuple[Any, int]], device: torch.device) -> bool:
         """Group the step's rows by adapter (scheduled: [(seq, n)], each seq's n rows in a row, its
         adapter `seq.lora` or None); True when any row has one."""
+        self.groups, self.row_group = [], None
+        if not any(seq.lora is not None for seq, _ in scheduled):
+            return False
         rows: dict[int, tuple[LoRAAdapter, list[int]]] = {}
         start, marks = 0, []
         for seq, n in scheduled:
@@ -48,7 +51,6 @@ class LoRAContext:
             marks.append((list(rows).index(id(seq.lora)) if seq.lora is not None else -1, n))
             start += n
         self.row_group = torch.tensor([g for g, n in marks for _ in range(n)], dtype=torch.long)  # (N,)
-        self.groups = []
         for adapter, idx in rows.values():
             contiguous = idx[-1] - idx[0] + 1 == len(idx)
             self.groups.append((adapter, slice(idx[0], idx[-1] + 1) if contiguous

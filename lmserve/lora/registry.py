@@ -26,9 +26,22 @@ class LoRARegistry:
         self._lock = threading.Lock()
 
     def get(self, req: Any) -> LoRAAdapter:
-        """The adapter of a LoRARequest, loaded on first use; ValueError naming the problem."""
+        """The adapter of a LoRARequest, loaded on first use (outside the lock: a load never holds up
+        another thread's lookup); ValueError naming the problem."""
         if not isinstance(req, LoRARequest):
             raise ValueError(f"lora_request: must be a LoRARequest, got {type(req).__name__}")
+        adapter = self._lookup(req)
+        if adapter is not None:
+            return adapter
+        loaded = load_adapter(req, self.targets, self.stacked, self.max_rank, self.dtype, self.device)
+        with self._lock:  # (two threads may have loaded it: the first kept wins)
+            adapter = self._loaded.setdefault(req.lora_int_id, loaded)
+            self._loaded.move_to_end(req.lora_int_id)
+            while len(self._loaded) > self.max_loras:
+                self._loaded.popitem(last=False)
+        return adapter
+
+    def _lookup(self, req: LoRARequest) -> LoRAAdapter | None:
         with self._lock:
             adapter = self._loaded.get(req.lora_int_id)
             if adapter is not None:
@@ -36,11 +49,6 @@ class LoRARegistry:
                     raise ValueError(f"lora_request.lora_int_id: {req.lora_int_id} is the adapter "
                                      f"{adapter.name!r}, not {req.lora_name!r}")
                 self._loaded.move_to_end(req.lora_int_id)
-                return adapter
-            adapter = load_adapter(req, self.targets, self.stacked, self.max_rank, self.dtype, self.device)
-            self._loaded[req.lora_int_id] = adapter
-            while len(self._loaded) > self.max_loras:
-                self._loaded.popitem(last=False)
             return adapter
 
     def remove(self, lora_int_id: int) -> bool:

@@ -98,6 +98,15 @@ class OpenAIServer:
         """What a request's `model` may be: the served model's names, then the LoRA adapters'."""
         return self.served_models + tuple(self.loras.requests)
 
+    def adapter(self, model: str | None) -> Any:
+        """The LoRARequest a request's `model` names (None: the served model); a 404 when it named an adapter
+        unloaded since the body was read (it must not run on the base model)."""
+        lora = self.loras.get(model)
+        if lora is None and model is not None and model not in self.served_models:
+            raise ApiError(404, f"the model {model!r} does not exist (its adapter was unloaded)", param="model",
+                           code="model_not_found")
+        return lora
+
     def response_model(self, body: Any) -> str:
         """The `model` a response carries: the adapter the request named, else the served model's first name."""
         return body.model if self.loras.get(body.model) is not None else self.served_model
@@ -161,7 +170,7 @@ class OpenAIServer:
             family = max(body.n, body.best_of or 0) if body.use_beam_search else 1  # (beams run all at once)
             room = self.ae.room(len(ids), family)  # the default max_tokens: what the context and the pool leave
             req = self.ae.process_request(ids, body.to_sampling_params(room, self.sampling_defaults),
-                                          self.loras.get(body.model))
+                                          self.adapter(body.model))
             # the text given, when it is what runs (echo): a cut prompt echoes its tokens
             text = prompt if isinstance(prompt, str) and ids is whole else None
             return dataclasses.replace(req, priority=body.priority, prompt=text)

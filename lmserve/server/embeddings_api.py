@@ -77,7 +77,7 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
             ids = srv.ae.tokenize(prompt, body.add_special_tokens)
             ids = srv.ae.truncate(prompt, ids, body.truncate_prompt_tokens)
             pooling = PoolingParams(pooling_type=body.pooling_type, normalize=body.normalize, dimensions=body.dimensions)
-            req = srv.ae.process_request(ids, pooling, srv.loras.get(body.model))
+            req = srv.ae.process_request(ids, pooling, srv.adapter(body.model))
             return dataclasses.replace(req, priority=body.priority)
 
     async def create(request: Request) -> Response:

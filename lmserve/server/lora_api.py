@@ -49,20 +49,28 @@ class LoRAModules:
         self.ae, self.base_names = ae, base_names
         self.requests: dict[str, LoRARequest] = {}
         self._next_id = 1
+        self._loading: set[str] = set()  # names whose files are being read
         self._lock = threading.Lock()
         for name, path in modules:
             self.add(name, path)
 
     def add(self, name: str, path: str) -> LoRARequest:
-        """Load an adapter under `name` (its files are read now, so a bad one is refused here); ValueError."""
+        """Load an adapter under `name` (its files are read now, outside the lock, so a bad one is refused
+        here); ValueError."""
         with self._lock:
-            if name in self.requests or name in self.base_names:
+            if name in self.requests or name in self.base_names or name in self._loading:
                 raise ValueError(f"lora_name: the name {name!r} is already in use")
             req = LoRARequest(name, self._next_id, path)
-            self.ae.load_lora(req)
             self._next_id += 1
-            self.requests[name] = req
-            return req
+            self._loading.add(name)
+        try:
+            self.ae.load_lora(req)
+            with self._lock:
+                self.requests[name] = req
+        finally:
+            with self._lock:
+                self._loading.discard(name)
+        return req
 
     def remove(self, name: str) -> LoRARequest:
         with self._lock:
@@ -104,7 +112,7 @@ def register(app: Any, srv: Any) -> None:
         data = await srv.read_json(request)
         name = field(data, "lora_name")
         try:
-            srv.loras.remove(name)
+            await asyncio.to_thread(srv.loras.remove, name)
         except ValueError as e:
             raise ApiError(404, str(e), param="lora_name", code="model_not_found") from None
         app.openapi_schema = None
