@@ -239,7 +239,7 @@ class Engine:
 
     # ---------------------------------------------------------------- state
     def stats(self) -> EngineStats:
-        return snapshot(self.block_manager, self.scheduler, self.spec)
+        return snapshot(self.block_manager, self.scheduler, self.spec, self.lora)
 
     def close(self) -> None:  # stops the other tensor-parallel ranks (nothing to do for one process)
         getattr(self.model, "close", lambda: None)()

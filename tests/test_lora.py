@@ -458,3 +458,25 @@ def test_lora_modules_flag_forms_and_a_bad_adapter_at_start(adapters):  # type: 
     llm = LLM(str(adapters["model"]), kv_cache_memory="64MiB", enable_lora=True)
     with pytest.raises(ValueError, match="^lora_path"):
         build_app(AsyncEngine(llm.engine), "tiny", lora_modules=[("a", "/nonexistent")], manage_engine=False)
+
+
+def test_lora_requests_info_metric(adapters, llm, served):  # type: ignore[no-untyped-def]
+    """Engine stats name the adapters of waiting and running sequences; /metrics gives them as vLLM's
+    vllm:lora_requests_info (labels max_lora, running_lora_adapters, waiting_lora_adapters), which LoRA-aware
+    gateways route by."""
+    import httpx
+    eng = llm.engine
+    eng.add_request("m1", PROMPT, SamplingParams(max_tokens=50), lora_request=adapters["b"][0])
+    eng.add_request("m2", PROMPT, SamplingParams(max_tokens=50), lora_request=adapters["a"][0])
+    eng.add_request("m3", PROMPT, SamplingParams(max_tokens=50))
+    st = eng.stats()
+    assert st.waiting_loras == ("a", "b") and st.running_loras == () and st.max_loras == 4
+    eng.step()
+    assert eng.stats().running_loras == ("a", "b") and eng.stats().waiting_loras == ()
+    for rid in ("m1", "m2", "m3"):
+        eng.abort_request(rid)
+    url = served[0]
+    text = httpx.get(url + "/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+    assert 'max_lora="4"' in line and 'running_lora_adapters=""' in line and 'model_name="tiny"' in line
+    assert any(x.startswith("lmserve_lora_requests_info{") for x in text.splitlines())

@@ -9,6 +9,7 @@ that dashboards, autoscalers and gateways written for vLLM read this server unch
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -39,6 +40,7 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "lmserve_request_time_per_output_token_seconds": ("vllm:request_time_per_output_token_seconds",),
     "lmserve_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
     "lmserve_request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "lmserve_lora_requests_info": ("vllm:lora_requests_info",),  # (what LoRA-aware gateways route by)
 }
 
 
@@ -82,6 +84,11 @@ class _EngineCollector:
             yield c("lmserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", value=st.spec["accepted"])
             yield c("lmserve_spec_decode_num_drafts", "Verifications of drafts", value=st.spec["verifications"])
         yield g("lmserve_engine_alive", "1 while the engine loop runs", value=1.0 if self.ae.alive else 0.0)
+        if st.max_loras:  # vLLM's: the adapters in the running and waiting queues as labels, the time as value
+            info = g("lmserve_lora_requests_info", "Running and waiting LoRA adapters",
+                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(st.max_loras), ",".join(st.running_loras), ",".join(st.waiting_loras)], time.time())
+            yield info
 
 
 class _VllmNames:
