@@ -133,9 +133,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids)
-        seq = Sequence(request_id, request.prompt_token_ids, request.params, prompt=request.prompt,
-                       eos_token_ids=eos, arrival_time=arrival_time or time.time(), compiled_grammar=request.grammar,
-                       priority=request.priority, lora=request.lora, pooling=request.pooling)
+        seq = Sequence.from_request(request_id, request, eos, arrival_time or time.time())
         self._init_seq(seq)
         family = self.requests[request_id] = [seq]
         self.scheduler.add(seq)  # before fanout.start: a one-token prompt's children queue behind it

@@ -89,7 +89,7 @@ class FanOut:
         child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, prompt=parent.prompt,
                          eos_token_ids=parent.eos_token_ids, arrival_time=parent.arrival_time, index=index,
                          compiled_grammar=parent.compiled_grammar, priority=parent.priority, lora=parent.lora,
-                         pooling=parent.pooling)
+                         pooling=parent.pooling, salt=parent.salt)
         self.init_seq(child)
         return child
 

@@ -4,6 +4,7 @@ with the field it is about, which the server turns into a 400 naming that field.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -34,10 +35,13 @@ class InputProcessor:
         self.max_num_seqs = max_num_seqs
         self.bm = block_manager
 
-    def process(self, prompt: str | list[int], params: SamplingParams | None = None, lora_request: Any = None
-                ) -> Request:
-        """Tokenize and validate a request once; ValueError naming the field if it is bad. Reads only
-        what never changes after start-up (and the adapter registry, which locks), so any thread may call it."""
+    def process(self, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None,
+                lora_request: Any = None) -> Request:
+        """Tokenize and validate a request once; ValueError naming the field if it is bad. The prompt: text, token
+        ids, or vLLM's {"prompt" | "prompt_token_ids": ..., "cache_salt": str} (only requests with the same salt
+        share prefix-cache blocks). Reads only what never changes after start-up (and the adapter registry,
+        which locks), so any thread may call it."""
+        prompt, salt = salted(prompt)
         adapter = self.adapter(lora_request)
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:  # an embedding: the prompt runs, then one throw-away step ends it
@@ -51,7 +55,7 @@ class InputProcessor:
             ids = self.truncate(prompt, ids, params.truncate_prompt_tokens)
         grammar = self.validate(ids, params)
         return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar,  # (the text given)
-                       lora=adapter, pooling=pooling)
+                       lora=adapter, pooling=pooling, cache_salt=salt)
 
     def adapter(self, lora_request: Any) -> LoRAAdapter | None:
         """The loaded adapter of a LoRARequest (None: the base model); ValueError naming the problem."""
@@ -189,6 +193,21 @@ class InputProcessor:
                              f"{f' ({family} sequences)' if family > 1 else ''} but the cache has "
                              f"{self.bm.num_blocks}; raise kv_cache_memory or lower max_tokens")
         return grammar
+
+
+def salted(prompt: Any) -> tuple[Any, bytes | None]:
+    """A prompt given as vLLM's dict with a cache_salt -> (the prompt, sha256 of the salt); else (prompt, None)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    keys = set(prompt) & {"prompt", "prompt_token_ids"}
+    if len(keys) != 1 or set(prompt) - keys - {"cache_salt"}:
+        raise ValueError(f"prompt: a dict prompt holds one of 'prompt' or 'prompt_token_ids' (and 'cache_salt'), "
+                         f"got keys {sorted(prompt)}")
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
+    digest = None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+    return prompt[keys.pop()], digest
 
 
 def init_sequence(rng: random.Random, output: OutputProcessor, structured: StructuredOutputs, seq: Sequence) -> None:

@@ -197,21 +197,25 @@ class LLM:
         self.close()
 
 
-def prompt_list(prompts: Any) -> list[str | list[int]]:
+def prompt_list(prompts: Any) -> list[str | list[int] | dict[str, Any]]:
     """generate()'s prompts as a list of texts and token-id lists: one prompt (a text, a dict, a flat
-    sequence of integers) or many; numpy / torch integers become ints. ValueError naming prompts[i]."""
+    sequence of integers) or many; numpy / torch integers become ints; a dict with a `cache_salt` stays a
+    dict (vLLM's, the input processor reads it). ValueError naming prompts[i]."""
     if isinstance(prompts, (str, dict)) or _ids(prompts) is not None:
         prompts = [prompts]
-    out: list[str | list[int]] = []
+    out: list[str | list[int] | dict[str, Any]] = []
     for i, p in enumerate(list(prompts.tolist() if hasattr(prompts, "tolist") else prompts)):
+        salt = None
         if isinstance(p, dict):
             keys = set(p) & {"prompt", "prompt_token_ids"}
-            if len(keys) != 1 or set(p) - keys:
-                raise ValueError(f"prompts[{i}]: a dict prompt holds one of 'prompt' (text) or 'prompt_token_ids', "
-                                 f"got keys {sorted(p)}")
-            p = p[keys.pop()]
+            if len(keys) != 1 or set(p) - keys - {"cache_salt"}:
+                raise ValueError(f"prompts[{i}]: a dict prompt holds one of 'prompt' (text) or 'prompt_token_ids' "
+                                 f"(and 'cache_salt'), got keys {sorted(p)}")
+            salt, key = p.get("cache_salt"), keys.pop()
+            p = p[key]
         ids = _ids(p)
-        out.append(p if isinstance(p, str) or ids is None else ids)  # (anything else: validation names it)
+        p = p if isinstance(p, str) or ids is None else ids  # (anything else: validation names it)
+        out.append(p if salt is None else {"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt})
     return out
 
 

@@ -7,7 +7,7 @@ The block manager owns reference counts; the scheduler owns the queues the seque
 from __future__ import annotations
 
 import enum
-import json as json_lib
+import hashlib
 import math
 import random
 import time
@@ -15,61 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmserve.pooling import PoolingState
+from lmserve.structured_params import MAX_GRAMMAR_BYTES, StructuredOutputsParams  # noqa: F401 - re-exported
 from lmserve.utils import is_whole
-
-
-MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex, grammar or the choices, serialized
-
-
-@dataclass
-class StructuredOutputsParams:
-    """Constrain the output (vLLM's `structured_outputs`): to a JSON schema (`json`, a dict or its JSON
-    text), to any JSON object (`json_object`), to a regex, to one of `choice`'s strings, or to an EBNF
-    grammar (xgrammar's / llama.cpp's GBNF dialect). Exactly one."""
-
-    json: dict[str, Any] | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-
-    def key(self) -> tuple[str, str]:
-        """(kind, text): what the grammar compiler reads and its cache is keyed by; ValueError naming
-        the field if the constraint is malformed."""
-        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        set_ += ["json_object"] if self.json_object else []
-        if len(set_) != 1:
-            raise ValueError(f"structured_outputs: give exactly one of json, json_object, regex, choice, grammar "
-                             f"(got {', '.join(set_) or 'none'})")
-        kind = set_[0]
-        if kind == "json":
-            if isinstance(self.json, str):
-                try:
-                    schema = json_lib.loads(self.json)
-                except ValueError as e:
-                    raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
-            else:
-                schema = self.json
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("structured_outputs.json: a JSON schema must be an object")
-            try:
-                text = json_lib.dumps(schema, ensure_ascii=False)  # property order kept: it is the output order
-            except (TypeError, ValueError) as e:  # a set, bytes, a non-string key, a cycle
-                raise ValueError(f"structured_outputs.json: not a JSON document ({e})") from None
-        elif kind == "json_object":
-            text = ""
-        elif kind == "choice":
-            if not isinstance(self.choice, list) or not self.choice or \
-                    any(not isinstance(c, str) or not c for c in self.choice):
-                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
-            text = json_lib.dumps(self.choice, ensure_ascii=False)
-        else:
-            text = getattr(self, kind)
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"structured_outputs.{kind}: must be a non-empty string")
-        if len(text.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
-            raise ValueError(f"structured_outputs.{kind}: longer than {MAX_GRAMMAR_BYTES} bytes")
-        return kind, text
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
@@ -259,6 +206,7 @@ class Request:
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities: first come, first served
     lora: Any = None  # the LoRA adapter it runs with (lora.LoRAAdapter), or None
     pooling: Any = None  # an embedding request's pooling.PoolingParams (its params then run the prompt alone)
+    cache_salt: bytes | None = None  # vLLM's cache_salt (a sha256 of it): only requests with the same share its KV
 
 
 class Status(enum.Enum):
@@ -335,6 +283,7 @@ class Sequence:
     priority: int = 0  # the request's: lower is admitted first, and preempted last
     lora: Any = None  # the request's LoRA adapter (lora.LoRAAdapter), or None: the base model
     pooling: Any = None  # an embedding request's PoolingParams (pooling.py); its state in `pooled`
+    salt: bytes | None = None  # the request's cache_salt (Request.cache_salt)
 
     token_ids: list[int] = field(init=False)
     block_tables: list[list[int]] = field(default_factory=list, init=False)  # one per KV group; [] when none held
@@ -365,11 +314,21 @@ class Sequence:
         if self.pooling is not None:
             self.pooled = PoolingState(self.pooling, len(self.prompt_token_ids))
 
+    @classmethod
+    def from_request(cls, request_id: str, request: Request, eos_token_ids: tuple[int, ...], arrival_time: float
+                     ) -> "Sequence":
+        """A processed request's first sequence."""
+        return cls(request_id, request.prompt_token_ids, request.params, prompt=request.prompt,
+                   eos_token_ids=eos_token_ids, arrival_time=arrival_time, compiled_grammar=request.grammar,
+                   priority=request.priority, lora=request.lora, pooling=request.pooling, salt=request.cache_salt)
+
     @property
     def cache_salt(self) -> bytes | None:
-        """What its prefix-cache block hashes start from: its adapter's, so KV is shared only between
-        sequences that computed it with the same weights."""
-        return None if self.lora is None else self.lora.salt
+        """What its prefix-cache block hashes start from: its adapter's (KV is shared only between sequences
+        that computed it with the same weights) and its request's cache_salt (only with the same salt)."""
+        if self.lora is None or self.salt is None:
+            return self.salt if self.lora is None else self.lora.salt
+        return hashlib.sha256(self.lora.salt + self.salt).digest()
 
     @property
     def block_table(self) -> list[int]:

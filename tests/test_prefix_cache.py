@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lmserve import LLM, SamplingParams
 
 
@@ -48,3 +50,26 @@ def test_a_readmitted_request_keeps_its_first_cache_hit(tiny_models):  # type: i
     # counts apart and does not export (it counted 8 hits and 20+ queried tokens here)
     st = llm.stats()
     assert st.prefix_hit_tokens == 0 and st.prompt_tokens_queried == 8
+
+
+def test_cache_salt_keeps_prefixes_apart(tiny_models):  # type: ignore[no-untyped-def]
+    """vLLM's cache_salt (a dict prompt's): a request shares prefix-cache blocks only with requests of the same
+    salt (none with unsalted ones, none across salts); the tokens are the same whatever the salt."""
+    llm = LLM(str(tiny_models["llama"][0]), kv_cache_memory="64MiB", block_size=4)
+    prompt = list(range(30, 70))
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    def run(salt):  # type: ignore[no-untyped-def]
+        out = llm.generate([prompt if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}], p,
+                           use_tqdm=False)[0]
+        return out.metrics.num_cached_tokens, out.outputs[0].token_ids
+    base = run(None)
+    first, again, other, base_again = run("tenant-1"), run("tenant-1"), run("tenant-2"), run(None)
+    assert base[0] == 0 and first[0] == 0 and other[0] == 0  # nothing crosses a salt
+    assert again[0] > 0 and base_again[0] > 0  # the same salt (or none) shares
+    assert base[1] == first[1] == again[1] == other[1] == base_again[1]
+    with pytest.raises(ValueError, match="^cache_salt"):
+        llm.generate([{"prompt_token_ids": prompt, "cache_salt": ""}], p)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]"):
+        llm.generate([{"prompt_token_ids": prompt, "salt": "x"}], p)
+    assert llm.stats().used_blocks == 0

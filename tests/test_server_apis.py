@@ -483,3 +483,25 @@ def test_engine_failure_in_each_shape(server, client, monkeypatch):  # type: ign
     monkeypatch.undo()
     good_request_works(client)
     assert_idle(server)
+
+
+def test_cache_salt_on_both_routes(server, client):  # type: ignore[no-untyped-def]
+    """vLLM's cache_salt body field: a salted prompt hits no block an unsalted (or differently salted) one
+    cached, the same salt hits; the output does not change; an empty salt is a 400 naming it."""
+    eng = server["engine"]
+    prompt = "Salted prefixes: " + " ".join(f"word{i}" for i in range(40))
+
+    def hits(**extra) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+        before = eng.stats().prefix_hit_tokens
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, **extra)
+        return eng.stats().prefix_hit_tokens - before, r.choices[0].text
+    plain = hits()
+    salted = [hits(extra_body={"cache_salt": s}) for s in ("one", "one", "two")]
+    assert salted[0][0] == 0 and salted[2][0] == 0 and salted[1][0] > 0
+    assert len({plain[1], *(t for _, t in salted)}) == 1
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                                          temperature=0, extra_body={"cache_salt": "one"})
+    assert chat.choices[0].message.content is not None
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    assert_idle(server)

@@ -99,8 +99,7 @@ class OpenAIServer:
         return self.served_models + tuple(self.loras.requests)
 
     def adapter(self, model: str | None) -> Any:
-        """The LoRARequest a request's `model` names (None: the served model); a 404 when it named an adapter
-        unloaded since the body was read (it must not run on the base model)."""
+        """The LoRARequest `model` names (None: the served model); a 404 for an adapter unloaded since then."""
         lora = self.loras.get(model)
         if lora is None and model is not None and model not in self.served_models:
             raise ApiError(404, f"the model {model!r} does not exist (its adapter was unloaded)", param="model",
@@ -169,7 +168,8 @@ class OpenAIServer:
             ids = self.ae.truncate(prompt, whole, body.truncate_prompt_tokens)  # (before the default max_tokens)
             family = max(body.n, body.best_of or 0) if body.use_beam_search else 1  # (beams run all at once)
             room = self.ae.room(len(ids), family)  # the default max_tokens: what the context and the pool leave
-            req = self.ae.process_request(ids, body.to_sampling_params(room, self.sampling_defaults),
+            salted = ids if body.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": body.cache_salt}
+            req = self.ae.process_request(salted, body.to_sampling_params(room, self.sampling_defaults),
                                           self.adapter(body.model))
             # the text given, when it is what runs (echo): a cut prompt echoes its tokens
             text = prompt if isinstance(prompt, str) and ids is whole else None
@@ -326,8 +326,7 @@ class OpenAIServer:
         return JSONResponse({"prompt": text})
 
     async def models(self, request: Request) -> Response:
-        """GET /v1/models: the served model, a card for each of its names, then the LoRA adapters' (as vLLM
-        lists them)."""
+        """GET /v1/models: a card for each of the served model's names, then the LoRA adapters' (as vLLM)."""
         return JSONResponse({"object": "list", "data": [{
             "id": name, "object": "model", "created": int(time.time()), "owned_by": "lmserve",
             "root": self.ae.info()["model"], "max_model_len": self.ae.max_model_len} for name in self.served_models]

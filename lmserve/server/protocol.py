@@ -123,6 +123,7 @@ class SamplingRequest(BaseRequest):
     allowed_token_ids: list[Int] | None = None  # vLLM's: only these tokens may be generated
     bad_words: list[str] | None = None  # vLLM's: words never generated
     truncate_prompt_tokens: Int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens (-1: the context)
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached KV
     # constrained decoding: OpenAI's response_format; vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
