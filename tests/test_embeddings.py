@@ -128,6 +128,28 @@ def test_server_embeddings_route(tiny_models, tmp_path):  # type: ignore[no-unty
             bad = httpx.post(url + "/v1/embeddings", json=body)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (body, bad.text)
         assert httpx.post(url + "/v1/embeddings", json={"input": "a", "model": "other"}).status_code == 404
+        # vLLM's scoring routes on the same embeddings: cosine similarity, and documents ranked by it
+        dot = [[float(np.dot(a, b)) for b in ref] for a in ref]
+        r = httpx.post(url + "/score", json={"model": "tiny", "text_1": texts[0], "text_2": texts}).json()
+        assert [d["index"] for d in r["data"]] == [0, 1, 2]
+        assert [d["score"] for d in r["data"]] == pytest.approx(dot[0], abs=1e-5)
+        assert r["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+        r = httpx.post(url + "/v1/score", json={"text_1": texts[:2], "text_2": texts[1:]}).json()
+        assert [d["score"] for d in r["data"]] == pytest.approx([dot[0][1], dot[1][2]], abs=1e-5)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r = httpx.post(url + path, json={"query": texts[1], "documents": texts, "top_n": 2}).json()
+            want = sorted(range(3), key=lambda i: -dot[1][i])[:2]
+            assert [x["index"] for x in r["results"]] == want and r["results"][0]["document"]["text"] == texts[want[0]]
+            assert [x["relevance_score"] for x in r["results"]] == pytest.approx([dot[1][i] for i in want], abs=1e-5)
+        assert "document" not in httpx.post(url + "/rerank", json={"query": "a", "documents": ["b"],
+                                                                   "return_documents": False}).json()["results"][0]
+        for path, body, field in (("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
+                                  ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+                                  ("/rerank", {"query": "a", "documents": []}, "documents"),
+                                  ("/rerank", {"query": "", "documents": ["b"]}, "query"),
+                                  ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n")):
+            bad = httpx.post(url + path, json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (body, bad.text)
         assert llm.stats().used_blocks == 0
 
 

@@ -3,7 +3,11 @@ runs as an embedding request (pooling.py: the final hidden state of its last tok
 normalised), batched with whatever else the engine runs. Inputs are texts or token ids, one or a list;
 `dimensions` keeps the first k (Matryoshka models); `encoding_format` "base64" gives little-endian
 float32 bytes, as OpenAI's. vLLM's extras: `truncate_prompt_tokens`, `add_special_tokens`, `normalize`,
-`pooling_type` ("last" / "mean"), `priority`."""
+`pooling_type` ("last" / "mean"), `priority`.
+
+On the same embeddings, vLLM's scoring routes for embedding models: POST /score (and /v1/score): the
+cosine similarity of text_1 with each text_2 (or pair by pair), and POST /rerank (/v1/rerank, /v2/rerank,
+Jina's and Cohere's shape): the documents ordered by their similarity to the query."""
 
 from __future__ import annotations
 
@@ -60,6 +64,42 @@ class EmbeddingUsage(BaseModel):
     total_tokens: int
 
 
+class Score(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Score]
+    usage: EmbeddingUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
 class EmbeddingResponse(BaseModel):
     id: str
     object: Literal["list"] = "list"
@@ -69,35 +109,108 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
-    """Add POST /v1/embeddings, served by srv (the app's OpenAIServer); returns its request model."""
+class ScoreRequest(BaseRequest):
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: Int | None = None
+    priority: Int = 0
 
-    def prepare(prompt: str | list[int], body: EmbeddingRequest) -> Any:
+    def pairs(self) -> list[tuple[str, str]]:
+        """(text_1, text_2) per score: one text_1 against each text_2, or the lists pair by pair."""
+        a = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        b = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if len(a) == 1:
+            return [(a[0], t) for t in b]
+        if len(a) != len(b):
+            raise ValueError(f"text_2: {len(b)} texts for {len(a)} in text_1 (give one text_1, or as many as text_2)")
+        return list(zip(a, b))
+
+    def check(self) -> None:
+        pairs = self.pairs()
+        if not pairs or any(not t for pair in pairs for t in pair):
+            raise ValueError("text_2: must not be empty (nor any text)")
+        super().check()
+
+
+class RerankRequest(BaseRequest):
+    query: str = Field(min_length=1)
+    documents: list[str] = Field(min_length=1)
+    top_n: Int = Field(0, ge=0)  # 0: all of them
+    return_documents: StrictBool = True
+    truncate_prompt_tokens: Int | None = None
+    priority: Int = 0
+
+    def check(self) -> None:
+        if any(not d for d in self.documents):
+            raise ValueError("documents: must not hold an empty text")
+        super().check()
+
+
+async def embed_all(srv: Any, request: Request, prompts: list[Any], body: Any, rid: str,
+                    pooling: PoolingParams | None = None) -> tuple[list[list[float]], int]:
+    """The prompts' embeddings (run together as engine requests) and their prompt tokens; 4xx on bad input."""
+    with invalid_request():
+        srv.limits.check_prompts(len(prompts))
+
+    def prepare(prompt: str | list[int]) -> Any:
         with invalid_request():
-            ids = srv.ae.tokenize(prompt, body.add_special_tokens)
+            ids = srv.ae.tokenize(prompt, getattr(body, "add_special_tokens", True))
             ids = srv.ae.truncate(prompt, ids, body.truncate_prompt_tokens)
-            pooling = PoolingParams(pooling_type=body.pooling_type, normalize=body.normalize, dimensions=body.dimensions)
-            req = srv.ae.process_request(ids, pooling, srv.adapter(body.model))
+            req = srv.ae.process_request(ids, pooling or PoolingParams(), srv.adapter(body.model))
             return dataclasses.replace(req, priority=body.priority)
+    jobs = [(f"{rid}-{i}", await asyncio.to_thread(prepare, p)) for i, p in enumerate(prompts)]
+    srv.first_check(jobs)
+    outs = await srv.run_all(request, jobs)
+    return [o.embedding for o in outs], sum(len(o.prompt_token_ids) for o in outs)
+
+
+def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
+    """Add POST /v1/embeddings, /score and /rerank (and their aliases), served by srv (the app's
+    OpenAIServer); returns their request models."""
 
     async def create(request: Request) -> Response:
         body = await srv.parse(request, EmbeddingRequest)
-        prompts = body.prompts()
-        with invalid_request():
-            srv.limits.check_prompts(len(prompts))
         rid = f"embd-{uuid.uuid4().hex}"
-        jobs = [(f"{rid}-{i}", await asyncio.to_thread(prepare, p, body)) for i, p in enumerate(prompts)]
-        srv.first_check(jobs)
-        outs = await srv.run_all(request, jobs)
+        pooling = PoolingParams(pooling_type=body.pooling_type, normalize=body.normalize, dimensions=body.dimensions)
+        vectors, used = await embed_all(srv, request, body.prompts(), body, rid, pooling)
 
         def encode(v: list[float]) -> list[float] | str:
             return v if body.encoding_format == "float" else base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
-        used = sum(len(o.prompt_token_ids) for o in outs)
         return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": srv.response_model(body),
-                             "data": [{"object": "embedding", "index": i, "embedding": encode(o.embedding)}
-                                      for i, o in enumerate(outs)],
+                             "data": [{"object": "embedding", "index": i, "embedding": encode(v)}
+                                      for i, v in enumerate(vectors)],
                              "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+    async def score(request: Request) -> Response:
+        body = await srv.parse(request, ScoreRequest)
+        pairs = body.pairs()
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
+        rid = f"score-{uuid.uuid4().hex}"
+        vectors, used = await embed_all(srv, request, texts, body, rid)
+        at = {t: np.asarray(v, dtype=np.float64) for t, v in zip(texts, vectors)}
+        return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": srv.response_model(body),
+                             "data": [{"index": i, "object": "score", "score": float(at[a] @ at[b])}
+                                      for i, (a, b) in enumerate(pairs)],
+                             "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+    async def rerank(request: Request) -> Response:
+        body = await srv.parse(request, RerankRequest)
+        rid = f"rerank-{uuid.uuid4().hex}"
+        vectors, used = await embed_all(srv, request, [body.query, *body.documents], body, rid)
+        q = np.asarray(vectors[0], dtype=np.float64)
+        scores = [float(q @ np.asarray(v, dtype=np.float64)) for v in vectors[1:]]
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or len(scores)]
+        return JSONResponse({"id": rid, "model": srv.response_model(body), "usage": {"total_tokens": used},
+                             "results": [{"index": i, "relevance_score": scores[i],
+                                          **({"document": {"text": body.documents[i]}} if body.return_documents else {})}
+                                         for i in order]})
 
     app.add_api_route("/v1/embeddings", create, methods=["POST"],
                       **oa.generating(EmbeddingResponse, EmbeddingRequest, stream=False))
-    return [EmbeddingRequest]
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, score, methods=["POST"], name=f"score_{path.count('/')}",
+                          **oa.generating(ScoreResponse, ScoreRequest, stream=False))
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"], name=f"rerank_{path.strip('/').replace('/', '_')}",
+                          **oa.generating(RerankResponse, RerankRequest, stream=False))
+    return [EmbeddingRequest, ScoreRequest, RerankRequest]
