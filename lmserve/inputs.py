@@ -52,8 +52,8 @@ class InputProcessor:
         ids = self.tokenize(prompt)
         if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
             params.validate()  # (the value is checked before it is used)
-            ids = self.truncate(prompt, ids, params.truncate_prompt_tokens)
-        grammar = self.validate(ids, params)
+            ids = self.truncate(prompt, ids, params.truncate_prompt_tokens, pooling is not None)
+        grammar = self.validate(ids, params, pooling is not None)
         return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar,  # (the text given)
                        lora=adapter, pooling=pooling, cache_salt=salt)
 
@@ -65,7 +65,7 @@ class InputProcessor:
             raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora)")
         return self.lora.get(lora_request)
 
-    def truncate(self, prompt: str | list[int], ids: list[int], keep: int | None) -> list[int]:
+    def truncate(self, prompt: str | list[int], ids: list[int], keep: int | None, fill: bool = False) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's (tokenized as `ids`) last `keep` tokens (None: all;
         -1: the model's context length, vLLM's meaning); a text prompt keeps the special tokens its
         tokenization put first (a BOS), as HF's truncation does, and `keep` counts them. ValueError naming
@@ -81,7 +81,7 @@ class InputProcessor:
                              f"({self.max_model_len})")
         if len(ids) <= keep:
             return ids
-        if keep >= self.max_model_len:
+        if keep >= self.max_model_len and not fill:  # (an embedding may fill it: it generates nothing)
             raise ValueError(f"truncate_prompt_tokens: keeping {keep} tokens fills the model's context "
                              f"({self.max_model_len}) and leaves no room to generate; keep fewer")
         front = 0
@@ -145,9 +145,10 @@ class InputProcessor:
                 out.append(spaced)
         return out
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> Any:
-        """The request's options, then the checks that need the model: lengths, vocabulary, KV capacity.
-        Returns the compiled grammar of a structured-output request (else None)."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams, pooling: bool = False) -> Any:
+        """The request's options, then the checks that need the model: lengths, vocabulary, KV capacity
+        (an embedding's prompt may fill the context: its one sampled token is never computed). Returns the
+        compiled grammar of a structured-output request (else None)."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
         params.validate()
@@ -155,10 +156,10 @@ class InputProcessor:
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:
                 raise ValueError(f"{name}: at most {self.max_logprobs} (the engine's max_logprobs), got {k}")
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
+        n, after = len(prompt_ids), 0 if pooling else params.max_tokens  # tokens it needs room for
+        if n > self.max_model_len or (n == self.max_model_len and not pooling):
             raise ValueError(f"prompt: {n} tokens, but the model's context is {self.max_model_len}")
-        if n + params.max_tokens > self.max_model_len:
+        if n + after > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context ({self.max_model_len})")
         for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids),
@@ -187,7 +188,7 @@ class InputProcessor:
         if family > self.max_num_seqs:
             raise ValueError(f"{field}: {family} sequences for one request, but max_num_seqs is "
                              f"{self.max_num_seqs}")
-        need = family * self.bm.max_blocks(n + params.max_tokens)
+        need = family * self.bm.max_blocks(n + after)
         if need > self.bm.num_blocks:
             raise ValueError(f"{field}: the request needs {need} KV blocks"
                              f"{f' ({family} sequences)' if family > 1 else ''} but the cache has "

@@ -44,28 +44,29 @@ class PoolingState:
 
     def __init__(self, params: PoolingParams, prompt_len: int) -> None:
         self.params, self.prompt_len = params, prompt_len
-        self.rows: torch.Tensor | None = None  # (P, hidden) for mean; (1, hidden) for last
+        self.pooled: torch.Tensor | None = None  # (H,): the last row; for mean the float64 sum of the rows so far
         self.embedding: list[float] | None = None
 
     def add(self, start: int, hidden: torch.Tensor) -> None:
-        """hidden (n, H): the final states of prompt positions start .. start + n - 1 (a chunk)."""
+        """hidden (n, H): the final states of prompt positions start .. start + n - 1 (a chunk). Chunks come
+        in order; a prompt recomputed after a preemption starts again at 0 (mean pooling never takes a prefix
+        -cache hit; a swapped-out one goes on where it was), which restarts the sum: no row counts twice."""
         n = min(hidden.shape[0], self.prompt_len - start)
         if n <= 0:
             return
         if self.params.pooling_type == "last":
             if start + n == self.prompt_len:
-                self.rows = hidden[n - 1:n].float().clone()
+                self.pooled = hidden[n - 1].float().clone()
         else:
-            if self.rows is None:
-                self.rows = hidden.new_zeros(self.prompt_len, hidden.shape[1], dtype=torch.float32)
-            self.rows[start:start + n] = hidden[:n].float()
+            part = hidden[:n].double().sum(dim=0)  # (H,)
+            self.pooled = part if start == 0 or self.pooled is None else self.pooled + part
         if start + n == self.prompt_len:
             self.embedding = self.finish()
 
     def finish(self) -> list[float]:
         """The embedding: pooled (float32), cut to `dimensions`, L2-normalised."""
-        assert self.rows is not None
-        v = self.rows[-1] if self.params.pooling_type == "last" else self.rows.mean(dim=0)  # (H,)
+        assert self.pooled is not None
+        v = self.pooled if self.params.pooling_type == "last" else (self.pooled / self.prompt_len).float()  # (H,)
         if self.params.dimensions is not None:
             v = v[:self.params.dimensions]
         if self.params.normalize:

@@ -123,7 +123,7 @@ def test_server_embeddings_route(tiny_models, tmp_path):  # type: ignore[no-unty
         r = client.embeddings.create(model="tiny", input=PROMPTS[1], dimensions=8, extra_body={"pooling_type": "mean"})
         assert r.data[0].embedding == pytest.approx(ref_ids, abs=1e-6)
         for body, field in (({"input": []}, "input"), ({"input": ["a", ""]}, "input"),
-                            ({"input": "a", "dimensions": 65}, "dimensions"), ({"input": [1000]}, "prompt_token_ids"),
+                            ({"input": "a", "dimensions": 65}, "dimensions"), ({"input": [1000]}, "input"),
                             ({"input": "a", "encoding_format": "int8"}, "encoding_format")):
             bad = httpx.post(url + "/v1/embeddings", json=body)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (body, bad.text)
@@ -175,3 +175,20 @@ def test_mean_pooling_through_preemption(tiny_models):  # type: ignore[no-untype
     for rid, prompt in prompts.items():
         want = unit(hf_states(hf, prompt).double().mean(dim=0))
         assert (torch.tensor(done[rid].embedding, dtype=torch.float64) - want).abs().max() < 1e-5, rid
+
+
+def test_an_embedding_may_fill_the_context(tiny_models):  # type: ignore[no-untyped-def]
+    """An embedding generates nothing, so its prompt may be max_model_len tokens (vLLM's limit too), and
+    truncate_prompt_tokens -1 keeps that many; one more is refused naming the prompt."""
+    path, hf = tiny_models["llama"]
+    llm = LLM(str(path), kv_cache_memory="64MiB", max_model_len=32)
+    full = list(range(10, 42))  # 32 tokens
+    got = llm.embed([full], use_tqdm=False)[0].outputs.embedding
+    assert (torch.tensor(got, dtype=torch.float64) - unit(hf_states(hf, full).double()[-1])).abs().max() < 1e-5
+    cut = llm.embed([list(range(5, 45))], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == list(range(13, 45))
+    with pytest.raises(ValueError, match="^prompt"):
+        llm.embed([full + [3]])
+    with pytest.raises(ValueError, match="^prompt"):  # a generating request still needs room for a token
+        llm.generate([full], SamplingParams(max_tokens=1))
+    assert llm.stats().used_blocks == 0

@@ -476,7 +476,20 @@ def test_lora_requests_info_metric(adapters, llm, served):  # type: ignore[no-un
     for rid in ("m1", "m2", "m3"):
         eng.abort_request(rid)
     url = served[0]
-    text = httpx.get(url + "/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+
+    def info() -> str:
+        text = httpx.get(url + "/metrics").text
+        assert any(x.startswith("lmserve_lora_requests_info{") for x in text.splitlines())
+        return next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+    line = info()
     assert 'max_lora="4"' in line and 'running_lora_adapters=""' in line and 'model_name="tiny"' in line
-    assert any(x.startswith("lmserve_lora_requests_info{") for x in text.splitlines())
+    body = {"model": "a", "prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:  # adapter a, running
+        lines = stream.iter_lines()
+        next(lines)
+        seen = []
+        for _ in range(100):  # (each scrape, then a few more tokens read: the stream is never starved)
+            seen.append(info())
+            for _ in range(5):
+                next(lines)
+    assert any('running_lora_adapters="a"' in x and 'waiting_lora_adapters=""' in x for x in seen), seen[-1]

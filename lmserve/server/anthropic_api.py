@@ -192,7 +192,8 @@ class MessagesRequest(CountTokensRequest):
         choice = None if tc is None else ({"type": "function", "function": {"name": tc.name}} if tc.type == "tool"
                                           else CHOICES[tc.type])
         chat = ChatCompletionRequest(
-            model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens, stop=self.stop_sequences,
+            model=self.model, cache_salt=self.cache_salt, messages=self.chat_messages(), max_tokens=self.max_tokens,
+            stop=self.stop_sequences,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, tools=self.chat_tools(),
             tool_choice=choice, parallel_tool_calls=not (tc and tc.disable_parallel_tool_use), stream=self.stream)
         chat.check()

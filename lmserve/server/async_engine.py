@@ -169,10 +169,10 @@ class AsyncEngine:
         """A prompt (text or token ids) -> checked token ids; ValueError naming the field."""
         return self._engine.tokenize_prompt(prompt, add_special_tokens)
 
-    def truncate(self, prompt: str | list[int], ids: list[int], keep: int | None) -> list[int]:
-        """The prompt's (tokenized as ids) last `keep` tokens (InputProcessor.truncate); ValueError naming
-        the field."""
-        return self._engine.inputs.truncate(prompt, ids, keep)
+    def truncate(self, prompt: str | list[int], ids: list[int], keep: int | None, fill: bool = False) -> list[int]:
+        """The prompt's (tokenized as ids) last `keep` tokens (InputProcessor.truncate; fill: an embedding's,
+        which may fill the context); ValueError naming the field."""
+        return self._engine.inputs.truncate(prompt, ids, keep, fill)
 
     @property
     def max_logprobs(self) -> int:

@@ -147,16 +147,19 @@ class RerankRequest(BaseRequest):
 
 
 async def embed_all(srv: Any, request: Request, prompts: list[Any], body: Any, rid: str,
-                    pooling: PoolingParams | None = None) -> tuple[list[list[float]], int]:
-    """The prompts' embeddings (run together as engine requests) and their prompt tokens; 4xx on bad input."""
+                    pooling: PoolingParams | None = None, field: str = "input") -> tuple[list[list[float]], int]:
+    """The prompts' embeddings (run together as engine requests) and their prompt tokens; 4xx on bad input,
+    a bad prompt's named as `field` (the body's name for its texts)."""
+    renames = (("prompt_token_ids", field), ("prompt", field))
     with invalid_request():
         srv.limits.check_prompts(len(prompts))
 
     def prepare(prompt: str | list[int]) -> Any:
-        with invalid_request():
+        with invalid_request(renames):
             ids = srv.ae.tokenize(prompt, getattr(body, "add_special_tokens", True))
-            ids = srv.ae.truncate(prompt, ids, body.truncate_prompt_tokens)
-            req = srv.ae.process_request(ids, pooling or PoolingParams(), srv.adapter(body.model))
+            ids = srv.ae.truncate(prompt, ids, body.truncate_prompt_tokens, fill=True)
+            salted = ids if body.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": body.cache_salt}
+            req = srv.ae.process_request(salted, pooling or PoolingParams(), srv.adapter(body.model))
             return dataclasses.replace(req, priority=body.priority)
     jobs = [(f"{rid}-{i}", await asyncio.to_thread(prepare, p)) for i, p in enumerate(prompts)]
     srv.first_check(jobs)
@@ -186,7 +189,7 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
         pairs = body.pairs()
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
         rid = f"score-{uuid.uuid4().hex}"
-        vectors, used = await embed_all(srv, request, texts, body, rid)
+        vectors, used = await embed_all(srv, request, texts, body, rid, field="text_1")
         at = {t: np.asarray(v, dtype=np.float64) for t, v in zip(texts, vectors)}
         return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": srv.response_model(body),
                              "data": [{"index": i, "object": "score", "score": float(at[a] @ at[b])}
@@ -196,7 +199,7 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
     async def rerank(request: Request) -> Response:
         body = await srv.parse(request, RerankRequest)
         rid = f"rerank-{uuid.uuid4().hex}"
-        vectors, used = await embed_all(srv, request, [body.query, *body.documents], body, rid)
+        vectors, used = await embed_all(srv, request, [body.query, *body.documents], body, rid, field="documents")
         q = np.asarray(vectors[0], dtype=np.float64)
         scores = [float(q @ np.asarray(v, dtype=np.float64)) for v in vectors[1:]]
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or len(scores)]

@@ -52,6 +52,7 @@ class BaseRequest(_Body):
     """A request body: it names the model, and may have rules across its fields."""
 
     model: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached KV
 
     def check(self) -> None:
         """Rules across fields, checked once the body parsed; ValueError naming the field."""
@@ -123,7 +124,6 @@ class SamplingRequest(BaseRequest):
     allowed_token_ids: list[Int] | None = None  # vLLM's: only these tokens may be generated
     bad_words: list[str] | None = None  # vLLM's: words never generated
     truncate_prompt_tokens: Int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens (-1: the context)
-    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached KV
     # constrained decoding: OpenAI's response_format; vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None

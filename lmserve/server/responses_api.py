@@ -173,8 +173,8 @@ class ResponsesRequest(BaseRequest):
         tc = self.tool_choice
         fmt = self.text.format if self.text else None
         chat = ChatCompletionRequest(
-            model=self.model, messages=self.messages(), max_completion_tokens=self.max_output_tokens,
-            temperature=self.temperature,
+            model=self.model, cache_salt=self.cache_salt, messages=self.messages(),
+            max_completion_tokens=self.max_output_tokens, temperature=self.temperature,
             top_p=self.top_p, tools=tools, parallel_tool_calls=self.parallel_tool_calls, stream=self.stream,
             tool_choice={"type": "function", "function": {"name": tc["name"]}} if isinstance(tc, dict) else tc,
             response_format=None if fmt is None or fmt.type == "text" else {
