@@ -87,6 +87,23 @@ def make_tiny(family: str, path: Path, seed: int = 0):  # type: ignore[no-untype
     return model
 
 
+def make_tiny_gemma(path: Path):  # type: ignore[no-untyped-def]
+    """A tiny random Gemma 3 (three layers: local, global, local, window 6), saved at path; returns the HF model."""
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              max_position_embeddings=256)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    hf = tf.Gemma3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.3 if "norm" in name else 0.08)
+    hf.save_pretrained(path)
+    return hf
+
+
 class FailOnCall:
     """A stand-in for `real` that raises `error` on its n-th call (counted in `calls`, which a test may
     reset) and passes every other call through: a fault injected into one step of a running engine."""

@@ -155,20 +155,9 @@ def test_gemma_plan_equals_the_module_path(tmp_path, monkeypatch):  # type: igno
     """Gemma 3's plan (q / k norms per head, sandwich norms, GeGLU, local and global layers), its C loop
     and its Python loop, gives the module path's logits bit for bit, and its tokens, decode and
     verification steps alike."""
-    import transformers as tf
-
     from lmserve.models.cpu_decode import GemmaDecodePlan
-    torch.manual_seed(0)
-    cfg = tf.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=6,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                              max_position_embeddings=256)
-    cfg.architectures = ["Gemma3ForCausalLM"]
-    hf = tf.Gemma3ForCausalLM(cfg).float()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(0, 0.3 if "norm" in name else 0.08)
-    hf.save_pretrained(tmp_path)
+    from tests.conftest import make_tiny_gemma
+    make_tiny_gemma(tmp_path)
     llm = _llm(tmp_path)
     model = llm.engine.model
     plan = model.cpu_plan()

@@ -207,7 +207,7 @@ def test_bad_adapters_are_refused_naming_the_field(adapters, llm, tmp_path):  # 
     assert llm.stats().used_blocks == 0
 
 
-def test_default_model_quantized_adapter_rows_run_the_cpu_plan(tmp_path):  # type: ignore[no-untyped-def]
+def test_default_model_quantized_adapter_rows_run_the_cpu_plan(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     """The default model as served (its GGUF blocks through the CPU decode plan): decode steps with adapter
     rows run the plan too (decode.c adds the deltas), with the module path's bits: the same tokens and
     logprobs with the plan off. An adapter with B = 0 (PEFT's initial one) gives the base model's, bit for
@@ -230,9 +230,8 @@ def test_default_model_quantized_adapter_rows_run_the_cpu_plan(tmp_path):  # typ
     model = llm.engine.model
     plan = model.cpu_plan()
     assert plan is not None
-    calls = []
-    real = plan.run
-    plan.run = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # type: ignore[method-assign]
+    from tests.test_cpu_decode import record_runs
+    calls = record_runs(plan, monkeypatch)
     p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompt = "The capital of France is"
 
@@ -332,31 +331,17 @@ def test_cpu_kernel_matches_float64(tmp_path):  # type: ignore[no-untyped-def]
             assert torch.equal(skipped, full)
 
 
-def tiny_gemma(path: Path):  # type: ignore[no-untyped-def]
-    import transformers as tf
-    torch.manual_seed(0)
-    cfg = tf.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=6,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                              max_position_embeddings=256)
-    cfg.architectures = ["Gemma3ForCausalLM"]
-    hf = tf.Gemma3ForCausalLM(cfg).float()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(0, 0.3 if "norm" in name else 0.08)
-    hf.save_pretrained(path)
-    return hf
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_cpu_plan_with_adapters_equals_the_module_path(tiny_models, tmp_path, family):  # type: ignore[no-untyped-def]
+def test_cpu_plan_with_adapters_equals_the_module_path(tiny_models, tmp_path, family, monkeypatch):  # type: ignore[no-untyped-def]
     """A quantized tiny model's decode steps through the CPU plan (decode.c's Llama and Gemma loops) with
     adapter rows: the module path's logits bit for bit, and a batch mixing two adapters and the base model
     gives the module path's tokens."""
     from lmserve.layers import cpu_native
     if not cpu_native.available() or not cpu_native.int8_x():
         pytest.skip("the plan runs where our CPU kernels take the tile kernel (AVX2 or VNNI)")
-    path, hf = (tmp_path / "g", tiny_gemma(tmp_path / "g")) if family == "gemma3" else tiny_models[family]
+    from tests.conftest import make_tiny_gemma
+    from tests.test_cpu_decode import record_runs
+    path, hf = (tmp_path / "g", make_tiny_gemma(tmp_path / "g")) if family == "gemma3" else tiny_models[family]
     make_adapter(hf, tmp_path / "a", seed=5)
     make_adapter(hf, tmp_path / "b", targets=["k_proj", "up_proj", "down_proj"], r=2, seed=6)
     ra, rb = LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b"))
@@ -364,9 +349,7 @@ def test_cpu_plan_with_adapters_equals_the_module_path(tiny_models, tmp_path, fa
     model = llm.engine.model
     plan = model.cpu_plan()
     assert plan is not None
-    runs = []
-    real = plan.run
-    plan.run = lambda *a, **k: (runs.append(1), real(*a, **k))[1]  # type: ignore[method-assign]
+    runs = record_runs(plan, monkeypatch)
     ids = [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 11, 2, 9, 30, 31, 32]
     with_plan = llm.score(ids, decode_from=3, lora_request=ra)
     assert len(runs) >= 13
