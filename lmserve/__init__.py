@@ -10,4 +10,4 @@ from lmserve.sequence import SamplingParams, StructuredOutputsParams
 from lmserve.version import __version__
 
 __all__ = ["LLM", "Engine", "EngineConfig", "EngineStats", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "LoRARequest", "PoolingParams", "EmbeddingRequestOutput",            "__version__"]
+           "LoRARequest", "PoolingParams", "EmbeddingRequestOutput", "__version__"]

@@ -138,7 +138,8 @@ class Engine:
         family = self.requests[request_id] = [seq]
         self.scheduler.add(seq)  # before fanout.start: a one-token prompt's children queue behind it
         self.fanout.start(seq, family)
-        self.final_only.update([request_id] if final_only else [])
+        if final_only:
+            self.final_only.add(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False if it is unknown or already done."""

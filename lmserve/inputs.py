@@ -196,19 +196,34 @@ class InputProcessor:
         return grammar
 
 
+def dict_prompt(prompt: dict[str, Any]) -> tuple[str, Any]:
+    """vLLM's dict prompt -> (the key holding the prompt, its cache_salt or None); a ValueError, for the
+    caller to prefix with the field, when its keys are not one of prompt / prompt_token_ids (and cache_salt)."""
+    keys = set(prompt) & {"prompt", "prompt_token_ids"}
+    if len(keys) != 1 or set(prompt) - keys - {"cache_salt"}:
+        raise ValueError(f"a dict prompt holds one of 'prompt' (text) or 'prompt_token_ids' (and 'cache_salt'), "
+                         f"got keys {sorted(prompt)}")
+    return keys.pop(), prompt.get("cache_salt")
+
+
+def with_salt(prompt: str | list[int], salt: str | None) -> Any:
+    """The prompt as process() takes it with a cache_salt (vLLM's dict form); unchanged without one."""
+    return prompt if salt is None else {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt,
+                                        "cache_salt": salt}
+
+
 def salted(prompt: Any) -> tuple[Any, bytes | None]:
     """A prompt given as vLLM's dict with a cache_salt -> (the prompt, sha256 of the salt); else (prompt, None)."""
     if not isinstance(prompt, dict):
         return prompt, None
-    keys = set(prompt) & {"prompt", "prompt_token_ids"}
-    if len(keys) != 1 or set(prompt) - keys - {"cache_salt"}:
-        raise ValueError(f"prompt: a dict prompt holds one of 'prompt' or 'prompt_token_ids' (and 'cache_salt'), "
-                         f"got keys {sorted(prompt)}")
-    salt = prompt.get("cache_salt")
+    try:
+        key, salt = dict_prompt(prompt)
+    except ValueError as e:
+        raise ValueError(f"prompt: {e}") from None
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
     digest = None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
-    return prompt[keys.pop()], digest
+    return prompt[key], digest
 
 
 def init_sequence(rng: random.Random, output: OutputProcessor, structured: StructuredOutputs, seq: Sequence) -> None:

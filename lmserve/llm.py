@@ -15,6 +15,7 @@ import torch
 from lmserve.config import DEFAULT_MODEL, EngineConfig
 from lmserve.engine import Engine, EngineStats
 from lmserve.generation_config import sampling_defaults
+from lmserve.inputs import dict_prompt, with_salt
 from lmserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from lmserve.pooling import PoolingParams
 from lmserve.sequence import SamplingParams, Sequence
@@ -207,15 +208,13 @@ def prompt_list(prompts: Any) -> list[str | list[int] | dict[str, Any]]:
     for i, p in enumerate(list(prompts.tolist() if hasattr(prompts, "tolist") else prompts)):
         salt = None
         if isinstance(p, dict):
-            keys = set(p) & {"prompt", "prompt_token_ids"}
-            if len(keys) != 1 or set(p) - keys - {"cache_salt"}:
-                raise ValueError(f"prompts[{i}]: a dict prompt holds one of 'prompt' (text) or 'prompt_token_ids' "
-                                 f"(and 'cache_salt'), got keys {sorted(p)}")
-            salt, key = p.get("cache_salt"), keys.pop()
+            try:
+                key, salt = dict_prompt(p)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
             p = p[key]
         ids = _ids(p)
-        p = p if isinstance(p, str) or ids is None else ids  # (anything else: validation names it)
-        out.append(p if salt is None else {"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt})
+        out.append(with_salt(p if isinstance(p, str) or ids is None else ids, salt))  # (else: validation names it)
     return out
 
 

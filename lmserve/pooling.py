@@ -39,8 +39,8 @@ class PoolingParams:
 
 
 class PoolingState:
-    """One sequence's pooled hidden states while its prompt runs, owned by the runner: the rows its
-    pooling needs, written by position, so a prompt recomputed after a preemption writes them again."""
+    """One sequence's pooled hidden states while its prompt runs, owned by the runner: the last row, or the
+    running sum of the rows (restarted when a recomputed prompt starts again at 0), then the embedding."""
 
     def __init__(self, params: PoolingParams, prompt_len: int) -> None:
         self.params, self.prompt_len = params, prompt_len

@@ -6,7 +6,7 @@ adapter has for one fused layer are stacked: A_cat (S*r, in) holds each shard's 
 each shard's B (scale folded in) in that shard's output rows and its own r columns, zeros elsewhere.
 One fused layer then takes one low-rank product per adapter, whatever shards the adapter trained. Both
 are kept transposed, At = A_cat^T (in, S*r) and Bt = B_cat^T (S*r, out): delta = (x At) Bt, which the
-CPU kernel (decode.c: lm_lora_add) computes as axpys over contiguous rows.
+CPU kernel (layers/csrc/fused.c: lm_lora_add) computes as axpys over contiguous rows.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Tokens are flattened, so one step may hold rows of several adapters and rows of 
 writes the step's groups ([(adapter, rows)]) into the LoRAContext before the forward and clears them
 after; every adapted linear (`LinearBase.lora`) then adds, for each group whose adapter has weights
 for it, (x[rows] At) Bt to its output rows. A step without adapter rows costs nothing more. On the CPU
-(float32) the delta is decode.c's lm_lora_add, row by row, which the CPU decode plan calls too (so a
+(float32) the delta is our kernel (fused.c: lm_lora_add), which the CPU decode plan's C loops call too (so a
 step with adapter rows keeps the plan, with the same bits as the module path); elsewhere it is two
 matmuls, and a step with adapter rows runs without CUDA graphs.
 """
@@ -101,7 +101,7 @@ def lora_targets(model: torch.nn.Module) -> dict[str, LinearBase]:
 
 def attach_lora(model: torch.nn.Module) -> LoRAContext:
     """Hook a LoRA point into every target projection of the model; returns the context the runner
-    fills each step (also kept as model.lora, which the model's forward reads to leave its CPU plan)."""
+    fills each step (also kept as model.lora, which the CPU decode plan reads for the deltas it adds)."""
     ctx = LoRAContext()
     for name, layer in lora_targets(model).items():
         layer.lora = LoRAPoint(name, ctx)

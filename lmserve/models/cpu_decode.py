@@ -69,6 +69,9 @@ class CpuDecodePlan:
         self.rotary = model.layers[0].self_attn.rotary
         self.simd = cpu_native.attn_simd()
         self.ptrs = self._weights_key()  # the weights the plan read, as they were
+        # the linears decode.c's loops add LoRA deltas to, in its order (lora_args looks adapters up by them)
+        self.lora_names = tuple(f"layers.{i}.{leaf}" for i in range(len(self.layers)) for leaf in
+                                ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
         self.native = self.layer_arrays()  # the layer loop in C (decode.c), where this layer shape has one
         # what `applies` re-reads each step: each norm weight, and each linear's buffers (its qweight is
         # looked up again there: a reload may rebind it; a dict lookup, not nn.Module's __getattr__)
@@ -141,9 +144,7 @@ class CpuDecodePlan:
         ctx = getattr(self.model, "lora", None)
         if ctx is None or not ctx.active:
             return (None, 0, None), ()
-        names = tuple(f"layers.{i}.{leaf}" for i in range(len(self.layers)) for leaf in
-                      ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
-        table = torch.stack([adapter.table(names) for adapter, _ in ctx.groups])  # (G, 4L, 5)
+        table = torch.stack([adapter.table(self.lora_names) for adapter, _ in ctx.groups])  # (G, 4L, 5)
         return (table.data_ptr(), len(ctx.groups), ctx.row_group.data_ptr()), (table, ctx.row_group)
 
     def _weights_unchanged(self) -> bool:

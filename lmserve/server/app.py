@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmserve.generation_config import sampling_defaults
+from lmserve.inputs import with_salt
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request as EngineRequest
 from lmserve.server import anthropic_api, disagg, embeddings_api, lora_api, ops, responses_api
@@ -168,9 +169,8 @@ class OpenAIServer:
             ids = self.ae.truncate(prompt, whole, body.truncate_prompt_tokens)  # (before the default max_tokens)
             family = max(body.n, body.best_of or 0) if body.use_beam_search else 1  # (beams run all at once)
             room = self.ae.room(len(ids), family)  # the default max_tokens: what the context and the pool leave
-            salted = ids if body.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": body.cache_salt}
-            req = self.ae.process_request(salted, body.to_sampling_params(room, self.sampling_defaults),
-                                          self.adapter(body.model))
+            params = body.to_sampling_params(room, self.sampling_defaults)
+            req = self.ae.process_request(with_salt(ids, body.cache_salt), params, self.adapter(body.model))
             # the text given, when it is what runs (echo): a cut prompt echoes its tokens
             text = prompt if isinstance(prompt, str) and ids is whole else None
             return dataclasses.replace(req, priority=body.priority, prompt=text)

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictBool
 
+from lmserve.inputs import with_salt
 from lmserve.pooling import PoolingParams
 from lmserve.server import openapi as oa
 from lmserve.server.errors import invalid_request
@@ -158,8 +159,8 @@ async def embed_all(srv: Any, request: Request, prompts: list[Any], body: Any, r
         with invalid_request(renames):
             ids = srv.ae.tokenize(prompt, getattr(body, "add_special_tokens", True))
             ids = srv.ae.truncate(prompt, ids, body.truncate_prompt_tokens, fill=True)
-            salted = ids if body.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": body.cache_salt}
-            req = srv.ae.process_request(salted, pooling or PoolingParams(), srv.adapter(body.model))
+            req = srv.ae.process_request(with_salt(ids, body.cache_salt), pooling or PoolingParams(),
+                                         srv.adapter(body.model))
             return dataclasses.replace(req, priority=body.priority)
     jobs = [(f"{rid}-{i}", await asyncio.to_thread(prepare, p)) for i, p in enumerate(prompts)]
     srv.first_check(jobs)

@@ -123,10 +123,11 @@ CLONES void lm_apply_bitmask(float *logits, int64_t n, int64_t v, const int32_t 
 CLONES void lm_lora_add(const float *x, int64_t b, int64_t k, const float *at, const float *bt, int64_t r, int64_t n,
                         float *y, const int64_t *row_group, int64_t g, const int64_t *spans, int64_t rb, int nthreads) {
   int64_t *sel = malloc(sizeof(int64_t) * (size_t)(b > 0 ? b : 1)), m = 0;
+  if (sel == NULL) abort();
   for (int64_t t = 0; t < b; t++)
     if (row_group == NULL || row_group[t] == g) sel[m++] = t;
   float *u = calloc((size_t)(m * r > 0 ? m * r : 1), sizeof(float));
-  if (sel == NULL || u == NULL) abort();
+  if (u == NULL) abort();
   const int64_t uchunks = (r + LORA_U - 1) / LORA_U, cchunks = (n + LORA_COLS - 1) / LORA_COLS;
 #pragma omp parallel num_threads(nthreads)
   {
