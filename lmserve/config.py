@@ -279,6 +279,10 @@ class EngineConfig:
     # costs less than recomputing (kv/swap.py) and there is room, swap when there is room, recompute never
     swap_space: int | float | str = 0
     preemption_mode: str = "auto"
+    # the prefix cache's second tier (kv/offload.py): evicted blocks' KV kept in host memory (bytes or
+    # "4GiB"; 0: off), or with kv_offloading_dir in files there (kept across restarts)
+    kv_offloading_size: int | float | str = 0
+    kv_offloading_dir: str | None = None
     # tensor parallelism (lmserve/parallel): ranks sharing every layer (one process each); the network
     # interface they bind to; seconds a collective may wait before its peer counts as lost
     tensor_parallel_size: int = 1
@@ -317,6 +321,12 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         object.__setattr__(self, "swap_space", parse_bytes(self.swap_space, "swap_space") if self.swap_space else 0)
+        object.__setattr__(self, "kv_offloading_size", parse_bytes(self.kv_offloading_size, "kv_offloading_size")
+                           if self.kv_offloading_size else 0)
+        if self.kv_offloading_dir is not None and not self.kv_offloading_size:
+            raise ValueError("kv_offloading_dir: give kv_offloading_size too (the most bytes of KV kept there)")
+        if self.kv_offloading_size and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size: the offload tier is not mirrored across tensor-parallel ranks")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
         if not self.distributed_timeout > 0:

@@ -21,6 +21,7 @@ from lmserve.fanout import FanOut
 from lmserve.graphs import graphs_wanted
 from lmserve.inputs import InputProcessor, init_sequence
 from lmserve.kv import BlockManager, KVCache
+from lmserve.kv.offload import build_offload
 from lmserve.kv.swap import swap_policy
 from lmserve.lora import LoRARegistry
 from lmserve.models.loader import load_model
@@ -81,9 +82,10 @@ class Engine:
             self.model.attach(self.kv_cache)
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching,
                                           self.kv_cache.groups.windows, c.max_num_batched_tokens)
+        self.offload = build_offload(c, self.kv_cache, self.block_manager, self.model, cfg)  # None: no second tier
         swap = swap_policy(c.preemption_mode, int(c.swap_space), KVCache.bytes_per_block(**kv),
                            sum(p.numel() for p in self.model.parameters()), str(c.device))
-        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, *swap)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, *swap, self.offload)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, c.grammar_compile_timeout)
         self.lora = LoRARegistry(self.model, c.max_loras, c.max_lora_rank, c.torch_dtype, c.device) if c.enable_lora else None
         self.runner = ModelRunner(self.model, self.kv_cache, c.device, self.structured)
@@ -164,10 +166,6 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.requests)
-
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that advanced (finished ones last seen here)."""
@@ -240,7 +238,9 @@ class Engine:
     def stats(self) -> EngineStats:
         return snapshot(self.block_manager, self.scheduler, self.spec, self.lora)
 
-    def close(self) -> None:  # stops the other tensor-parallel ranks (nothing to do for one process)
+    def close(self) -> None:  # a directory offload tier writes its last files; other tensor-parallel ranks stop
+        if getattr(self, "offload", None) is not None:
+            self.offload.close(self.block_manager)
         getattr(self.model, "close", lambda: None)()
 
     def info(self) -> dict[str, Any]:

@@ -181,7 +181,10 @@ class LLM:
         if self._owner == threading.get_ident():
             raise RuntimeError("LLM: reset_prefix_cache() called from inside a running generate() / score()")
         with self._lock:  # (not while another thread's call runs)
-            return self.engine.block_manager.reset_prefix_cache()
+            done = self.engine.block_manager.reset_prefix_cache()
+            if done and self.engine.offload is not None:  # its second tier too (a directory's files)
+                self.engine.offload.clear()
+            return done
 
     def stats(self) -> EngineStats:
         """Cache and scheduler counters: blocks total/free/cached, prefix hits, preemptions."""

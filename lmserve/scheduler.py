@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lmserve.kv.block_manager import BlockManager
+from lmserve.kv.offload import OffloadTier
 from lmserve.sequence import Sequence, Status
 
 
@@ -59,8 +60,10 @@ class Scheduler:
     """Token-budget scheduler with chunked prefill, prefix-cache admission and preemption."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 swap_blocks: int = 0, swap_pays: Callable[[Sequence, int], bool] | None = None) -> None:
+                 swap_blocks: int = 0, swap_pays: Callable[[Sequence, int], bool] | None = None,
+                 offload: OffloadTier | None = None) -> None:
         self.bm = block_manager
+        self.offload = offload  # the prefix cache's second tier: admission extends a pool hit from it
         # preemption by swapping: host space in blocks, and whether a victim with that many blocks swaps
         self.swap_free = swap_blocks
         self.swap_pays = swap_pays
@@ -174,27 +177,29 @@ class Scheduler:
         for seq in gang:
             if seq.swapped is not None:  # its KV comes back from the host into fresh blocks
                 got = self._swap_back(seq, budget)
-                if got is None:
-                    for s, _, _ in taken:
-                        self.bm.free(s.block_tables)
-                    return None
-                swapped_in.append((seq, got[1]))
-                taken.append((seq, seq.num_computed_tokens, got[0]))
-                budget -= got[0]
-                continue
-            # prompt logprobs and mean pooling need every position computed
-            use_cache = seq.params.prompt_logprobs is None and (seq.pooled is None or seq.pooling.pooling_type == "last")
-            # a forking sequence must have its fork-point token (the prompt's last) left to run
-            limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None
-            prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit, seq.cache_salt) if use_cache else []
-            cached = len(prefix[0]) * self.bm.block_size if prefix else 0
-            n = min(self._tokens_to_compute(seq, cached), budget)
-            if not self.bm.allocate(seq.block_tables, cached + n, prefix):
-                for s, _, _ in taken:
-                    self.bm.free(s.block_tables)
-                return None
-            taken.append((seq, cached, n))
-            budget -= n
+                if got is not None:
+                    swapped_in.append((seq, got[1]))
+                    taken.append((seq, seq.num_computed_tokens, got[0]))
+                    budget -= got[0]
+                    continue
+            else:  # prompt logprobs and mean pooling need every position computed
+                use_cache = seq.params.prompt_logprobs is None and (seq.pooled is None or seq.pooling.pooling_type == "last")
+                # a forking sequence must have its fork-point token (the prompt's last) left to run
+                limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None
+                prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit, seq.cache_salt) if use_cache else []
+                cached = len(prefix[0]) * self.bm.block_size if prefix else 0
+                loads = self.offload.hit(self.bm, seq, cached, limit) if use_cache and self.offload is not None else []
+                have = cached + len(loads) * self.bm.block_size  # + what the offload tier holds after the pool's hit
+                n = min(self._tokens_to_compute(seq, have), budget)
+                if self.bm.allocate(seq.block_tables, have + n, prefix):
+                    if loads:  # into the fresh blocks after the pool's hit, registered in the prefix cache
+                        cached = self.offload.load(self.bm, seq, cached, loads)
+                    taken.append((seq, cached, n))
+                    budget -= n
+                    continue
+            for s, _, _ in taken:  # the pool is short: nothing admitted
+                self.bm.free(s.block_tables)
+            return None
         now = time.time()
         restored = dict(swapped_in)
         for seq, cached, n in taken:
@@ -248,9 +253,8 @@ class Scheduler:
     def _tokens_to_compute(seq: Sequence, computed: int | None = None) -> int:
         """Tokens left to run; a sequence that will fork stops one token short of its prompt's end."""
         computed = seq.num_computed_tokens if computed is None else computed
-        end = seq.num_prompt_tokens - 1 if seq.family.forks_pending and computed < seq.num_prompt_tokens - 1 \
-            else seq.num_tokens
-        return end - computed
+        fork = seq.family.forks_pending and computed < seq.num_prompt_tokens - 1
+        return (seq.num_prompt_tokens - 1 if fork else seq.num_tokens) - computed
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """Insert a forked child right after its parent (it already holds its blocks); an n / best_of

@@ -32,6 +32,8 @@ class EngineStats:
     max_loras: int = 0  # LoRA (enable_lora): adapters kept loaded; 0 when off
     running_loras: tuple[str, ...] = ()  # the adapters of running sequences, by name
     waiting_loras: tuple[str, ...] = ()  # the adapters of waiting ones
+    offload: dict | None = None  # the prefix cache's second tier (kv_offloading_size): blocks, saves, loads
+    offload_hit_tokens: int = 0  # tokens the offload tier gave back (first admissions and readmissions)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -39,7 +41,8 @@ class EngineStats:
 
 
 def snapshot(bm: Any, scheduler: Any, spec: Any = None, lora: Any = None) -> EngineStats:
-    """EngineStats now, from a BlockManager, a Scheduler, a SpecPolicy and a LoRARegistry (or None)."""
+    """EngineStats now, from a BlockManager, a Scheduler (and its offload tier), a SpecPolicy and a
+    LoRARegistry (or None)."""
     b, st = bm.stats(), scheduler.stats
 
     def names(seqs: Any) -> tuple[str, ...]:
@@ -53,4 +56,6 @@ def snapshot(bm: Any, scheduler: Any, spec: Any = None, lora: Any = None) -> Eng
         prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
         spec=spec.stats.as_dict() if spec is not None else None, max_loras=lora.max_loras if lora is not None else 0,
-        running_loras=names(scheduler.running), waiting_loras=names(scheduler.waiting))
+        running_loras=names(scheduler.running), waiting_loras=names(scheduler.waiting),
+        offload=scheduler.offload.stats() if scheduler.offload is not None else None,
+        offload_hit_tokens=scheduler.offload.loaded * bm.block_size if scheduler.offload is not None else 0)

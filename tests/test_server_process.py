@@ -238,3 +238,40 @@ def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_views_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_an_offload_folder_outlives_the_server(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """--kv-offloading-dir: SIGTERM writes the pool's cached blocks; the next server reads them back, so its
+    first request with that prompt computes only the last token (the prefix-cache and offload metrics)."""
+    prompt = [(7 * i) % 120 + 4 for i in range(41)]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    outs = []
+    for _ in range(2):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", "--model", str(tiny_models["llama"][0]),
+                                 "--port", str(port), "--no-web-ui", "--block-size", "4", "--kv-offloading-size",
+                                 "16MiB", "--kv-offloading-dir", str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc)
+            metrics = httpx.get(url + "/metrics", timeout=10).text  # before: no hit yet
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            if not outs:  # the first server: the prompt again, a hit in its own pool (what a hit gives)
+                r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            else:
+                metrics = httpx.get(url + "/metrics", timeout=10).text
+            outs.append((r.json(), metrics))
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            out = proc.stdout.read() if proc.stdout else ""
+        assert "Traceback" not in out, out
+    (first, before), (second, metrics) = outs  # first: the first server's pool hit
+    assert "lmserve_prefix_cache_hit_tokens_total 0.0" in before
+    assert "lmserve_prefix_cache_hit_tokens_total 40.0" in metrics and "lmserve_kv_offload_hit_tokens_total 40.0" in metrics
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]

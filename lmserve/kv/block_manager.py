@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -67,6 +67,9 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_group = [0] * num_blocks  # the group a hashed block is cached for
         self.hash_to_block: dict[tuple[int, bytes], int] = {}  # (group, hash) -> block
+        # called with (hash, block) for a cached block about to be reused, while it still holds its KV
+        # (the offload tier, kv/offload.py, copies it out); models of one group only
+        self.on_evict: Callable[[bytes, int], None] | None = None
 
     # ---------------------------------------------------------------- queries
     @property
@@ -288,6 +291,8 @@ class BlockManager:
         b, _ = self.free_queue.popitem(last=False)
         h = self.block_hash[b]
         if h is not None:  # evict: its old content is about to be overwritten
+            if self.on_evict is not None:
+                self.on_evict(h, b)
             del self.hash_to_block[(self.block_group[b], h)]
             self.block_hash[b] = None
         self.ref_count[b] = 1

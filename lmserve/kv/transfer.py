@@ -49,12 +49,17 @@ def check_engine(engine: Any) -> list[torch.Tensor]:
     return kv.tensors
 
 
-@torch.no_grad()
 def fingerprint(engine: Any) -> bytes:
+    """An engine's model_fingerprint."""
+    return model_fingerprint(engine.model_config, engine.model)
+
+
+@torch.no_grad()
+def model_fingerprint(model_config: Any, model: torch.nn.Module) -> bytes:
     """sha256 over the model's config and 16 evenly spaced elements of every weight tensor (as float64):
     equal for two loads of one checkpoint with one quantization, different otherwise (~ms)."""
-    h = hashlib.sha256(json.dumps(dataclasses.asdict(engine.model_config), sort_keys=True, default=str).encode())
-    for name, t in engine.model.state_dict().items():
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(model_config), sort_keys=True, default=str).encode())
+    for name, t in model.state_dict().items():
         flat = t.detach().reshape(-1)
         h.update(name.encode() + flat[::max(1, flat.numel() // 16)][:16].to(torch.float64).cpu().numpy().tobytes())
     return h.digest()

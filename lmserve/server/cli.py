@@ -114,8 +114,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=a.shutdown_timeout + 5,
                             # the parser's own cap stays above ours, so that our 431 (with its JSON body) answers
                             h11_max_incomplete_event_size=max(4 * limits.max_header_bytes, 64 * 1024), **tls)
-    draining_server(uvicorn.Server, ae, a.shutdown_timeout)(config).run(sockets=[sock])
-    engine.close()
+    try:
+        draining_server(uvicorn.Server, ae, a.shutdown_timeout)(config).run(sockets=[sock])
+    finally:  # (SIGTERM ends the run above with SystemExit) the loop stops, then the engine closes: a
+        ae.shutdown()  # directory offload tier writes its last files
+        engine.close()
     return 0
 
 

@@ -79,6 +79,10 @@ class _EngineCollector:
         yield c("lmserve_generation_tokens", "Tokens generated (every sequence; aborted requests' too)",
                 value=st.generation_tokens)
         yield c("lmserve_preemptions", "Sequences preempted", value=st.num_preemptions)
+        if st.offload is not None:  # the prefix cache's second tier
+            yield c("lmserve_kv_offload_hit_tokens", "Prompt tokens the offload tier gave back", value=st.offload_hit_tokens)
+            yield g("lmserve_kv_offload_blocks", "Blocks the offload tier holds", value=st.offload["blocks"])
+            yield c("lmserve_kv_offload_saved_blocks", "Blocks saved to the offload tier", value=st.offload["saved_blocks"])
         if st.spec is not None:
             yield c("lmserve_spec_decode_num_draft_tokens", "Draft tokens proposed", value=st.spec["proposed"])
             yield c("lmserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", value=st.spec["accepted"])
