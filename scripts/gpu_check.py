@@ -13,7 +13,9 @@ margin-aware argmax gate), host overhead (host work per decode step at batch 256
 dequantize-in-matmul kernels against float64, and batch-1 decode's linears of a Llama-3.1-8B shape
 with bf16 / int8 / int4 / fp8 weights), throughput (the 256-request workload), hf baseline (HF
 transformers on the same workload and at batch 1), deterministic (the batch-invariant attention
-kernels, and the needle test: a prompt alone against the same among 64 others, bit for bit).
+kernels, and the needle test: a prompt alone against the same among 64 others, bit for bit), swap
+and offload (preempted KV to pinned host memory and back; the prefix cache's offload tier against a
+pool hit).
 
 Each part runs in its own process (forked from a server that imported torch once), so a crash or a
 sticky CUDA error ends that part only; it writes $OUT/parts/<part>.json after every result, so a
@@ -1015,6 +1017,49 @@ def part_swap(p: Part, s: dict) -> None:
         p.fail(f"swapped outputs differ at a clear choice: (output, position, gap) {clear[:3]}")
 
 
+def part_offload(p: Part, s: dict) -> None:
+    """The prefix cache's offload tier on the device (kv_offloading_size: evicted blocks to host memory
+    and back): a prompt whose blocks left a small pool comes back from the tier and gives the tokens
+    and logprobs of a pool hit in a large pool, bit for bit (the same KV bytes, the same step shapes)."""
+    from lmserve import LLM, SamplingParams
+    from lmserve.bench.offline import failed
+    from lmserve.kv.cache import KVCache
+    sizes = [1, 2, 4]
+    probe = LLM(s["model"], **_engine_opts(s, kv_cache_memory=s["kv_small"], cuda_graph_sizes=sizes))
+    cfg, dtype, vocab = probe.engine.model_config, probe.engine.config.torch_dtype, probe.engine.vocab_size
+    rng = random.Random(5)
+    doc = [rng.randrange(10, vocab) for _ in range(513)]  # 32 full blocks of 16 before its last token
+    others = [[rng.randrange(10, vocab) for _ in range(513)] for _ in range(3)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+
+    def visit(llm: Any) -> Any:
+        failed(llm.generate([doc], params, use_tqdm=False))
+        failed(llm.generate(others, params, use_tqdm=False))
+        outs = llm.generate([doc], params, use_tqdm=False)
+        failed(outs)
+        return outs[0]
+    hit = visit(probe)  # a pool that holds all four: the second visit is a pool hit
+    del probe
+    _free(s["device"])
+    per_block = KVCache.bytes_per_block(cfg, 16, dtype)
+    llm = LLM(s["model"], **_engine_opts(s, kv_cache_memory=per_block * 80, block_size=16, kv_offloading_size="1GiB",
+                                         cuda_graph_sizes=sizes))
+    back = visit(llm)
+    st = llm.stats()
+    same = back.outputs[0].token_ids == hit.outputs[0].token_ids
+    exact = same and back.outputs[0].logprobs == hit.outputs[0].logprobs
+    p.put(offload={"hit_tokens": back.metrics.num_cached_tokens, "tier_tokens": st.offload_hit_tokens,
+                   "tokens_equal": same, "bit_identical": exact, "pool_hit_tokens": hit.metrics.num_cached_tokens})
+    p.row("offload tier: tokens back from the tier / outputs vs a pool hit",
+          f"{st.offload_hit_tokens} of {back.metrics.num_cached_tokens} cached; "
+          f"{'bit-identical' if exact else 'tokens equal, logprobs differ' if same else 'tokens differ'}")
+    if st.offload_hit_tokens != 512 or hit.metrics.num_cached_tokens != 512:
+        p.fail(f"expected 512 tokens from the tier and from the pool, got {st.offload_hit_tokens} and "
+               f"{hit.metrics.num_cached_tokens}")
+    if not same:
+        p.fail("a tier hit gave other tokens than a pool hit")
+
+
 def part_hf(p: Part, s: dict) -> None:
     """HF transformers on the same weights: `generate` at batch 1 (first: it is short), then on the
     throughput workload, beside lmserve's figure from the throughput part."""
@@ -1047,6 +1092,7 @@ PARTS: list[tuple[str, float, float, PartFn]] = [
     ("hf baseline", 130, 12, part_hf),
     ("fusions", 25, 4, part_fusions),
     ("swap", 30, 6, part_swap),
+    ("offload", 25, 10, part_offload),
     ("host overhead", 40, 6, part_host),
     ("quant matmul", 90, 8, part_quant_matmul),
     ("deterministic", 60, 50, part_deterministic),  # #18's CUDA half; a cut first run: --parts deterministic

@@ -77,6 +77,7 @@ class OffloadTier:
             self.spans.append((off, n))
             off = _align(off + n)
         self.block_bytes = off
+        self.padded = off != sum(n for _, n in self.spans)
         self.capacity = capacity // self.block_bytes
         if self.capacity < 1:
             raise ValueError(f"kv_offloading_size: {capacity} bytes holds no KV block of {self.block_bytes} bytes")
@@ -106,9 +107,11 @@ class OffloadTier:
     def _read_block(self, block: int) -> torch.Tensor:
         """Block `block`'s bytes: every part's slots, (block_bytes,) uint8 on the host."""
         s, e = block * self.bs, (block + 1) * self.bs
-        buf = torch.zeros(self.block_bytes, dtype=torch.uint8, device=self.parts[0].device)
+        fill = torch.zeros if self.padded else torch.empty  # (padding: zeros, never stale memory in a file)
+        buf = fill(self.block_bytes, dtype=torch.uint8, device=self.parts[0].device)
         for t, (off, n) in zip(self.parts, self.spans):
-            buf[off:off + n] = t[:, s:e].contiguous().view(-1).view(torch.uint8)  # (P, bs, ...) as bytes
+            src = t[:, s:e]  # (P, bs, ...)
+            buf[off:off + n].view(t.dtype).view(src.shape).copy_(src)
         return buf.cpu()
 
     def write(self, blocks: list[int], datas: list[torch.Tensor]) -> None:
@@ -217,7 +220,7 @@ class OffloadTier:
     def _write_files(self) -> None:
         while (item := self.queue.get()) is not None:
             h, data = item
-            raw = data.numpy().tobytes()
+            raw = memoryview(data.numpy())  # (no copy)
             tmp = self._path(h).with_suffix(f".{os.getpid()}.tmp")  # whole files only, by rename
             try:
                 with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
