@@ -1302,6 +1302,35 @@ def test_a_slow_chat_template_does_not_hold_up_the_server(server, client, monkey
     good_request_works(client)
 
 
+def test_prompt_tokens_details_says_what_the_cache_served(server):  # type: ignore[no-untyped-def]
+    """--enable-prompt-tokens-details (vLLM's flag): usage carries prompt_tokens_details.cached_tokens, the
+    prompt tokens served from the prefix cache (the engine's count), whole and streamed, completions and
+    chat; without the flag usage has no such key."""
+    from fastapi.testclient import TestClient
+
+    from lmserve.server.app import build_app
+    from lmserve.server.limits import ServerLimits
+    text = "Cached details: " + " ".join(f"item{i}" for i in range(60))
+    app = build_app(server["ae"], "smollm2-135m", manage_engine=False,
+                    limits=ServerLimits(enable_prompt_tokens_details=True))
+    with TestClient(app) as c:
+        eng = server["engine"]
+        got = []
+        for _ in range(2):
+            before = eng.stats().prefix_hit_tokens
+            u = c.post("/v1/completions", json={"prompt": text, "max_tokens": 2}).json()["usage"]
+            got.append((u["prompt_tokens_details"]["cached_tokens"], eng.stats().prefix_hit_tokens - before))
+        assert got[0][0] == got[0][1] and got[1][0] == got[1][1] > 0, got  # the second one hits the first's blocks
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        first = c.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        with c.stream("POST", "/v1/chat/completions",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > first, chunks[-1]  # the first's blocks
+    plain = post(server, "/v1/completions", {"prompt": text, "max_tokens": 2}).json()["usage"]
+    assert "prompt_tokens_details" not in plain
+
+
 def test_limits_are_the_servers_and_in_its_document(server):  # type: ignore[no-untyped-def]
     """ServerLimits (each a `serve` flag): an app with max_n 2, max_messages 3 and max_stop 1 refuses
     what is past them (chat and /tokenize too) naming the field and the flag, accepts what is within,

@@ -72,8 +72,7 @@ class OpenAIServer:
             log.info("sampling defaults from the model's generation config (--generation-config vllm: none): %s",
                      self.sampling_defaults)
         self.limits = limits or ServerLimits()
-        self.max_body_bytes = self.limits.max_body_bytes
-        self.request_timeout = request_timeout
+        self.max_body_bytes, self.request_timeout = self.limits.max_body_bytes, request_timeout
         self.metrics = ServerMetrics(ae, self.served_model)
 
     # ------------------------------------------------------------ parsing and checks
@@ -214,6 +213,7 @@ class OpenAIServer:
     async def respond(self, request: Request, body: SamplingRequest, jobs: list[Job], fmt: Formatter) -> Response:
         """Run the jobs: one JSON response when they have all finished, or (body.stream) SSE chunks as they go."""
         self.first_check(jobs)
+        fmt.details = self.limits.enable_prompt_tokens_details
         if disagg.PUSH_HEADER in request.headers:  # a prefill instance: the prompt only, its KV to a decode one
             return await disagg.prefill_and_push(self, request, jobs, request.headers[disagg.PUSH_HEADER])
         if body.stream:  # queued now: a full queue is a 429 (and a dead engine a 503) before the headers

@@ -37,6 +37,8 @@ def add_parser(sub: Any) -> None:
         p.add_argument(flag, dest=dest, type=kind, default=default, help=text)
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a chat request bring its own chat_template (rendered in the same sandbox and limits)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage carries prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
     p.add_argument("--request-timeout", type=above(0), default=None, help="abort requests running longer (s)")
     p.add_argument("--shutdown-timeout", type=at_least(0), default=30.0,
                    help="on SIGTERM / SIGINT, seconds requests in flight get to finish; then they end with an "

@@ -39,11 +39,15 @@ def sse(obj: Any) -> str:
     return f"data: {sse_json(obj)}\n\n"
 
 
-def usage(outs: list[RequestOutput], drop_generated: bool = False) -> dict[str, int]:
-    """Token counts of the requests behind one response."""
+def usage(outs: list[RequestOutput], drop_generated: bool = False, details: bool = False) -> dict[str, Any]:
+    """Token counts of the requests behind one response; details: the prompt tokens the prefix cache
+    served too (OpenAI's prompt_tokens_details.cached_tokens; vLLM's --enable-prompt-tokens-details)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = 0 if drop_generated else sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    u: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if details:
+        u["prompt_tokens_details"] = {"cached_tokens": sum(o.metrics.num_cached_tokens for o in outs)}
+    return u
 
 
 class Formatter:
@@ -51,6 +55,7 @@ class Formatter:
 
     object = ""
     chunk_object = ""
+    details = False  # usage with prompt_tokens_details (the server's --enable-prompt-tokens-details)
 
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None) -> None:
         self.rid, self.model, self.tok = rid, model, tokenizer
@@ -71,7 +76,7 @@ class Formatter:
 
     def usage(self, outs: list[RequestOutput]) -> dict[str, int]:
         """The token counts this response reports, whole or streamed."""
-        return usage(outs)
+        return usage(outs, details=self.details)
 
     def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
         """A stream chunk: some choices' deltas, and usage if given."""
@@ -133,7 +138,7 @@ class CompletionFormatter(Formatter):
         return lj.legacy(self.tok, ids, lps, self.body.logprobs or 0, off)
 
     def usage(self, outs: list[RequestOutput]) -> dict[str, int]:
-        return usage(outs, drop_generated=self.body.echo_only)  # scoring: the throw-away token is no output
+        return usage(outs, drop_generated=self.body.echo_only, details=self.details)  # scoring: the throw-away token is no output
 
     def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         body = self.body

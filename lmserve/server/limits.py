@@ -38,6 +38,7 @@ class ServerLimits:
     template_max_chars: int = 4 * KIB * KIB  # a rendered chat template
     template_max_seconds: float = 2.0  # rendering a chat template
     trust_request_chat_template: bool = False  # a request may bring its own chat_template
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
@@ -153,7 +154,7 @@ class ServerLimits:
                  "template_max_seconds": "seconds a chat template may take to render"}
         out = []
         for name, default in cls().__dict__.items():
-            if name == "trust_request_chat_template":
+            if isinstance(default, bool):  # switches with flags of their own
                 continue
             flag = "--chat-" + name.replace("_", "-") if name.startswith("template") else "--" + name.replace("_", "-")
             out.append((flag, name, type(default), default, f"{helps[name]} (default {default})"))
