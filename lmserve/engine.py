@@ -238,9 +238,9 @@ class Engine:
     def stats(self) -> EngineStats:
         return snapshot(self.block_manager, self.scheduler, self.spec, self.lora)
 
-    def close(self) -> None:  # a directory offload tier writes its last files; other tensor-parallel ranks stop
-        if getattr(self, "offload", None) is not None:
-            self.offload.close(self.block_manager)
+    def close(self, save_offload: bool = True) -> None:  # a directory offload tier writes its files (and the
+        if getattr(self, "offload", None) is not None:  # pool's cached blocks: not while a step may run); TP ranks stop
+            self.offload.close(self.block_manager if save_offload else None)
         getattr(self.model, "close", lambda: None)()
 
     def info(self) -> dict[str, Any]:

@@ -155,8 +155,7 @@ class Scheduler:
         self.stats.computed_tokens += sum(scheduled.values())
         decode = sum(n for s, n in scheduled.items() if n == 1 + s.spec.num_draft and s.num_output_tokens)
         self.last_batch = (sum(scheduled.values()) - decode, decode)  # (prefill, decode) tokens: the console
-        used = self.bm.num_blocks - self.bm.num_free_blocks
-        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.bm.num_blocks - self.bm.num_free_blocks)
         out = SchedulerOutput(list(scheduled.items()), preempted, [c for cs in copies.values() for c in cs],
                               self._swap_out, self._swap_in, self._swap_dropped)
         self._swap_out, self._swap_in, self._swap_dropped = [], [], []
@@ -168,10 +167,10 @@ class Scheduler:
         return dropped
 
     def _admit(self, gang: list[Sequence], budget: int) -> list[tuple[Sequence, int]] | None:
-        """Admit a waiting sequence, or the waiting beams of one request together (a half-admitted
-        beam family would hold blocks while it waits for the rest): prefix-cache lookup, blocks for
-        each member's first chunk. Members past the token budget are admitted with 0 tokens and
-        prefill from the next step. None (changing nothing) when the pool is short."""
+        """Admit a waiting sequence, or the waiting beams of one request together (a half-admitted beam
+        family would hold blocks while it waits for the rest): prefix-cache (and offload-tier) lookup, blocks
+        for each member's first chunk; members past the token budget get 0 tokens (prefill from the next
+        step). None (changing nothing but the offload tier's loaded blocks) when the pool is short."""
         taken: list[tuple[Sequence, int, int]] = []  # (seq, cached tokens, new tokens)
         swapped_in: list[tuple[Sequence, list[int]]] = []
         for seq in gang:
@@ -188,12 +187,13 @@ class Scheduler:
                 limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None
                 prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit, seq.cache_salt) if use_cache else []
                 cached = len(prefix[0]) * self.bm.block_size if prefix else 0
-                loads = self.offload.hit(self.bm, seq, cached, limit) if use_cache and self.offload is not None else []
-                have = cached + len(loads) * self.bm.block_size  # + what the offload tier holds after the pool's hit
+                loads = self.offload.hit(self.bm, seq, cached, limit) if use_cache and self.offload is not None else 0
+                have = cached + loads * self.bm.block_size  # + what the offload tier holds after the pool's hit
                 n = min(self._tokens_to_compute(seq, have), budget)
                 if self.bm.allocate(seq.block_tables, have + n, prefix):
-                    if loads:  # into the fresh blocks after the pool's hit, registered in the prefix cache
+                    if loads:  # read into the fresh blocks after the pool's hit (a damaged file: computed instead)
                         cached = self.offload.load(self.bm, seq, cached, loads)
+                        n = min(self._tokens_to_compute(seq, cached), budget)  # (the blocks cover it: <= have + n)
                     taken.append((seq, cached, n))
                     budget -= n
                     continue

@@ -127,7 +127,7 @@ def test_files_survive_a_restart_and_are_checked(tiny_models, tmp_path):  # type
     third = LLM(str(path), **kw)
     got = third.generate([A], PARAMS, use_tqdm=False)[0]
     assert got.metrics.num_cached_tokens == 20  # blocks 0-4 from files; the damaged one and after recomputed
-    assert not block_file.exists() or block_file.read_bytes() != bytes(data)
+    assert not block_file.exists()  # deleted when read (close writes it again, from the pool)
     assert got.outputs[0].token_ids == hit.outputs[0].token_ids
     third.close()
 
@@ -196,3 +196,124 @@ def test_gemma3_with_one_kv_group(tmp_path):  # type: ignore[no-untyped-def]
     assert tokens_and_logprobs(back) == tokens_and_logprobs(hit)
     ref = hf.generate(torch.tensor([A]), max_new_tokens=8, do_sample=False)[0, len(A):].tolist()
     assert back.outputs[0].token_ids == ref
+
+
+def test_a_pool_hit_continued_from_the_tier(tiny_models):  # type: ignore[no-untyped-def]
+    """The pool lets a finished prompt's tail go first: a longer prompt evicts A's last blocks only, so A's
+    next visit takes its first blocks from the pool and the rest from the tier; the same tokens and logprobs."""
+    path, _ = tiny_models["llama"]
+    b = [(5 * i + 1) % 120 + 4 for i in range(61)]
+    llm = LLM(str(path), block_size=4, kv_cache_memory=per_block(path) * 24, kv_offloading_size="64MiB")
+    llm.generate([A], PARAMS, use_tqdm=False)
+    llm.generate([b], PARAMS, use_tqdm=False)
+    back = llm.generate([A], PARAMS, use_tqdm=False)[0]
+    assert back.metrics.num_cached_tokens == 40 and 0 < llm.stats().offload_hit_tokens < 40  # (here 28 + 12)
+    roomy = LLM(str(path), block_size=4)
+    roomy.generate([A], PARAMS, use_tqdm=False)
+    hit = roomy.generate([A], PARAMS, use_tqdm=False)[0]
+    assert tokens_and_logprobs(back) == tokens_and_logprobs(hit)
+
+
+def test_forks_and_prompt_logprobs_with_the_tier(tiny_models):  # type: ignore[no-untyped-def]
+    """n = 2 (the fork point's token stays to run) takes the tier's blocks and gives a pool hit's samples;
+    a prompt_logprobs request takes none (every position is computed) and gives a cold run's values."""
+    path, _ = tiny_models["llama"]
+    forked = SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    scored = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+    llm = LLM(str(path), block_size=4, kv_cache_memory=per_block(path) * 24, kv_offloading_size="64MiB")
+    roomy = LLM(str(path), block_size=4)
+    outs = {}
+    for name, e in (("tier", llm), ("pool", roomy)):
+        e.generate([A], PARAMS, use_tqdm=False)
+        e.generate(OTHERS, PARAMS, use_tqdm=False)
+        outs[name] = e.generate([A], forked, use_tqdm=False)[0]
+    assert outs["tier"].metrics.num_cached_tokens == outs["pool"].metrics.num_cached_tokens == 36
+    assert llm.stats().offload_hit_tokens == 36  # all from the tier, up to the fork point
+    assert [c.token_ids for c in outs["tier"].outputs] == [c.token_ids for c in outs["pool"].outputs]
+    llm.generate(OTHERS, PARAMS, use_tqdm=False)  # (they come back from the tier, and push A out again)
+    before = llm.stats().offload_hit_tokens
+    got = llm.generate([A], scored, use_tqdm=False)[0]
+    assert llm.stats().offload_hit_tokens == before and got.metrics.num_cached_tokens == 0
+    cold = LLM(str(path), block_size=4, enable_prefix_caching=False).generate([A], scored, use_tqdm=False)[0]
+    assert got.prompt_logprobs == cold.prompt_logprobs
+
+
+def test_a_failing_save_or_write_loses_only_the_block(tiny_models, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """A save that raises (out of memory) or a file that cannot be written (a full disk) is a block not
+    kept: generation goes on with right outputs, and a failed write holds nothing in memory."""
+    import os
+
+    from lmserve.kv import offload
+    path, _ = tiny_models["llama"]
+    ref = LLM(str(path), block_size=4).generate([A], PARAMS, use_tqdm=False)[0]
+
+    class NoSpace:  # os for the offload module, whose rename fails as on a full disk
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return getattr(os, name)
+
+        @staticmethod
+        def replace(*a: object) -> None:
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(offload, "os", NoSpace())
+    llm = LLM(str(path), block_size=4, kv_cache_memory=per_block(path) * 24, kv_offloading_size="64MiB",
+              kv_offloading_dir=str(tmp_path))
+    _, back = evict_and_return(llm)
+    llm.close()
+    st = llm.stats().offload
+    assert st["failed_writes"] > 0 and st["blocks"] == 0 and back.metrics.num_cached_tokens == 0
+    assert not list(next(tmp_path.iterdir()).iterdir())  # no file, whole or temporary
+    assert back.outputs[0].token_ids == ref.outputs[0].token_ids
+    monkeypatch.undo()
+
+    llm = LLM(str(path), block_size=4, kv_cache_memory=per_block(path) * 24, kv_offloading_size="64MiB")
+    tier = llm.engine.offload
+
+    def boom(block: int) -> None:
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(tier, "_read_block", boom)
+    _, back = evict_and_return(llm)
+    assert tier.stats()["skipped_blocks"] > 0 and len(tier) == 0 and llm.stats().used_blocks == 0
+    assert back.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_a_shared_folder_and_what_else_lies_in_it(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """Two engines on one folder (replicas) both write and both read; a stray temporary file older than an
+    hour is removed at start, a fresh one (another writer's) and names not ours are left alone."""
+    import os
+    import time
+    path, _ = tiny_models["llama"]
+    kw = dict(block_size=4, kv_cache_memory=per_block(path) * 24, kv_offloading_size="64MiB",
+              kv_offloading_dir=str(tmp_path))
+    one, two = LLM(str(path), **kw), LLM(str(path), **kw)
+    one.generate([A], PARAMS, use_tqdm=False)
+    two.generate([OTHERS[0]], PARAMS, use_tqdm=False)
+    one.close()
+    two.close()
+    (layout,) = list(tmp_path.iterdir())
+    old, fresh, odd = layout / "1.tmp", layout / "2.tmp", layout / ("z" * 64 + ".kv")
+    for f in (old, fresh, odd):
+        f.write_bytes(b"x")
+    os.utime(old, (time.time() - 7200,) * 2)
+    three = LLM(str(path), **kw)
+    got = three.generate([A, OTHERS[0]], PARAMS, use_tqdm=False)
+    assert [o.metrics.num_cached_tokens for o in got] == [40, 40]
+    assert not old.exists() and fresh.exists() and odd.exists()
+    three.close()
+
+
+def test_an_engine_dropped_without_close_frees_its_cache(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """The writer thread holds no KV tensor: a dropped LLM's cache is freed and its writer ends."""
+    import gc
+    import threading
+    import weakref
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), block_size=4, kv_cache_memory=per_block(path) * 24, kv_offloading_size="64MiB",
+              kv_offloading_dir=str(tmp_path))
+    evict_and_return(llm)
+    cache = weakref.ref(llm.engine.kv_cache.tensors[0])
+    writer = llm.engine.offload.files.thread
+    del llm
+    gc.collect()
+    assert cache() is None
+    writer.join(10)
+    assert not writer.is_alive() and writer not in threading.enumerate()

@@ -5,25 +5,29 @@ pool's own hit (vLLM's KV offloading to the CPU, SGLang's hierarchical cache, ll
 Data path. `BlockManager._take_free` calls `save(hash, block)` for a cached block it is about to hand
 out for other tokens, while the block still holds its KV (so every writer of the pool - a step, a
 score, an imported prefix - finds its blocks already saved); a write-back tier: a block costs a copy
-only when the pool lets it go. The Scheduler, admitting a sequence, asks `lookup` for the blocks past
-its pool hit that the tier holds (their data, in order, checked), allocates fresh blocks for them with
-the rest, `write`s the data in and registers their hashes at once: from there they are ordinary cached
-blocks, and the sequence computes only what follows. A sequence preempted by recompute finds its own
-blocks there too.
+only when the pool lets it go. `save` never raises (a failure is a block not kept: it is a cache). The
+Scheduler, admitting a sequence, asks `hit` how many blocks past its pool hit the tier holds (the
+index alone: no file is read for a sequence the pool cannot take yet), allocates fresh blocks for them
+with the rest, then `load` reads them in order (a file that fails its check ends the run: the rest is
+computed), writes them into those blocks and registers their hashes: from there they are ordinary
+cached blocks. A sequence preempted by recompute finds its own blocks there too.
 
 State it owns: `index`, hash -> the block's bytes (host memory; None for a file on disk), least
 recently used first, bounded by `capacity` blocks; the counters. A block's bytes are every cache
 tensor's slots of the block (K/V, and a quantized cache's scales), each part padded to 8 bytes.
 
 Directory tier (`kv_offloading_dir`): one file per block, `DIR/<layout id>/<hash hex>.kv`: a header
-(magic, the hash, crc32 of the data) and the data. The layout id is a sha256 over the model's
-fingerprint (kv/transfer.py) and the cache layout, so files of other weights or another layout are
-never read. A thread writes the files (the engine thread only copies the block to host memory); a
-save that finds the thread behind by WRITE_QUEUE blocks is skipped (it is a cache). Files survive
-restarts: at close the pool's cached blocks not in the tier are saved too, and a new engine indexes the
-files it finds (newest kept when over capacity). A file whose size, hash or crc is wrong is deleted and
-counts as a miss. Replicas of one model may share a directory: files appear whole (written aside, then
-renamed), and each process bounds what it indexes.
+(magic, the hash, crc32 of the data) and the data. The layout id is a sha256 over FORMAT, the model's
+fingerprint (kv/transfer.py) and the cache layout, so files of other weights, another layout or an
+older format are never read (nor deleted: other folders are the operator's). `_Files`' thread writes
+them (the engine thread only copies the block to host memory); it holds no KV tensor, so an engine
+dropped without `close` frees its cache (its writer finishes the queue and ends). A save that finds the
+writer QUEUE_BYTES behind is skipped; a write that fails drops the block (warned once). Files survive
+restarts: `close` (and interpreter exit) saves the pool's cached blocks the tier lacks, and a new engine
+indexes the files it finds (newest kept when over capacity; unreadable names skipped). A file whose
+size, hash or crc is wrong is deleted and counts as a miss. Replicas of one model may share a
+directory: files appear whole (written aside, then renamed; a stray temporary file is removed after an
+hour), and each process bounds what it indexes (N replicas: up to N x the size on disk).
 
 Models of one KV group without a sliding window (Gemma 3 with --disable-hybrid-kv-cache-manager);
 not with tensor parallelism (each rank holds a share of the heads).
@@ -31,6 +35,7 @@ not with tensor parallelism (each rank holds a share of the heads).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -38,6 +43,8 @@ import os
 import queue
 import struct
 import threading
+import time
+import weakref
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -50,13 +57,104 @@ from lmserve.kv.transfer import model_fingerprint
 
 log = logging.getLogger("lmserve")
 
+FORMAT = 1  # the files' layout: part in the layout id, so a change never reads old files as valid
 MAGIC = b"LMKB"
 HEADER = struct.Struct("<4s32sIQ")  # magic, block hash, crc32 of the data, data bytes
-WRITE_QUEUE = 64  # blocks waiting for the writer thread at most
+QUEUE_BYTES = 256 << 20  # blocks waiting for the writer thread, at most (and at least 64 blocks)
+STALE_TMP_S = 3600  # a temporary file older than this belongs to no live writer
 
 
 def _align(n: int) -> int:
     return -(-n // 8) * 8
+
+
+class _Files:
+    """A directory tier's files and writer thread. Shares the tier's index and lock; holds no KV."""
+
+    def __init__(self, folder: Path, index: OrderedDict, lock: threading.Lock, block_bytes: int) -> None:
+        self.dir, self.index, self.lock, self.block_bytes = folder, index, lock, block_bytes
+        self.queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(max(64, QUEUE_BYTES // block_bytes))
+        self.failed = 0
+        self.thread = threading.Thread(target=self._run, name="lmserve-kv-offload", daemon=True)
+        self.thread.start()
+
+    def scan(self) -> list[bytes]:
+        """The hashes of the folder's block files, oldest first; stale temporary files removed."""
+        found = []
+        for p in self.dir.iterdir():
+            try:
+                if p.suffix == ".tmp":
+                    if time.time() - p.stat().st_mtime > STALE_TMP_S:
+                        p.unlink(missing_ok=True)
+                elif p.suffix == ".kv" and len(p.stem) == 64:
+                    found.append((p.stat().st_mtime, bytes.fromhex(p.stem)))
+            except (OSError, ValueError):  # gone meanwhile (a replica's trim), or not one of ours
+                continue
+        return [h for _, h in sorted(found)]
+
+    def path(self, h: bytes) -> Path:
+        return self.dir / f"{h.hex()}.kv"
+
+    def unlink(self, h: bytes) -> None:
+        try:
+            self.path(h).unlink(missing_ok=True)
+        except OSError as e:  # a read-only folder: the file stays, the index forgets it
+            log.debug("KV offload: cannot remove %s (%s)", self.path(h), e)
+
+    def stop(self, wait: bool = True) -> None:
+        """Write what is queued, then end the thread."""
+        if self.thread.is_alive():
+            self.queue.put(None)
+            if wait:
+                self.thread.join()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            h, data = item
+            raw = memoryview(data.numpy())  # (no copy)
+            tmp = self.path(h).with_suffix(f".{os.getpid()}.tmp")  # whole files only, by rename
+            try:
+                with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                    f.write(HEADER.pack(MAGIC, h, zlib.crc32(raw), len(raw)))
+                    f.write(raw)
+                os.replace(tmp, self.path(h))
+            except OSError as e:  # a full or read-only disk: the block is not kept (never held in memory)
+                if not self.failed:
+                    log.warning("KV offload: cannot write %s (%s); blocks that cannot be written are dropped", tmp, e)
+                self.failed += 1
+                with self.lock:
+                    if self.index.get(h) is data:
+                        del self.index[h]
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                continue
+            with self.lock:
+                if h in self.index:
+                    if self.index[h] is data:
+                        self.index[h] = None  # on disk now
+                    continue
+            self.unlink(h)  # dropped while it was being written
+
+    def read(self, h: bytes) -> torch.Tensor | None:
+        """A file's data, checked (size, hash, crc); None, the file deleted and the entry dropped, if bad."""
+        try:
+            raw = self.path(h).read_bytes()
+        except OSError:
+            raw = b""
+        ok = len(raw) == HEADER.size + self.block_bytes
+        if ok:
+            magic, key, crc, n = HEADER.unpack_from(raw)
+            body = memoryview(raw)[HEADER.size:]
+            ok = magic == MAGIC and key == h and n == self.block_bytes and zlib.crc32(body) == crc
+        if not ok:
+            log.warning("KV offload: %s is damaged or gone; dropped", self.path(h))
+            with self.lock:
+                self.index.pop(h, None)
+            self.unlink(h)
+            return None
+        return torch.frombuffer(bytearray(body), dtype=torch.uint8)
 
 
 class OffloadTier:
@@ -65,7 +163,6 @@ class OffloadTier:
 
     def __init__(self, kv: KVCache, capacity: int, directory: str | os.PathLike | None = None,
                  model_id: bytes = b"") -> None:
-        self.kv = kv
         self.bs = kv.block_size
         self.parts: list[torch.Tensor] = []  # (P, slots, ...) views every block's slots are taken from
         for t in kv.tensors:
@@ -84,21 +181,19 @@ class OffloadTier:
         self.index: OrderedDict[bytes, torch.Tensor | None] = OrderedDict()
         self.saved = self.loaded = self.dropped = self.skipped = 0
         self.lock = threading.Lock()  # index entries, between the engine thread and the writer
-        self.dir: Path | None = None
+        self.files: _Files | None = None
         if directory is not None:
-            layout = json.dumps([self.bs, [(list(t.shape[:1]) + list(t.shape[2:]), str(t.dtype)) for t in self.parts]])
-            self.dir = Path(directory) / hashlib.sha256(model_id + layout.encode()).hexdigest()[:16]
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # prompts' KV: the owner's alone
-            for p in self.dir.glob("*.tmp"):  # a file a stopped process was writing
-                p.unlink(missing_ok=True)
-            files = sorted(self.dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
-            for p in files:
-                if len(p.stem) == 64:
-                    self.index[bytes.fromhex(p.stem)] = None
+            layout = json.dumps([FORMAT, self.bs, [(list(t.shape[:1]) + list(t.shape[2:]), str(t.dtype)) for t in self.parts]])
+            folder = Path(directory) / hashlib.sha256(model_id + layout.encode()).hexdigest()[:16]
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # prompts' KV: the owner's alone
+            self.files = _Files(folder, self.index, self.lock, self.block_bytes)
+            self.index.update((h, None) for h in self.files.scan())
             self._trim()
-            self.queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(WRITE_QUEUE)
-            self.writer = threading.Thread(target=self._write_files, name="lmserve-kv-offload", daemon=True)
-            self.writer.start()
+            weakref.finalize(self, self.files.stop, False)  # dropped without close: the writer still ends
+
+    @property
+    def dir(self) -> Path | None:
+        return self.files.dir if self.files is not None else None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -115,7 +210,7 @@ class OffloadTier:
         return buf.cpu()
 
     def write(self, blocks: list[int], datas: list[torch.Tensor]) -> None:
-        """Copy saved bytes (lookup's) into pool blocks (fresh ones the caller holds)."""
+        """Copy saved bytes into pool blocks (fresh ones the caller holds)."""
         for block, data in zip(blocks, datas):
             s, e = block * self.bs, (block + 1) * self.bs
             data = data.to(self.parts[0].device)
@@ -126,53 +221,58 @@ class OffloadTier:
 
     # ---------------------------------------------------------------- the index
     def save(self, h: bytes, block: int) -> None:
-        """Keep block's KV under hash h (the pool is about to reuse the block)."""
-        with self.lock:
-            if h in self.index:
-                self.index.move_to_end(h)
+        """Keep block's KV under hash h (the pool is about to reuse the block). Never raises: the block
+        manager calls it mid-allocation, and a block not kept is only a miss later."""
+        try:
+            with self.lock:
+                if h in self.index:
+                    self.index.move_to_end(h)
+                    return
+            if self.files is not None and (self.files.queue.full() or not self.files.thread.is_alive()):
+                self.skipped += 1  # the writer is behind (or closed): no copy for nothing
                 return
-        data = self._read_block(block)
-        with self.lock:
-            self.index[h] = data  # on disk: kept until the writer has the file
-        if self.dir is not None:
-            try:
-                self.queue.put_nowait((h, data))
-            except queue.Full:
-                with self.lock:
-                    self.index.pop(h, None)
-                self.skipped += 1
-                return
-        self.saved += 1
-        self._trim()
+            data = self._read_block(block)
+            with self.lock:
+                self.index[h] = data  # on disk: kept until the writer has the file
+            if self.files is not None:
+                self.files.queue.put_nowait((h, data))  # (only the engine thread puts: not full)
+            self.saved += 1
+            self._trim()
+        except Exception as e:  # noqa: BLE001 - out of host memory, a device error: the block is not kept
+            with self.lock:
+                self.index.pop(h, None)
+            self.skipped += 1
+            log.warning("KV offload: a block was not saved (%s: %s)", type(e).__name__, e)
 
-    def lookup(self, hashes: list[bytes]) -> list[torch.Tensor]:
-        """The bytes of hashes' leading blocks that the tier holds (stops at the first it does not),
-        each marked recently used."""
-        out = []
+    def hit(self, bm: Any, seq: Any, cached: int, limit: int | None) -> int:
+        """How many blocks the tier holds right after a sequence's pool hit of `cached` tokens (in a row,
+        each marked recently used), up to the block holding token `limit` (the scheduler's rule: by
+        default the last token stays to run). The index alone: nothing is read."""
+        last = seq.num_tokens - 1 if limit is None else limit
+        hashes = bm.block_hashes(seq.token_ids, max(0, last) // self.bs, seq.block_hashes, seq.cache_salt)
+        n = 0
+        with self.lock:
+            for h in hashes[cached // self.bs:]:
+                if h not in self.index:
+                    break
+                self.index.move_to_end(h)
+                n += 1
+        return n
+
+    def load(self, bm: Any, seq: Any, cached: int, count: int) -> int:
+        """Read `hit`'s `count` blocks (stopping at one gone or damaged), write them into the sequence's
+        fresh blocks after its pool hit and register them in the prefix cache. Returns the tokens now cached."""
+        first = cached // self.bs
+        hashes = seq.block_hashes[first:first + count]
+        datas = []
         for h in hashes:
             with self.lock:
                 data = self.index.get(h, False)
-                if data is False:
-                    break
-                self.index.move_to_end(h)
-            if data is None:
-                data = self._read_file(h)
-                if data is None:
-                    break
-            out.append(data)
-        return out
-
-    def hit(self, bm: Any, seq: Any, cached: int, limit: int | None) -> list[torch.Tensor]:
-        """The bytes of the blocks the tier holds right after a sequence's pool hit of `cached` tokens,
-        up to the block holding token `limit` (the scheduler's rule: default, the last token stays to run)."""
-        last = seq.num_tokens - 1 if limit is None else limit
-        hashes = bm.block_hashes(seq.token_ids, max(0, last) // self.bs, seq.block_hashes, seq.cache_salt)
-        return self.lookup(hashes[cached // self.bs:])
-
-    def load(self, bm: Any, seq: Any, cached: int, datas: list[torch.Tensor]) -> int:
-        """Write `hit`'s blocks into the sequence's fresh blocks after its pool hit and register them in
-        the prefix cache. Returns the tokens now cached."""
-        first = cached // self.bs
+            if data is None and self.files is not None:
+                data = self.files.read(h)
+            if data is None or data is False:
+                break
+            datas.append(data)
         self.write(seq.block_tables[0][first:first + len(datas)], datas)
         end = cached + len(datas) * self.bs
         bm.cache_full_blocks(seq.block_tables, seq.token_ids, end, seq.block_hashes, first, seq.cache_salt)
@@ -182,84 +282,46 @@ class OffloadTier:
         with self.lock:
             gone = [self.index.popitem(last=False)[0] for _ in range(len(self.index) - self.capacity)]
         self.dropped += len(gone)
-        for h in gone:
-            self._unlink(h)
+        if self.files is not None:
+            for h in gone:
+                self.files.unlink(h)
 
     def clear(self) -> None:
         """Forget every block (reset_prefix_cache), its files too."""
         with self.lock:
             gone = list(self.index)
             self.index.clear()
-        for h in gone:
-            self._unlink(h)
+        if self.files is not None:
+            for h in gone:
+                self.files.unlink(h)
 
-    def close(self, bm: Any) -> None:
-        """A directory tier: save the pool's cached blocks it lacks, then wait for the writer."""
-        if self.dir is None or not self.writer.is_alive():
+    def close(self, bm: Any = None) -> None:
+        """A directory tier: save the pool's cached blocks it lacks (bm given: nothing else may touch the
+        pool meanwhile), write what is queued, stop the writer, unhook from bm's evictions."""
+        if self.files is None or not self.files.thread.is_alive():
             return
-        for (_, h), b in list(bm.hash_to_block.items()):
-            if h not in self.index:
-                data = self._read_block(b)
-                with self.lock:
-                    self.index[h] = data
-                self.queue.put((h, data))
-                self.saved += 1
-        self._trim()
-        self.queue.put(None)
-        self.writer.join()
-
-    # ---------------------------------------------------------------- files
-    def _path(self, h: bytes) -> Path:
-        assert self.dir is not None
-        return self.dir / f"{h.hex()}.kv"
-
-    def _unlink(self, h: bytes) -> None:
-        if self.dir is not None:
-            self._path(h).unlink(missing_ok=True)
-
-    def _write_files(self) -> None:
-        while (item := self.queue.get()) is not None:
-            h, data = item
-            raw = memoryview(data.numpy())  # (no copy)
-            tmp = self._path(h).with_suffix(f".{os.getpid()}.tmp")  # whole files only, by rename
-            try:
-                with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                    f.write(HEADER.pack(MAGIC, h, zlib.crc32(raw), len(raw)))
-                    f.write(raw)
-                os.replace(tmp, self._path(h))
-            except OSError as e:  # a full disk: the block stays in memory until dropped
-                log.warning("KV offload: cannot write %s (%s)", tmp, e)
-                tmp.unlink(missing_ok=True)
-                continue
-            with self.lock:
-                if h in self.index:
-                    if self.index[h] is data:
-                        self.index[h] = None  # on disk now
-                    continue
-            self._unlink(h)  # dropped while it was being written
-
-    def _read_file(self, h: bytes) -> torch.Tensor | None:
-        """A file's data, checked (size, hash, crc); None, the file deleted and the entry dropped, if bad."""
-        try:
-            raw = self._path(h).read_bytes()
-        except OSError:
-            raw = b""
-        ok = len(raw) == HEADER.size + self.block_bytes
-        if ok:
-            magic, key, crc, n = HEADER.unpack_from(raw)
-            body = memoryview(raw)[HEADER.size:]
-            ok = magic == MAGIC and key == h and n == self.block_bytes and zlib.crc32(body) == crc
-        if not ok:
-            log.warning("KV offload: %s is damaged or gone; dropped", self._path(h))
-            with self.lock:
-                self.index.pop(h, None)
-            self._unlink(h)
-            return None
-        return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        if bm is not None:
+            bm.on_evict = None
+            for (_, h), b in list(bm.hash_to_block.items()):
+                if h not in self.index:
+                    data = self._read_block(b)
+                    with self.lock:
+                        self.index[h] = data
+                    self.files.queue.put((h, data))  # (waits for room: the writer runs)
+                    self.saved += 1
+            self._trim()
+        self.files.stop()
 
     def stats(self) -> dict[str, int]:
         return {"blocks": len(self.index), "capacity_blocks": self.capacity, "saved_blocks": self.saved,
-                "loaded_blocks": self.loaded, "dropped_blocks": self.dropped, "skipped_blocks": self.skipped}
+                "loaded_blocks": self.loaded, "dropped_blocks": self.dropped, "skipped_blocks": self.skipped,
+                "failed_writes": self.files.failed if self.files is not None else 0}
+
+
+def _close_at_exit(tier: weakref.ref, bm: weakref.ref) -> None:
+    t, b = tier(), bm()
+    if t is not None:
+        t.close(b)
 
 
 def build_offload(config: Any, kv: KVCache, bm: Any, model: torch.nn.Module, model_config: Any) -> OffloadTier | None:
@@ -275,4 +337,6 @@ def build_offload(config: Any, kv: KVCache, bm: Any, model: torch.nn.Module, mod
     model_id = model_fingerprint(model_config, model) if config.kv_offloading_dir is not None else b""
     tier = OffloadTier(kv, int(config.kv_offloading_size), config.kv_offloading_dir, model_id)
     bm.on_evict = tier.save
+    if tier.files is not None:  # an engine never closed (a script, `lmserve chat`) still saves its pool at exit
+        atexit.register(_close_at_exit, weakref.ref(tier), weakref.ref(bm))
     return tier

@@ -108,7 +108,8 @@ class AsyncEngine:
         """Stop the loop; requests still in flight are aborted."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():  # (never started: a server that failed before its lifespan began)
+            self._thread.join(timeout)
 
     def die(self, error: BaseException) -> None:
         """A fatal error (EngineFatalError: a tensor-parallel rank lost), from any thread: /health turns
@@ -119,6 +120,11 @@ class AsyncEngine:
         self._wake.set()
         if first and self.on_fatal is not None:
             self.on_fatal(error)
+
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the engine thread still runs (a step may be under way)."""
+        return self._thread.is_alive()
 
     @property
     def alive(self) -> bool:

@@ -119,8 +119,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     try:
         draining_server(uvicorn.Server, ae, a.shutdown_timeout)(config).run(sockets=[sock])
     finally:  # (SIGTERM ends the run above with SystemExit) the loop stops, then the engine closes: a
-        ae.shutdown()  # directory offload tier writes its last files
-        engine.close()
+        ae.shutdown(timeout=60)  # directory offload tier writes its last files, its pool's only once no step runs
+        engine.close(save_offload=not ae.thread_alive)
     return 0
 
 
