@@ -332,7 +332,7 @@ class Scheduler:
                 if seq.first_token_time is None and seq.index == 0:  # the request's prompt, counted once
                     self.stats.prompt_tokens += seq.num_prompt_tokens
                 got, stop = self._append(seq, sampled[seq], now)
-                self.stats.generation_tokens += len(got)
+                self.stats.generation_tokens += len(got) if seq.pooled is None else 0  # (an embedding's token: none)
                 received[seq] = got
             filled = min(seq.num_computed_tokens, seq.num_tokens)  # tokens whose KV is in the blocks
             first = 0 if seq in restored else before // bs

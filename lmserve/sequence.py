@@ -263,6 +263,14 @@ class FamilyState:
     beam_score: float = 0.0  # beam search: the hypothesis' cumulative log-probability
 
 
+def block_salt(lora: Any, salt: bytes | None) -> bytes | None:
+    """What a request's prefix-cache block hashes start from (Sequence.cache_salt): its adapter's salt
+    (LoRARequest.salt) and its cache_salt digest, combined when both are given."""
+    if lora is None or salt is None:
+        return salt if lora is None else lora.salt
+    return hashlib.sha256(lora.salt + salt).digest()
+
+
 @dataclass(eq=False)
 class Sequence:
     """One generation stream: prompt + output tokens, its block table, its progress and metrics.
@@ -326,9 +334,7 @@ class Sequence:
     def cache_salt(self) -> bytes | None:
         """What its prefix-cache block hashes start from: its adapter's (KV is shared only between sequences
         that computed it with the same weights) and its request's cache_salt (only with the same salt)."""
-        if self.lora is None or self.salt is None:
-            return self.salt if self.lora is None else self.lora.salt
-        return hashlib.sha256(self.lora.salt + self.salt).digest()
+        return block_salt(self.lora, self.salt)
 
     @property
     def block_table(self) -> list[int]:

@@ -41,6 +41,24 @@ def test_blocks_moved_between_engines_are_prefix_hits_with_the_same_tokens(tiny_
             assert c.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids != want
 
 
+def test_a_salted_prompts_blocks_move_under_its_salt(tiny_models):
+    """A cache_salt request's blocks are exported under its salted hashes and registered under them: the
+    same salted request hits them on the receiver, an unsalted or other-salt one does not (before, the
+    export looked the prompt up unsalted and moved nothing)."""
+    from lmserve.sequence import block_salt
+    folder = str(tiny_models["llama"][0])
+    salted = {"prompt_token_ids": PROMPT, "cache_salt": "tenant-a"}
+    with LLM(folder, kv_cache_memory="16MiB") as a, LLM(folder, kv_cache_memory="16MiB") as b:
+        want = a.generate([salted], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        salt = block_salt(None, a.engine.process_request(salted).cache_salt)
+        assert salt is not None and len(export_prefix(a.engine, PROMPT)) == HEADER.size + 0  # nothing unsalted
+        assert import_prefix(b.engine, export_prefix(a.engine, PROMPT, salt=salt)) == 2
+        other = b.generate([{"prompt_token_ids": PROMPT, "cache_salt": "tenant-b"}, PROMPT], GREEDY, use_tqdm=False)
+        assert [o.metrics.num_cached_tokens for o in other] == [0, 0]
+        out = b.generate([salted], GREEDY, use_tqdm=False)[0]
+        assert out.metrics.num_cached_tokens == 32 and out.outputs[0].token_ids == want
+
+
 def test_a_transfer_that_does_not_fit_is_refused_by_field(tiny_models):
     with LLM(str(tiny_models["llama"][0]), kv_cache_memory="16MiB") as a, \
             LLM(str(tiny_models["llama"][0]), kv_cache_memory="16MiB", block_size=32) as b, \

@@ -50,7 +50,11 @@ def test_embeddings_and_generation_share_batches(tiny_models):  # type: ignore[n
     llm = LLM(str(path), kv_cache_memory="64MiB", max_num_batched_tokens=16, block_size=4)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     alone_gen = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    gen_tokens = llm.stats().generation_tokens
     alone_emb = [o.outputs.embedding for o in llm.embed(PROMPTS, PoolingParams(pooling_type="mean"), use_tqdm=False)]
+    st = llm.stats()  # an embedding's throw-away token is no generated token (it counted one each before)
+    assert gen_tokens == 8 * len(PROMPTS) and st.generation_tokens == gen_tokens
+    assert st.prompt_tokens == 2 * sum(len(p) for p in PROMPTS)
     eng = llm.engine
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"g{i}", p, params)

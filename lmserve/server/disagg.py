@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from lmserve.kv.transfer import export_prefix, import_prefix, parse
-from lmserve.sequence import SamplingParams
+from lmserve.sequence import SamplingParams, block_salt
 from lmserve.server.errors import ApiError
 
 PUSH_HEADER = "x-lmserve-kv-push"  # a decode instance's base URL: prefill here, push the prompt's KV there
@@ -92,7 +92,8 @@ async def prefill_and_push(srv: Any, request: Request, jobs: list, target: str) 
     pushed = 0
     async with httpx.AsyncClient(timeout=600) as client:
         for _, req in one:
-            payload = await srv.ae.call(lambda engine, ids=req.prompt_token_ids: export_prefix(engine, ids, srv.kv_model))
+            salt = block_salt(req.lora, req.cache_salt)  # a salted or adapter request's blocks, under its hashes
+            payload = await srv.ae.call(lambda engine, ids=req.prompt_token_ids, s=salt: export_prefix(engine, ids, srv.kv_model, s))
             try:
                 r = await client.post(target + "/v1/internal/kv", content=payload,
                                       headers={**auth, SECRET_HEADER: srv.kv_secret,
