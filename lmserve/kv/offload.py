@@ -73,7 +73,7 @@ class _Files:
 
     def __init__(self, folder: Path, index: OrderedDict, lock: threading.Lock, block_bytes: int) -> None:
         self.dir, self.index, self.lock, self.block_bytes = folder, index, lock, block_bytes
-        self.queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(max(64, QUEUE_BYTES // block_bytes))
+        self.queue: queue.Queue[tuple[bytes, torch.Tensor, Any] | None] = queue.Queue(max(64, QUEUE_BYTES // block_bytes))
         self.failed = 0
         self.thread = threading.Thread(target=self._run, name="lmserve-kv-offload", daemon=True)
         self.thread.start()
@@ -101,6 +101,14 @@ class _Files:
         except OSError as e:  # a read-only folder: the file stays, the index forgets it
             log.debug("KV offload: cannot remove %s (%s)", self.path(h), e)
 
+    def put(self, h: bytes, data: torch.Tensor, block: bool = False) -> None:
+        """Queue a block's bytes for its file (from the engine thread, after the copy was issued)."""
+        copied = None
+        if data.is_pinned() and torch.cuda.is_available():
+            copied = torch.cuda.Event()
+            copied.record()
+        self.queue.put((h, data, copied), block=block)
+
     def stop(self, wait: bool = True) -> None:
         """Write what is queued, then end the thread."""
         if self.thread.is_alive():
@@ -110,7 +118,9 @@ class _Files:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            h, data = item
+            h, data, copied = item
+            if copied is not None:  # a CUDA event: the device-to-host copy has landed
+                copied.synchronize()
             raw = memoryview(data.numpy())  # (no copy)
             tmp = self.path(h).with_suffix(f".{os.getpid()}.tmp")  # whole files only, by rename
             try:
@@ -207,7 +217,10 @@ class OffloadTier:
         for t, (off, n) in zip(self.parts, self.spans):
             src = t[:, s:e]  # (P, bs, ...)
             buf[off:off + n].view(t.dtype).view(src.shape).copy_(src)
-        return buf.cpu()
+        if buf.device.type == "cpu":
+            return buf
+        host = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)  # no sync per evicted block:
+        return host.copy_(buf, non_blocking=True)  # a later load is stream-ordered; the writer waits on an event
 
     def write(self, blocks: list[int], datas: list[torch.Tensor]) -> None:
         """Copy saved bytes into pool blocks (fresh ones the caller holds)."""
@@ -235,7 +248,7 @@ class OffloadTier:
             with self.lock:
                 self.index[h] = data  # on disk: kept until the writer has the file
             if self.files is not None:
-                self.files.queue.put_nowait((h, data))  # (only the engine thread puts: not full)
+                self.files.put(h, data)  # (only the engine thread puts: not full)
             self.saved += 1
             self._trim()
         except Exception as e:  # noqa: BLE001 - out of host memory, a device error: the block is not kept
@@ -307,7 +320,7 @@ class OffloadTier:
                     data = self._read_block(b)
                     with self.lock:
                         self.index[h] = data
-                    self.files.queue.put((h, data))  # (waits for room: the writer runs)
+                    self.files.put(h, data, block=True)  # (waits for room: the writer runs)
                     self.saved += 1
             self._trim()
         self.files.stop()
