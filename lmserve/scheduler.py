@@ -174,32 +174,16 @@ class Scheduler:
         taken: list[tuple[Sequence, int, int]] = []  # (seq, cached tokens, new tokens)
         swapped_in: list[tuple[Sequence, list[int]]] = []
         for seq in gang:
-            if seq.swapped is not None:  # its KV comes back from the host into fresh blocks
-                got = self._swap_back(seq, budget)
-                if got is not None:
-                    swapped_in.append((seq, got[1]))
-                    taken.append((seq, seq.num_computed_tokens, got[0]))
-                    budget -= got[0]
-                    continue
-            else:  # prompt logprobs and mean pooling need every position computed
-                use_cache = seq.params.prompt_logprobs is None and (seq.pooled is None or seq.pooling.pooling_type == "last")
-                # a forking sequence must have its fork-point token (the prompt's last) left to run
-                limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None
-                prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit, seq.cache_salt) if use_cache else []
-                cached = len(prefix[0]) * self.bm.block_size if prefix else 0
-                loads = self.offload.hit(self.bm, seq, cached, limit) if use_cache and self.offload is not None else 0
-                have = cached + loads * self.bm.block_size  # + what the offload tier holds after the pool's hit
-                n = min(self._tokens_to_compute(seq, have), budget)
-                if self.bm.allocate(seq.block_tables, have + n, prefix):
-                    if loads:  # read into the fresh blocks after the pool's hit (a damaged file: computed instead)
-                        cached = self.offload.load(self.bm, seq, cached, loads)
-                        n = min(self._tokens_to_compute(seq, cached), budget)  # (the blocks cover it: <= have + n)
-                    taken.append((seq, cached, n))
-                    budget -= n
-                    continue
-            for s, _, _ in taken:  # the pool is short: nothing admitted
-                self.bm.free(s.block_tables)
-            return None
+            swapped = seq.swapped is not None  # its KV comes back from the host into fresh blocks
+            got = self._swap_back(seq, budget) if swapped else self._take_prefix(seq, budget)
+            if got is None:  # the pool is short: nothing admitted
+                for s, _, _ in taken:
+                    self.bm.free(s.block_tables)
+                return None
+            if swapped:
+                swapped_in.append((seq, got[2]))
+            taken.append((seq, got[0], got[1]))
+            budget -= got[1]
         now = time.time()
         restored = dict(swapped_in)
         for seq, cached, n in taken:
@@ -222,21 +206,37 @@ class Scheduler:
                     self.stats.prompt_tokens_queried += seq.num_tokens
         return [(seq, n) for seq, _, n in taken]
 
-    def _swap_back(self, seq: Sequence, budget: int) -> tuple[int, list[int]] | None:
+    def _take_prefix(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
+        """A waiting sequence's prefix-cache hit (with the offload tier's blocks, read in) and blocks for
+        its first chunk: (cached tokens, tokens to run), or None (holding nothing) when the pool is short."""
+        # prompt logprobs and mean pooling need every position computed
+        use_cache = seq.params.prompt_logprobs is None and (seq.pooled is None or seq.pooling.pooling_type == "last")
+        limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None  # a fork's last prompt token runs
+        for tier in (self.offload.has,) * 2 + (None,) if use_cache and self.offload is not None else (None,):
+            prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit, seq.cache_salt, tier) if use_cache else []
+            cached = len(prefix[0]) * self.bm.block_size if prefix else 0
+            n = min(self._tokens_to_compute(seq, cached), budget)
+            if not self.bm.allocate(seq.block_tables, cached + n, prefix):
+                return None
+            if tier is None or self.offload.load(self.bm, seq, prefix, cached):
+                return cached, n
+            self.bm.free(seq.block_tables)  # a tier block gone or damaged (now out of its index): look again
+        return None  # (not reached: the last try has no tier)
+
+    def _swap_back(self, seq: Sequence, budget: int) -> tuple[int, int, list[int]] | None:
         """Blocks for a swapped-out sequence: fresh ones in its old places, plus what its next chunk
-        needs. Returns (tokens to run, the restored blocks in saved order), or None (nothing held)
-        when the pool is short."""
+        needs. Returns (its computed tokens, tokens to run, the restored blocks in saved order), or None
+        (nothing held) when the pool is short."""
         tables = self.bm.restore(seq.swapped)
         if tables is None:
             return None
         restored = [b for t in tables for b in t if b >= 0]  # NULL_BLOCK (< 0): out of a window
-        n = min(self._tokens_to_compute(seq), budget)
-        start = seq.num_computed_tokens
+        start, n = seq.num_computed_tokens, min(self._tokens_to_compute(seq), budget)
         if self.bm.reserve(tables, start, start + n, keep_from=start) is None:
             self.bm.free(tables)
             return None
         seq.block_tables = tables
-        return n, restored
+        return start, n, restored
 
     @staticmethod
     def _family(seq: Sequence, queue: Iterable[Sequence]) -> list[Sequence]:

@@ -120,7 +120,7 @@ def test_files_survive_a_restart_and_are_checked(tiny_models, tmp_path):  # type
     assert got.metrics.num_cached_tokens == 40 and tokens_and_logprobs(got) == tokens_and_logprobs(hit)
     again.close()
 
-    block_file = next(f for f in files if f.read_bytes()[4:36] == _block_hash(again, A, 5))  # A's 6th block
+    block_file = next(f for f in files if f.read_bytes()[4:37] == b"\0" + _block_hash(again, A, 5))  # A's 6th block
     data = bytearray(block_file.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit of KV: the crc catches it
     block_file.write_bytes(bytes(data))
@@ -171,31 +171,42 @@ def test_bad_settings_name_the_field(tiny_models, kw, field):  # type: ignore[no
         LLM(str(path), block_size=4, **kw)
 
 
-def test_sliding_window_models_are_refused_by_name(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
-    path, _ = tiny_models["mistral"]  # every layer windowed: blocks leave the pool by the window, not by eviction
-    with pytest.raises(ValueError, match="kv_offloading_size.*sliding"):
-        LLM(str(path), block_size=4, kv_offloading_size="64MiB")
+def test_tensor_parallel_is_refused_by_name(tiny_models):  # type: ignore[no-untyped-def]
     from lmserve import EngineConfig
     with pytest.raises(ValueError, match="kv_offloading_size"):
-        EngineConfig(model=str(path), kv_offloading_size="64MiB", tensor_parallel_size=2)
+        EngineConfig(model=str(tiny_models["llama"][0]), kv_offloading_size="64MiB", tensor_parallel_size=2)
 
 
-def test_gemma3_with_one_kv_group(tmp_path):  # type: ignore[no-untyped-def]
-    """Gemma 3 mixes windowed and full layers: refused with its hybrid cache, served with one KV group."""
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_gemma3_hybrid_kv_groups(tmp_path, hybrid):  # type: ignore[no-untyped-def]
+    """Gemma 3 mixes windowed (6 tokens) and full layers: with its hybrid cache (one full group, two
+    windowed ones) a hit needs every full-group block but only the windowed groups' last ones, which come
+    from the pool or the tier alike; with one KV group, every block. Both as a pool hit, bit for bit."""
     from conftest import make_tiny_gemma
     path = tmp_path / "gemma"
     hf = make_tiny_gemma(path)
-    with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager"):
-        LLM(str(path), block_size=4, kv_offloading_size="64MiB")
-    one = dict(block_size=4, disable_hybrid_kv_cache_manager=True)
-    size = KVCache.bytes_per_block(hf_config(path), 4, torch.float32, hybrid=False)
-    llm = LLM(str(path), kv_cache_memory=size * 24, kv_offloading_size="64MiB", **one)
+    one = dict(block_size=4, disable_hybrid_kv_cache_manager=not hybrid)
+    size = KVCache.bytes_per_block(hf_config(path), 4, torch.float32, hybrid=hybrid)
+    blocks = 40 if hybrid else 24  # (the hybrid pool's blocks each hold a third of the layers)
+    llm = LLM(str(path), kv_cache_memory=size * blocks, kv_offloading_size="64MiB", **one)
     _, back = evict_and_return(llm)
     _, hit = evict_and_return(LLM(str(path), **one))
     assert back.metrics.num_cached_tokens == hit.metrics.num_cached_tokens == 40
+    assert llm.stats().offload_hit_tokens > 0
     assert tokens_and_logprobs(back) == tokens_and_logprobs(hit)
     ref = hf.generate(torch.tensor([A]), max_new_tokens=8, do_sample=False)[0, len(A):].tolist()
     assert back.outputs[0].token_ids == ref
+
+
+def test_an_all_windowed_model(tiny_models):  # type: ignore[no-untyped-def]
+    """Mistral (every layer windowed, 24 tokens): a hit needs only the blocks its window reaches back to."""
+    path, _ = tiny_models["mistral"]
+    llm = LLM(str(path), block_size=4, kv_cache_memory=per_block(path) * 24, kv_offloading_size="64MiB")
+    _, back = evict_and_return(llm)
+    _, hit = evict_and_return(LLM(str(path), block_size=4))
+    assert back.metrics.num_cached_tokens == hit.metrics.num_cached_tokens == 40
+    assert 0 < llm.stats().offload_hit_tokens < 40  # the window's blocks, not the whole prefix
+    assert tokens_and_logprobs(back) == tokens_and_logprobs(hit)
 
 
 def test_a_pool_hit_continued_from_the_tier(tiny_models):  # type: ignore[no-untyped-def]

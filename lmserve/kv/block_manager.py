@@ -46,6 +46,7 @@ def chain_hash(parent: bytes | None, tokens: Seq[int]) -> bytes:
 
 
 NULL_BLOCK = -1  # a windowed group's table entry for a block out of the window (freed; read as block 0, masked)
+IN_TIER = -2  # find_cached_prefix with a tier: a hit the offload tier holds (allocate gives it a fresh block to load)
 
 
 class BlockManager:
@@ -67,9 +68,9 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_group = [0] * num_blocks  # the group a hashed block is cached for
         self.hash_to_block: dict[tuple[int, bytes], int] = {}  # (group, hash) -> block
-        # called with (hash, block) for a cached block about to be reused, while it still holds its KV
-        # (the offload tier, kv/offload.py, copies it out); models of one group only
-        self.on_evict: Callable[[bytes, int], None] | None = None
+        # called with (group, hash, block) for a cached block about to be reused, while it still holds its
+        # KV (the offload tier, kv/offload.py, copies it out)
+        self.on_evict: Callable[[int, bytes, int], None] | None = None
 
     # ---------------------------------------------------------------- queries
     @property
@@ -116,15 +117,18 @@ class BlockManager:
         return out[:num_full]
 
     def find_cached_prefix(self, token_ids: Seq[int], known: list[bytes] | None = None,
-                           limit: int | None = None, salt: bytes | None = None) -> list[list[int]]:
+                           limit: int | None = None, salt: bytes | None = None,
+                           tier: Callable[[int, bytes], bool] | None = None) -> list[list[int]]:
         """Per group, the blocks of the longest cached prefix of token_ids that ends at least one token
         before `limit` (default: the last token, which is always computed, so there are logits to
-        sample from); NULL_BLOCK where a windowed group does not need the block. [] for no hit."""
+        sample from); NULL_BLOCK where a windowed group does not need the block. [] for no hit.
+        tier(group, hash): whether the offload tier holds a block the pool lacks (IN_TIER in the hit)."""
         if not self.enable_prefix_caching:
             return []
         limit = len(token_ids) - 1 if limit is None else limit
         hashes = self.block_hashes(token_ids, max(0, limit) // self.block_size, known, salt)
-        hits = [[self.hash_to_block.get((g, h)) for h in hashes] for g in range(self.num_groups)]
+        hits = [[self.hash_to_block.get((g, h), IN_TIER if tier is not None and tier(g, h) else None) for h in hashes]
+                for g in range(self.num_groups)]
         n = len(hashes)
         for g, w in enumerate(self.windows):  # a full group needs every block of the hit
             if w is None:
@@ -144,12 +148,13 @@ class BlockManager:
     # ---------------------------------------------------------------- mutations
     def allocate(self, tables: list[list[int]], num_tokens: int, cached_prefix: Seq[list[int]] = ()) -> bool:
         """Give a sequence with no blocks one table per group: the cached prefix blocks
-        (find_cached_prefix) plus fresh blocks up to num_tokens. Returns False (changing nothing)
-        when the pool cannot supply them."""
+        (find_cached_prefix; a fresh block where it says IN_TIER, for the tier's bytes) plus fresh blocks
+        up to num_tokens. Returns False (changing nothing) when the pool cannot supply them."""
         assert not tables, "allocate() is for a sequence that holds no blocks"
         prefix = list(cached_prefix) or [[] for _ in self.windows]
-        held = [b for p in prefix for b in p if b != NULL_BLOCK]
-        need_new = self.num_groups * self.blocks_needed(num_tokens) - sum(len(p) for p in prefix)
+        held = [b for p in prefix for b in p if b >= 0]
+        need_new = self.num_groups * self.blocks_needed(num_tokens) - sum(len(p) for p in prefix) \
+            + sum(p.count(IN_TIER) for p in prefix)
         revived = sum(1 for b in held if self.ref_count[b] == 0)
         if need_new + revived > len(self.free_queue):
             return False
@@ -158,7 +163,7 @@ class BlockManager:
                 del self.free_queue[b]
             self.ref_count[b] += 1
         for p in prefix:
-            table = list(p)
+            table = [self._take_free() if b == IN_TIER else b for b in p]
             table.extend(self._take_free() for _ in range(self.blocks_needed(num_tokens) - len(p)))
             tables.append(table)
         return True
@@ -292,7 +297,7 @@ class BlockManager:
         h = self.block_hash[b]
         if h is not None:  # evict: its old content is about to be overwritten
             if self.on_evict is not None:
-                self.on_evict(h, b)
+                self.on_evict(self.block_group[b], h, b)
             del self.hash_to_block[(self.block_group[b], h)]
             self.block_hash[b] = None
         self.ref_count[b] = 1

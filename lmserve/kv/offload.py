@@ -2,22 +2,25 @@
 directory, by their chained hash, and written back into the pool when a later prompt reaches past the
 pool's own hit (vLLM's KV offloading to the CPU, SGLang's hierarchical cache, llama.cpp's saved slots).
 
-Data path. `BlockManager._take_free` calls `save(hash, block)` for a cached block it is about to hand
+Data path. `BlockManager._take_free` calls `save(group, hash, block)` for a cached block it is about to hand
 out for other tokens, while the block still holds its KV (so every writer of the pool - a step, a
 score, an imported prefix - finds its blocks already saved); a write-back tier: a block costs a copy
 only when the pool lets it go. `save` never raises (a failure is a block not kept: it is a cache). The
-Scheduler, admitting a sequence, asks `hit` how many blocks past its pool hit the tier holds (the
-index alone: no file is read for a sequence the pool cannot take yet), allocates fresh blocks for them
-with the rest, then `load` reads them in order (a file that fails its check ends the run: the rest is
-computed), writes them into those blocks and registers their hashes: from there they are ordinary
-cached blocks. A sequence preempted by recompute finds its own blocks there too.
+Scheduler, admitting a sequence, looks its prefix up in the pool and the tier together
+(`find_cached_prefix(..., tier=has)`: the tier's index alone, so no file is read for a sequence the pool
+cannot take yet; a hit the tier holds is IN_TIER, a windowed group's block out of the hit's window is not
+needed at all), allocates fresh blocks for the tier's hits with the rest, then `load` reads them (a
+block gone or damaged fails the load and leaves the index: the scheduler frees the sequence's blocks and
+looks again, twice at most, then the pool alone), writes them in and registers their hashes: from there they are ordinary cached blocks. A
+sequence preempted by recompute finds its own blocks there too.
 
-State it owns: `index`, hash -> the block's bytes (host memory; None for a file on disk), least
-recently used first, bounded by `capacity` blocks; the counters. A block's bytes are every cache
-tensor's slots of the block (K/V, and a quantized cache's scales), each part padded to 8 bytes.
+State it owns: `index`, key (the group's byte + the block's chained hash) -> the block's bytes (host
+memory; None for a file on disk), least recently used first, bounded by `capacity` blocks; the counters.
+A block's bytes are every cache tensor's slots of the block (K/V, and a quantized cache's scales; a
+pool block holds one KV group's layers), each part padded to 8 bytes.
 
-Directory tier (`kv_offloading_dir`): one file per block, `DIR/<layout id>/<hash hex>.kv`: a header
-(magic, the hash, crc32 of the data) and the data. The layout id is a sha256 over FORMAT, the model's
+Directory tier (`kv_offloading_dir`): one file per block, `DIR/<layout id>/<key hex>.kv`: a header
+(magic, the key, crc32 of the data) and the data. The layout id is a sha256 over FORMAT, the model's
 fingerprint (kv/transfer.py) and the cache layout, so files of other weights, another layout or an
 older format are never read (nor deleted: other folders are the operator's). `_Files`' thread writes
 them (the engine thread only copies the block to host memory); it holds no KV tensor, so an engine
@@ -29,8 +32,8 @@ size, hash or crc is wrong is deleted and counts as a miss. Replicas of one mode
 directory: files appear whole (written aside, then renamed; a stray temporary file is removed after an
 hour), and each process bounds what it indexes (N replicas: up to N x the size on disk).
 
-Models of one KV group without a sliding window (Gemma 3 with --disable-hybrid-kv-cache-manager);
-not with tensor parallelism (each rank holds a share of the heads).
+Any KV groups (Gemma 3's hybrid cache, all-windowed models); not with tensor parallelism (each rank
+holds a share of the heads).
 """
 
 from __future__ import annotations
@@ -52,14 +55,16 @@ from typing import Any
 
 import torch
 
+from lmserve.kv.block_manager import IN_TIER
 from lmserve.kv.cache import KVCache, QuantizedKV, _raw
 from lmserve.kv.transfer import model_fingerprint
 
 log = logging.getLogger("lmserve")
 
-FORMAT = 1  # the files' layout: part in the layout id, so a change never reads old files as valid
+FORMAT = 2  # the files' layout: part in the layout id, so a change never reads old files as valid
 MAGIC = b"LMKB"
-HEADER = struct.Struct("<4s32sIQ")  # magic, block hash, crc32 of the data, data bytes
+HEADER = struct.Struct("<4s33sIQ")  # magic, key (group byte + block hash), crc32 of the data, data bytes
+KEY_HEX = 66
 QUEUE_BYTES = 256 << 20  # blocks waiting for the writer thread, at most (and at least 64 blocks)
 STALE_TMP_S = 3600  # a temporary file older than this belongs to no live writer
 
@@ -86,7 +91,7 @@ class _Files:
                 if p.suffix == ".tmp":
                     if time.time() - p.stat().st_mtime > STALE_TMP_S:
                         p.unlink(missing_ok=True)
-                elif p.suffix == ".kv" and len(p.stem) == 64:
+                elif p.suffix == ".kv" and len(p.stem) == KEY_HEX:
                     found.append((p.stat().st_mtime, bytes.fromhex(p.stem)))
             except (OSError, ValueError):  # gone meanwhile (a replica's trim), or not one of ours
                 continue
@@ -233,9 +238,10 @@ class OffloadTier:
         self.loaded += len(blocks)
 
     # ---------------------------------------------------------------- the index
-    def save(self, h: bytes, block: int) -> None:
-        """Keep block's KV under hash h (the pool is about to reuse the block). Never raises: the block
-        manager calls it mid-allocation, and a block not kept is only a miss later."""
+    def save(self, group: int, h: bytes, block: int) -> None:
+        """Keep block's KV (group's layers) under hash h (the pool is about to reuse the block). Never
+        raises: the block manager calls it mid-allocation, and a block not kept is only a miss later."""
+        h = bytes([group]) + h
         try:
             with self.lock:
                 if h in self.index:
@@ -257,39 +263,34 @@ class OffloadTier:
             self.skipped += 1
             log.warning("KV offload: a block was not saved (%s: %s)", type(e).__name__, e)
 
-    def hit(self, bm: Any, seq: Any, cached: int, limit: int | None) -> int:
-        """How many blocks the tier holds right after a sequence's pool hit of `cached` tokens (in a row,
-        each marked recently used), up to the block holding token `limit` (the scheduler's rule: by
-        default the last token stays to run). The index alone: nothing is read."""
-        last = seq.num_tokens - 1 if limit is None else limit
-        hashes = bm.block_hashes(seq.token_ids, max(0, last) // self.bs, seq.block_hashes, seq.cache_salt)
-        n = 0
+    def has(self, group: int, h: bytes) -> bool:
+        """Whether the tier holds group's block of hash h (marked recently used): find_cached_prefix's
+        `tier`. The index alone: nothing is read."""
+        key = bytes([group]) + h
         with self.lock:
-            for h in hashes[cached // self.bs:]:
-                if h not in self.index:
-                    break
-                self.index.move_to_end(h)
-                n += 1
-        return n
+            if key not in self.index:
+                return False
+            self.index.move_to_end(key)
+        return True
 
-    def load(self, bm: Any, seq: Any, cached: int, count: int) -> int:
-        """Read `hit`'s `count` blocks (stopping at one gone or damaged), write them into the sequence's
-        fresh blocks after its pool hit and register them in the prefix cache. Returns the tokens now cached."""
-        first = cached // self.bs
-        hashes = seq.block_hashes[first:first + count]
+    def load(self, bm: Any, seq: Any, prefix: list[list[int]], cached: int) -> bool:
+        """Read the blocks a hit of `cached` tokens (find_cached_prefix's `prefix`) takes from the tier,
+        write them into the fresh blocks the sequence's tables hold in their places, and register the
+        hit's blocks in the prefix cache. False (nothing written) if one is gone or damaged."""
+        todo = [(g, i) for g, p in enumerate(prefix) for i, b in enumerate(p) if b == IN_TIER]
         datas = []
-        for h in hashes:
+        for g, i in todo:
+            key = bytes([g]) + seq.block_hashes[i]
             with self.lock:
-                data = self.index.get(h, False)
+                data = self.index.get(key, False)
             if data is None and self.files is not None:
-                data = self.files.read(h)
+                data = self.files.read(key)
             if data is None or data is False:
-                break
+                return False
             datas.append(data)
-        self.write(seq.block_tables[0][first:first + len(datas)], datas)
-        end = cached + len(datas) * self.bs
-        bm.cache_full_blocks(seq.block_tables, seq.token_ids, end, seq.block_hashes, first, seq.cache_salt)
-        return end
+        self.write([seq.block_tables[g][i] for g, i in todo], datas)
+        bm.cache_full_blocks(seq.block_tables, seq.token_ids, cached, seq.block_hashes, 0, seq.cache_salt)
+        return True
 
     def _trim(self) -> None:
         with self.lock:
@@ -315,7 +316,8 @@ class OffloadTier:
             return
         if bm is not None:
             bm.on_evict = None
-            for (_, h), b in list(bm.hash_to_block.items()):
+            for (g, h), b in list(bm.hash_to_block.items()):
+                h = bytes([g]) + h
                 if h not in self.index:
                     data = self._read_block(b)
                     with self.lock:
@@ -344,9 +346,6 @@ def build_offload(config: Any, kv: KVCache, bm: Any, model: torch.nn.Module, mod
         return None
     if not config.enable_prefix_caching:
         raise ValueError("kv_offloading_size: the offload tier extends the prefix cache; enable_prefix_caching must be on")
-    if kv.groups.num_groups != 1 or kv.groups.windows != (None,):
-        raise ValueError("kv_offloading_size: the offload tier takes models of one KV group without a sliding "
-                         "window (for Gemma 3: disable_hybrid_kv_cache_manager=True)")
     model_id = model_fingerprint(model_config, model) if config.kv_offloading_dir is not None else b""
     tier = OffloadTier(kv, int(config.kv_offloading_size), config.kv_offloading_dir, model_id)
     bm.on_evict = tier.save
