@@ -58,4 +58,4 @@ def snapshot(bm: Any, scheduler: Any, spec: Any = None, lora: Any = None) -> Eng
         spec=spec.stats.as_dict() if spec is not None else None, max_loras=lora.max_loras if lora is not None else 0,
         running_loras=names(scheduler.running), waiting_loras=names(scheduler.waiting),
         offload=scheduler.offload.stats() if scheduler.offload is not None else None,
-        offload_hit_tokens=scheduler.offload.loaded * bm.block_size if scheduler.offload is not None else 0)
+        offload_hit_tokens=scheduler.offload.hit_tokens if scheduler.offload is not None else 0)

@@ -62,12 +62,14 @@ def main() -> None:
     a = ap.parse_args()
     kw = {"model": a.model} if a.model else {}
     probe = LLM(**kw)
-    c = probe.engine.config
-    per_token = KVCache.bytes_per_block(probe.engine.model_config, c.block_size, c.torch_dtype, c.kv_cache_dtype) // c.block_size
+    c, bm = probe.engine.config, probe.engine.block_manager
+    per_block = KVCache.bytes_per_block(probe.engine.model_config, c.block_size, c.torch_dtype, c.kv_cache_dtype,
+                                        not c.disable_hybrid_kv_cache_manager)
+    per_doc = per_block * bm.max_blocks(a.doc_len + 16 + a.output_len)  # every KV group's blocks (Gemma 3: windows)
     vocab = probe.engine.vocab_size
     del probe
-    pool = per_token * a.pool_docs * (a.doc_len + 16 + a.output_len + c.block_size)
-    tier = per_token * (a.docs + 1) * (a.doc_len + 16 + a.output_len + c.block_size)
+    pool = per_doc * a.pool_docs
+    tier = per_block * bm.num_groups * bm.blocks_needed(a.doc_len + 16 + a.output_len) * (a.docs + 1)  # every block
     rounds = requests(a.docs, a.doc_len, a.rounds, vocab)
     params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
     folder = tempfile.mkdtemp(prefix="lmserve-offload-")

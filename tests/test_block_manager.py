@@ -218,3 +218,50 @@ def test_windowed_prefix_hit_needs_only_the_window():
     assert n < 10
     if n:
         assert all(b != NULL_BLOCK and b != gone for b in hit[1][bm.first_needed(1, n * bs):])
+
+
+def test_tier_hits_take_fresh_blocks_and_are_asked_only_where_needed():
+    """find_cached_prefix with an offload tier: a block the pool lacks and the tier holds is IN_TIER (a
+    pool block stays the pool's), the windowed rule decides the hit as for the pool, a full group asks the
+    tier nothing past its first miss; allocate gives each IN_TIER place a fresh block and needs exactly
+    the pool's count of free blocks (one fewer: refused, nothing changed)."""
+    from lmserve.kv.block_manager import IN_TIER
+    bs, w = 4, 8
+    bm = BlockManager(40, bs, windows=(None, w))
+    toks = list(range(1, 42))  # a 40-token (10-block) hit at most
+    hashes = bm.block_hashes(toks, 10)
+    a: Tables = []
+    assert bm.allocate(a, 40)
+    bm.cache_full_blocks(a, toks, 40)
+    bm.free(a)
+    pool_full = {bm.hash_to_block[(0, hashes[i])] for i in (0, 1, 2)}
+    for (g, h), b in list(bm.hash_to_block.items()):  # the pool keeps the full group's blocks 0-2 only
+        if b not in pool_full:
+            del bm.hash_to_block[(g, h)]
+            bm.block_hash[b] = None
+    held = {(0, i) for i in range(3, 7)} | {(1, i) for i in range(0, 10)}  # the tier: full 3-6, windowed all
+    asked: list[tuple[int, int]] = []
+
+    def tier(g: int, h: bytes) -> bool:
+        i = hashes.index(h)
+        asked.append((g, i))
+        return (g, i) in held
+    prefix = bm.find_cached_prefix(toks, tier=tier)
+    assert (0, 7) in asked and not any(g == 0 and i > 7 for g, i in asked)  # stopped at the first miss
+    assert len(prefix[0]) == 7  # full group: 0-2 pool, 3-6 tier, 7 missing
+    assert prefix[0][:3] == [bm.hash_to_block[(0, hashes[i])] for i in range(3)] and prefix[0][3:] == [IN_TIER] * 4
+    first = bm.first_needed(1, 7 * bs)  # (28 - 8 + 1) // 4 = 5
+    assert prefix[1] == [NULL_BLOCK] * first + [IN_TIER] * (7 - first)
+    free_before = bm.num_free_blocks
+    need = (11 - 7) + 4 + (11 - 7) + (7 - first)  # full: 4 new + 4 tier; windowed: 4 new + tier places
+    assert need + 3 <= free_before
+    t: Tables = []
+    assert bm.allocate(t, 44, prefix)
+    assert all(b >= 0 for b in t[0]) and t[1][:first] == [NULL_BLOCK] * first and all(b >= 0 for b in t[1][first:])
+    assert free_before - bm.num_free_blocks == need + 3  # + the three pool blocks revived
+    bm.free(t)
+    while bm.num_free_blocks > need + 3 - 1:  # one block short
+        bm._take_free()
+    u: Tables = []
+    before = (bm.num_free_blocks, list(bm.ref_count))
+    assert not bm.allocate(u, 44, prefix) and u == [] and (bm.num_free_blocks, bm.ref_count) == before

@@ -127,8 +127,13 @@ class BlockManager:
             return []
         limit = len(token_ids) - 1 if limit is None else limit
         hashes = self.block_hashes(token_ids, max(0, limit) // self.block_size, known, salt)
-        hits = [[self.hash_to_block.get((g, h), IN_TIER if tier is not None and tier(g, h) else None) for h in hashes]
-                for g in range(self.num_groups)]
+        hits = [[self.hash_to_block.get((g, h)) for h in hashes] for g in range(self.num_groups)]
+        for g, row in enumerate(hits if tier is not None else ()):  # the pool's misses the tier holds
+            for i, b in enumerate(row):
+                if b is None and tier(g, hashes[i]):  # type: ignore[misc]
+                    row[i] = IN_TIER
+                elif b is None and self.windows[g] is None:
+                    break  # a full group's hit ends at its first miss: nothing after it is asked
         n = len(hashes)
         for g, w in enumerate(self.windows):  # a full group needs every block of the hit
             if w is None:
@@ -228,7 +233,7 @@ class BlockManager:
         """New block tables sharing every block of `tables` (one more reference each)."""
         for table in tables:
             for b in table:
-                if b != NULL_BLOCK:
+                if b >= 0:
                     self.ref_count[b] += 1
         return [list(table) for table in tables]
 
@@ -285,7 +290,7 @@ class BlockManager:
         return True
 
     def _release(self, b: int) -> None:
-        if b == NULL_BLOCK:
+        if b < 0:  # NULL_BLOCK (IN_TIER never reaches a table: allocate replaces it)
             return
         self.ref_count[b] -= 1
         assert self.ref_count[b] >= 0, f"block {b} freed more often than held"

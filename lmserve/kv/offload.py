@@ -194,7 +194,7 @@ class OffloadTier:
         if self.capacity < 1:
             raise ValueError(f"kv_offloading_size: {capacity} bytes holds no KV block of {self.block_bytes} bytes")
         self.index: OrderedDict[bytes, torch.Tensor | None] = OrderedDict()
-        self.saved = self.loaded = self.dropped = self.skipped = 0
+        self.saved = self.loaded = self.dropped = self.skipped = self.hit_tokens = 0
         self.lock = threading.Lock()  # index entries, between the engine thread and the writer
         self.files: _Files | None = None
         if directory is not None:
@@ -264,14 +264,10 @@ class OffloadTier:
             log.warning("KV offload: a block was not saved (%s: %s)", type(e).__name__, e)
 
     def has(self, group: int, h: bytes) -> bool:
-        """Whether the tier holds group's block of hash h (marked recently used): find_cached_prefix's
-        `tier`. The index alone: nothing is read."""
-        key = bytes([group]) + h
+        """Whether the tier holds group's block of hash h: find_cached_prefix's `tier`. The index alone,
+        nothing read, no entry's place in the LRU order moved (load marks what a hit used)."""
         with self.lock:
-            if key not in self.index:
-                return False
-            self.index.move_to_end(key)
-        return True
+            return bytes([group]) + h in self.index
 
     def load(self, bm: Any, seq: Any, prefix: list[list[int]], cached: int) -> bool:
         """Read the blocks a hit of `cached` tokens (find_cached_prefix's `prefix`) takes from the tier,
@@ -283,12 +279,15 @@ class OffloadTier:
             key = bytes([g]) + seq.block_hashes[i]
             with self.lock:
                 data = self.index.get(key, False)
+                if data is not False:
+                    self.index.move_to_end(key)  # recently used
             if data is None and self.files is not None:
                 data = self.files.read(key)
             if data is None or data is False:
                 return False
             datas.append(data)
         self.write([seq.block_tables[g][i] for g, i in todo], datas)
+        self.hit_tokens += self.bs * len({i for _, i in todo})  # (token positions: a block per group each)
         bm.cache_full_blocks(seq.block_tables, seq.token_ids, cached, seq.block_hashes, 0, seq.cache_salt)
         return True
 
@@ -346,6 +345,8 @@ def build_offload(config: Any, kv: KVCache, bm: Any, model: torch.nn.Module, mod
         return None
     if not config.enable_prefix_caching:
         raise ValueError("kv_offloading_size: the offload tier extends the prefix cache; enable_prefix_caching must be on")
+    if kv.groups.num_groups > 255:  # (a key's group is one byte)
+        raise ValueError(f"kv_offloading_size: a model of {kv.groups.num_groups} KV groups; the tier keys at most 255")
     model_id = model_fingerprint(model_config, model) if config.kv_offloading_dir is not None else b""
     tier = OffloadTier(kv, int(config.kv_offloading_size), config.kv_offloading_dir, model_id)
     bm.on_evict = tier.save
