@@ -65,17 +65,14 @@ class Scheduler:
         self.bm = block_manager
         self.offload = offload  # the prefix cache's second tier: admission extends a pool hit from it
         # preemption by swapping: host space in blocks, and whether a victim with that many blocks swaps
-        self.swap_free = swap_blocks
-        self.swap_pays = swap_pays
+        self.swap_free, self.swap_pays = swap_blocks, swap_pays
         self._swap_out: list[tuple[Sequence, list[int]]] = []
         self._swap_in: list[tuple[Sequence, list[int]]] = []
         self._swap_dropped: list[Sequence] = []
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the tail (of the worst priority) is preempted first
-        self.last_batch = (0, 0)
-        self.stats = SchedulerStats()
+        self.last_batch, self.stats = (0, 0), SchedulerStats()  # (prefill, decode) tokens of the last step
         # copy-on-write sources by their copier, held until the step's copies run: a holder preempted later
         # in schedule() must not free one to be another copy's target (a preempted copier's copies go)
         self._pinned: dict[Sequence, list[int]] = {}
@@ -207,21 +204,24 @@ class Scheduler:
         return [(seq, n) for seq, _, n in taken]
 
     def _take_prefix(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
-        """A waiting sequence's prefix-cache hit (with the offload tier's blocks, read in) and blocks for
-        its first chunk: (cached tokens, tokens to run), or None (holding nothing) when the pool is short."""
-        # prompt logprobs and mean pooling need every position computed
+        """A waiting sequence's prefix-cache hit (with the offload tier's blocks, read in; none for prompt logprobs
+        or mean pooling: they need every position) and blocks for its first chunk: (cached tokens, tokens to
+        run), or None (holding nothing) when the pool is short."""
         use_cache = seq.params.prompt_logprobs is None and (seq.pooled is None or seq.pooling.pooling_type == "last")
         limit = seq.num_prompt_tokens - 2 if seq.family.forks_pending else None  # a fork's last prompt token runs
         for tier in (self.offload.has,) * 2 + (None,) if use_cache and self.offload is not None else (None,):
             prefix = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes, limit, seq.cache_salt, tier) if use_cache else []
             cached = len(prefix[0]) * self.bm.block_size if prefix else 0
             n = min(self._tokens_to_compute(seq, cached), budget)
-            if not self.bm.allocate(seq.block_tables, cached + n, prefix):
+            if not self.bm.can_allocate(cached + n, prefix):
                 return None
-            if tier is None or self.offload.load(self.bm, seq, prefix, cached):
-                return cached, n
-            self.bm.free(seq.block_tables)  # a tier block gone or damaged (now out of its index): look again
-        return None  # (not reached: the last try has no tier)
+            datas = self.offload.fetch(seq, prefix) if tier is not None else []  # read once the pool has room
+            if datas is None:
+                continue  # a tier block gone or damaged (now out of its index): look again
+            self.bm.allocate(seq.block_tables, cached + n, prefix)  # (room checked: it succeeds)
+            if datas:  # into the fresh blocks of the hit's IN_TIER places, registered in the prefix cache
+                self.offload.load(self.bm, seq, prefix, cached, datas)
+            return cached, n  # (the last try, without the tier, always returns)
 
     def _swap_back(self, seq: Sequence, budget: int) -> tuple[int, int, list[int]] | None:
         """Blocks for a swapped-out sequence: fresh ones in its old places, plus what its next chunk

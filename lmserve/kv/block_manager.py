@@ -158,10 +158,7 @@ class BlockManager:
         assert not tables, "allocate() is for a sequence that holds no blocks"
         prefix = list(cached_prefix) or [[] for _ in self.windows]
         held = [b for p in prefix for b in p if b >= 0]
-        need_new = self.num_groups * self.blocks_needed(num_tokens) - sum(len(p) for p in prefix) \
-            + sum(p.count(IN_TIER) for p in prefix)
-        revived = sum(1 for b in held if self.ref_count[b] == 0)
-        if need_new + revived > len(self.free_queue):
+        if not self.can_allocate(num_tokens, prefix):
             return False
         for b in held:
             if self.ref_count[b] == 0:
@@ -172,6 +169,14 @@ class BlockManager:
             table.extend(self._take_free() for _ in range(self.blocks_needed(num_tokens) - len(p)))
             tables.append(table)
         return True
+
+    def can_allocate(self, num_tokens: int, cached_prefix: Seq[list[int]] = ()) -> bool:
+        """Whether allocate(tables, num_tokens, cached_prefix) would succeed now (it changes nothing)."""
+        prefix = list(cached_prefix) or [[] for _ in self.windows]
+        need_new = self.num_groups * self.blocks_needed(num_tokens) - sum(len(p) for p in prefix) \
+            + sum(p.count(IN_TIER) for p in prefix)  # an IN_TIER place takes a fresh block
+        revived = sum(1 for p in prefix for b in p if b >= 0 and self.ref_count[b] == 0)
+        return need_new + revived <= len(self.free_queue)
 
     def restore(self, template: list[list[int]]) -> list[list[int]] | None:
         """Fresh blocks in the places of a swapped-out sequence's tables (NULL_BLOCK where it held none:

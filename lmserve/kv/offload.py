@@ -9,9 +9,10 @@ only when the pool lets it go. `save` never raises (a failure is a block not kep
 Scheduler, admitting a sequence, looks its prefix up in the pool and the tier together
 (`find_cached_prefix(..., tier=has)`: the tier's index alone, so no file is read for a sequence the pool
 cannot take yet; a hit the tier holds is IN_TIER, a windowed group's block out of the hit's window is not
-needed at all), allocates fresh blocks for the tier's hits with the rest, then `load` reads them (a
-block gone or damaged fails the load and leaves the index: the scheduler frees the sequence's blocks and
-looks again, twice at most, then the pool alone), writes them in and registers their hashes: from there they are ordinary cached blocks. A
+needed at all); once the pool has room for the sequence, `fetch` reads the tier's hits (a block gone or
+damaged fails it and leaves the index: the scheduler looks again, twice at most, then the pool alone),
+the scheduler allocates fresh blocks for them with the rest, and `load` writes them in and registers
+their hashes: from there they are ordinary cached blocks. A
 sequence preempted by recompute finds its own blocks there too.
 
 State it owns: `index`, key (the group's byte + the block's chained hash) -> the block's bytes (host
@@ -269,13 +270,12 @@ class OffloadTier:
         with self.lock:
             return bytes([group]) + h in self.index
 
-    def load(self, bm: Any, seq: Any, prefix: list[list[int]], cached: int) -> bool:
-        """Read the blocks a hit of `cached` tokens (find_cached_prefix's `prefix`) takes from the tier,
-        write them into the fresh blocks the sequence's tables hold in their places, and register the
-        hit's blocks in the prefix cache. False (nothing written) if one is gone or damaged."""
-        todo = [(g, i) for g, p in enumerate(prefix) for i, b in enumerate(p) if b == IN_TIER]
+    def fetch(self, seq: Any, prefix: list[list[int]]) -> list[torch.Tensor] | None:
+        """The bytes of the blocks a hit (find_cached_prefix's `prefix`) takes from the tier, in its places'
+        order, each marked recently used; None if one is gone or damaged (it leaves the index). Read before
+        the allocation, whose evictions would otherwise be written out beside the reads."""
         datas = []
-        for g, i in todo:
+        for g, i in self._places(prefix):
             key = bytes([g]) + seq.block_hashes[i]
             with self.lock:
                 data = self.index.get(key, False)
@@ -284,12 +284,22 @@ class OffloadTier:
             if data is None and self.files is not None:
                 data = self.files.read(key)
             if data is None or data is False:
-                return False
+                return None
             datas.append(data)
+        return datas
+
+    def load(self, bm: Any, seq: Any, prefix: list[list[int]], cached: int, datas: list[torch.Tensor]) -> None:
+        """Write `fetch`'s bytes into the fresh blocks the sequence's tables hold in the hit's IN_TIER places
+        and register the hit's blocks in the prefix cache."""
+        todo = self._places(prefix)
         self.write([seq.block_tables[g][i] for g, i in todo], datas)
         self.hit_tokens += self.bs * len({i for _, i in todo})  # (token positions: a block per group each)
         bm.cache_full_blocks(seq.block_tables, seq.token_ids, cached, seq.block_hashes, 0, seq.cache_salt)
-        return True
+
+    @staticmethod
+    def _places(prefix: list[list[int]]) -> list[tuple[int, int]]:
+        """(group, block index) of a hit's IN_TIER places."""
+        return [(g, i) for g, p in enumerate(prefix) for i, b in enumerate(p) if b == IN_TIER]
 
     def _trim(self) -> None:
         with self.lock:
