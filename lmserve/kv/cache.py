@@ -210,6 +210,14 @@ class KVCache:
                           kv_cache_dtype: str = "auto", hybrid: bool = True) -> int:
         return budget // cls.bytes_per_block(cfg, block_size, dtype, kv_cache_dtype, hybrid)
 
+    def parts(self) -> list[torch.Tensor]:
+        """Every tensor of the cache as a (parts, slots, ...) view that a block's slots are taken from: the
+        K/V elements (float8 as uint8: CPU index_copy_ lacks it) and a quantized cache's scales."""
+        out: list[torch.Tensor] = []
+        for t in self.tensors:
+            out += [_raw(t.data), t.scale] if isinstance(t, QuantizedKV) else [t]
+        return out
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write for forked sequences); a quantized
         layer copies its scales too."""

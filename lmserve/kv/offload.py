@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from lmserve.kv.block_manager import IN_TIER
-from lmserve.kv.cache import KVCache, QuantizedKV, _raw
+from lmserve.kv.cache import KVCache
 from lmserve.kv.transfer import model_fingerprint
 
 log = logging.getLogger("lmserve")
@@ -72,6 +72,11 @@ STALE_TMP_S = 3600  # a temporary file older than this belongs to no live writer
 
 def _align(n: int) -> int:
     return -(-n // 8) * 8
+
+
+def _key(group: int, h: bytes) -> bytes:
+    """A block's key in the tier (and its file's name and header): the KV group's byte + the chained hash."""
+    return bytes([group]) + h
 
 
 class _Files:
@@ -180,9 +185,7 @@ class OffloadTier:
     def __init__(self, kv: KVCache, capacity: int, directory: str | os.PathLike | None = None,
                  model_id: bytes = b"") -> None:
         self.bs = kv.block_size
-        self.parts: list[torch.Tensor] = []  # (P, slots, ...) views every block's slots are taken from
-        for t in kv.tensors:
-            self.parts += [_raw(t.data), t.scale] if isinstance(t, QuantizedKV) else [t]
+        self.parts = kv.parts()  # (P, slots, ...) views every block's slots are taken from
         self.spans = []  # (offset, bytes) of each part in a block's bytes
         off = 0
         for t in self.parts:
@@ -206,10 +209,6 @@ class OffloadTier:
             self.index.update((h, None) for h in self.files.scan())
             self._trim()
             weakref.finalize(self, self.files.stop, False)  # dropped without close: the writer still ends
-
-    @property
-    def dir(self) -> Path | None:
-        return self.files.dir if self.files is not None else None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -242,7 +241,7 @@ class OffloadTier:
     def save(self, group: int, h: bytes, block: int) -> None:
         """Keep block's KV (group's layers) under hash h (the pool is about to reuse the block). Never
         raises: the block manager calls it mid-allocation, and a block not kept is only a miss later."""
-        h = bytes([group]) + h
+        h = _key(group, h)
         try:
             with self.lock:
                 if h in self.index:
@@ -251,12 +250,7 @@ class OffloadTier:
             if self.files is not None and (self.files.queue.full() or not self.files.thread.is_alive()):
                 self.skipped += 1  # the writer is behind (or closed): no copy for nothing
                 return
-            data = self._read_block(block)
-            with self.lock:
-                self.index[h] = data  # on disk: kept until the writer has the file
-            if self.files is not None:
-                self.files.put(h, data)  # (only the engine thread puts: not full)
-            self.saved += 1
+            self._keep(h, block)
             self._trim()
         except Exception as e:  # noqa: BLE001 - out of host memory, a device error: the block is not kept
             with self.lock:
@@ -264,11 +258,20 @@ class OffloadTier:
             self.skipped += 1
             log.warning("KV offload: a block was not saved (%s: %s)", type(e).__name__, e)
 
+    def _keep(self, key: bytes, block: int, wait: bool = False) -> None:
+        """Copy block's bytes into the index under key (and queue its file; wait: for room in the queue)."""
+        data = self._read_block(block)
+        with self.lock:
+            self.index[key] = data  # on disk: kept until the writer has the file
+        if self.files is not None:
+            self.files.put(key, data, block=wait)  # (save: only the engine thread puts, and it was not full)
+        self.saved += 1
+
     def has(self, group: int, h: bytes) -> bool:
         """Whether the tier holds group's block of hash h: find_cached_prefix's `tier`. The index alone,
         nothing read, no entry's place in the LRU order moved (load marks what a hit used)."""
         with self.lock:
-            return bytes([group]) + h in self.index
+            return _key(group, h) in self.index
 
     def fetch(self, seq: Any, prefix: list[list[int]]) -> list[torch.Tensor] | None:
         """The bytes of the blocks a hit (find_cached_prefix's `prefix`) takes from the tier, in its places'
@@ -276,7 +279,7 @@ class OffloadTier:
         the allocation, whose evictions would otherwise be written out beside the reads."""
         datas = []
         for g, i in self._places(prefix):
-            key = bytes([g]) + seq.block_hashes[i]
+            key = _key(g, seq.block_hashes[i])
             with self.lock:
                 data = self.index.get(key, False)
                 if data is not False:
@@ -326,13 +329,8 @@ class OffloadTier:
         if bm is not None:
             bm.on_evict = None
             for (g, h), b in list(bm.hash_to_block.items()):
-                h = bytes([g]) + h
-                if h not in self.index:
-                    data = self._read_block(b)
-                    with self.lock:
-                        self.index[h] = data
-                    self.files.put(h, data, block=True)  # (waits for room: the writer runs)
-                    self.saved += 1
+                if _key(g, h) not in self.index:
+                    self._keep(_key(g, h), b, wait=True)  # (waits for room in the queue: the writer runs)
             self._trim()
         self.files.stop()
 

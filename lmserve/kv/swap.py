@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lmserve.kv.cache import KVCache, QuantizedKV, _raw
+from lmserve.kv.cache import KVCache
 from lmserve.utils import to_device
 
 # what a move costs, roughly (bytes / s of host <-> cache copies, FLOP / s of the forward); only the
@@ -55,13 +55,6 @@ class HostSwap:
         self.saved: dict[Any, list[torch.Tensor]] = {}
         self.pin = torch.cuda.is_available() and kv.tensors[0].device.type == "cuda"
 
-    def _parts(self) -> list[torch.Tensor]:
-        """The cache's tensors as (parts, slots, ...) views: what a block's slots are taken from."""
-        out: list[torch.Tensor] = []
-        for t in self.kv.tensors:
-            out += [_raw(t.data), t.scale] if isinstance(t, QuantizedKV) else [t]
-        return out
-
     def _slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:
         bs = self.kv.block_size
         b = to_device(torch.tensor(blocks, dtype=torch.long), device)  # (n,)
@@ -69,7 +62,7 @@ class HostSwap:
 
     def out(self, key: Any, blocks: list[int]) -> None:
         """Copy the blocks' slots of every tensor to host memory under key."""
-        parts = self._parts()
+        parts = self.kv.parts()
         slots = self._slots(blocks, parts[0].device)
         host = []
         for t in parts:
@@ -82,7 +75,7 @@ class HostSwap:
     def into(self, key: Any, blocks: list[int]) -> None:
         """Copy key's host copy into these blocks (as many as were saved, in the same order); drop it."""
         host = self.saved.pop(key)
-        parts = self._parts()
+        parts = self.kv.parts()
         slots = self._slots(blocks, parts[0].device)
         for t, x in zip(parts, host):
             t.index_copy_(1, slots, x.to(t.device, non_blocking=self.pin))
