@@ -6,7 +6,11 @@ document), a host-memory tier, a directory tier, and a restart: a new engine on 
 (its first visit of each document) beside a cold engine. Per configuration: TTFT p50 of the revisits
 (rounds 2..; for the restart, of its one round), the prompt tokens served from cache, the wall time.
 
-    python scripts/bench_offload.py [--model smollm2-135m] [--docs 8] [--doc-len 1024] [--pool-docs 2] [--rounds 3]
+--cost: what the tier costs where nothing comes back: --rounds rounds of three new documents each, through
+the same pool, the three engines (pool alone, memory tier, directory tier) taking turns document by
+document; TTFT p50 of each (the first round dropped: warm-up), every block evicted and saved.
+
+    python scripts/bench_offload.py [--model smollm2-135m] [--docs 8] [--doc-len 1024] [--pool-docs 2] [--rounds 3] [--cost]
 """
 
 from __future__ import annotations
@@ -51,6 +55,27 @@ def run(llm: LLM, rounds: list[list[list[int]]], params: SamplingParams) -> dict
             "tier": st.offload}
 
 
+def cost(kw: dict, pool: int, tier: int, a: argparse.Namespace, vocab: int, folder: str) -> None:
+    """The three engines in turn over new documents only: TTFT p50 each, the tier's counters."""
+    llms = {"pool alone": LLM(**kw, kv_cache_memory=pool), "memory tier": LLM(**kw, kv_cache_memory=pool,
+            kv_offloading_size=tier), "directory tier": LLM(**kw, kv_cache_memory=pool, kv_offloading_size=tier,
+                                                           kv_offloading_dir=folder)}
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ttft: dict[str, list[float]] = {k: [] for k in llms}
+    for r in range(a.rounds):
+        docs = [[rng.randrange(100, vocab) for _ in range(a.doc_len)] for _ in range(3)]
+        for doc in docs:
+            for i, (name, llm) in enumerate(llms.items()):  # (each engine its own tokens: no shared prefix)
+                out = llm.generate([doc + [100 + i]], params, use_tqdm=False)[0]
+                if r:
+                    ttft[name].append(out.metrics.ttft)
+    print("\n| engine | TTFT p50, new documents only | tier |\n|---|---|---|")
+    for name, llm in llms.items():
+        print(f"| {name} | {1000 * statistics.median(ttft[name]):.0f} ms | {llm.stats().offload} |")
+        llm.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -59,6 +84,7 @@ def main() -> None:
     ap.add_argument("--pool-docs", type=int, default=2, help="documents the KV pool holds")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--cost", action="store_true", help="new documents only: what saving every evicted block costs")
     a = ap.parse_args()
     kw = {"model": a.model} if a.model else {}
     probe = LLM(**kw)
@@ -73,6 +99,8 @@ def main() -> None:
     rounds = requests(a.docs, a.doc_len, a.rounds, vocab)
     params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
     folder = tempfile.mkdtemp(prefix="lmserve-offload-")
+    if a.cost:
+        return cost(kw, pool, tier * 4, a, vocab, folder)
     print(f"pool {pool / 2**20:.0f} MiB ({a.pool_docs} documents of {a.doc_len} tokens), tier {tier / 2**20:.0f} "
           f"MiB, {a.docs} documents x {a.rounds} rounds, {a.output_len} new tokens each", flush=True)
     results = {}
