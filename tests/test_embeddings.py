@@ -196,3 +196,55 @@ def test_an_embedding_may_fill_the_context(tiny_models):  # type: ignore[no-unty
     with pytest.raises(ValueError, match="^prompt"):  # a generating request still needs room for a token
         llm.generate([full], SamplingParams(max_tokens=1))
     assert llm.stats().used_blocks == 0
+
+
+def test_server_embeds_a_conversation(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """vLLM's chat-form /v1/embeddings: `messages` go through the chat template (HF's render of the same
+    template is the reference), with vLLM's defaults (no generation prompt, no added BOS) and each of them
+    when asked; a body with both or neither of input and messages, or its own template on a server that
+    does not trust one, is a 400 naming the field."""
+    pytest.importorskip("fastapi")
+    import json
+
+    import httpx
+    import transformers
+
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    from tests.conftest import char_tokenizer_model
+    from tests.test_server import serving
+    model = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "m")
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "\x01",
+                                                             "add_bos_token": True}))
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    llm = LLM(str(model), kv_cache_memory="64MiB")
+
+    def want(add_generation_prompt: bool, bos: bool) -> list[float]:
+        text = hf_tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                          add_generation_prompt=add_generation_prompt)
+        ids = [1] * bos + hf_tok(text, add_special_tokens=False)["input_ids"]
+        return llm.embed([ids], use_tqdm=False)[0].outputs.embedding
+    plain, with_prompt, with_bos = want(False, False), want(True, False), want(False, True)
+    assert plain != pytest.approx(with_prompt, abs=1e-4) and plain != pytest.approx(with_bos, abs=1e-4)
+    app = build_app(AsyncEngine(llm.engine), "tiny")
+    with serving(app) as (url, _):
+        def embed(**extra):  # type: ignore[no-untyped-def]
+            r = httpx.post(url + "/v1/embeddings", json={"messages": messages, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()
+        r = embed()
+        assert r["data"][0]["embedding"] == pytest.approx(plain, abs=1e-6) and len(r["data"]) == 1
+        assert r["usage"]["prompt_tokens"] == len(hf_tok.apply_chat_template(messages, chat_template=template,
+                                                                             tokenize=False))
+        assert embed(add_generation_prompt=True)["data"][0]["embedding"] == pytest.approx(with_prompt, abs=1e-6)
+        assert embed(add_special_tokens=True)["data"][0]["embedding"] == pytest.approx(with_bos, abs=1e-6)
+        for body, field in (({"input": "a", "messages": messages}, "input"), ({}, "input"),
+                            ({"messages": []}, "messages"),
+                            ({"messages": messages, "chat_template": "{{ 'x' }}"}, "chat_template"),
+                            ({"messages": [{"role": "user"}]}, "messages.content")):
+            bad = httpx.post(url + "/v1/embeddings", json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (body, bad.text)
+    assert llm.stats().used_blocks == 0

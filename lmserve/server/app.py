@@ -134,8 +134,8 @@ class OpenAIServer:
             raise ApiError(400, "this model has no tokenizer")
         return self.ae.tokenizer
 
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                 template_kwargs: dict[str, Any] | None = None, template: str | None = None) -> list[int]:
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict[str, Any]
+                 | None = None, template: str | None = None, add_special_tokens: bool = False) -> list[int]:
         """A conversation rendered by the model's chat template (or a trusted request's own `template`),
         as token ids, within the limits on messages and rendering; a 400 if it cannot be."""
         tok = self.ae.tokenizer
@@ -154,7 +154,7 @@ class OpenAIServer:
                 raise ApiError.invalid(e) from None  # names its field already
             raise ApiError(400, f"messages: {e}", param="messages") from None
         try:
-            return tok.encode(text, add_special_tokens=False)
+            return tok.encode(text, add_special_tokens=add_special_tokens)  # (the template wrote its own: off but asked)
         except ValueError as e:  # text the tokenizer cannot take (a lone surrogate in a message)
             raise ApiError(400, f"messages: {str(e).partition(': ')[2]}", param="messages") from None
 

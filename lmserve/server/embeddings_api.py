@@ -1,6 +1,8 @@
 """POST /v1/embeddings (OpenAI's Embeddings API, as vLLM serves a decoder model's embeddings): each input
 runs as an embedding request (pooling.py: the final hidden state of its last token by default, L2-
-normalised), batched with whatever else the engine runs. Inputs are texts or token ids, one or a list;
+normalised), batched with whatever else the engine runs. Inputs are texts or token ids, one or a list,
+or (vLLM's extension) `messages`: one conversation through the chat template (no generation prompt and no
+added special tokens unless asked, as vLLM's defaults);
 `dimensions` keeps the first k (Matryoshka models); `encoding_format` "base64" gives little-endian
 float32 bytes, as OpenAI's. vLLM's extras: `truncate_prompt_tokens`, `add_special_tokens`, `normalize`,
 `pooling_type` ("last" / "mean"), `priority`.
@@ -27,29 +29,36 @@ from lmserve.inputs import with_salt
 from lmserve.pooling import PoolingParams
 from lmserve.server import openapi as oa
 from lmserve.server.errors import invalid_request
-from lmserve.server.protocol import BaseRequest, Int
+from lmserve.server.protocol import BaseRequest, ChatMessage, Int, TemplateArgs
 
 
-class EmbeddingRequest(BaseRequest):
-    input: str | list[Int] | list[str] | list[list[Int]]
+class EmbeddingRequest(TemplateArgs):
+    input: str | list[Int] | list[str] | list[list[Int]] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)  # vLLM's: a conversation, through the template
+    add_generation_prompt: StrictBool = False  # (vLLM's defaults for an embedded conversation)
+    chat_template: str | None = None  # the request's own template: refused unless the server trusts them
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int | None = Field(None, ge=1)
     user: str | None = None
     truncate_prompt_tokens: Int | None = None
-    add_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # None: true for input, false for messages (the template's own)
     normalize: StrictBool = True
     pooling_type: Literal["last", "mean"] = "last"
     priority: Int = 0
 
     def prompts(self) -> list[str | list[int]]:
-        """The inputs, each text or token ids."""
+        """The inputs, each text or token ids (none for messages)."""
         p = self.input
+        if p is None:
+            return []
         if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
     def check(self) -> None:
-        if not self.prompts() or any(len(p) == 0 for p in self.prompts()):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("input: give exactly one of input or messages")
+        if self.input is not None and (not self.prompts() or any(len(p) == 0 for p in self.prompts())):
             raise ValueError("input: must not be empty (nor any of its items)")
         super().check()
 
@@ -157,7 +166,7 @@ async def embed_all(srv: Any, request: Request, prompts: list[Any], body: Any, r
 
     def prepare(prompt: str | list[int]) -> Any:
         with invalid_request(renames):
-            ids = srv.ae.tokenize(prompt, getattr(body, "add_special_tokens", True))
+            ids = srv.ae.tokenize(prompt, getattr(body, "add_special_tokens", None) is not False)
             ids = srv.ae.truncate(prompt, ids, body.truncate_prompt_tokens, fill=True)
             req = srv.ae.process_request(with_salt(ids, body.cache_salt), pooling or PoolingParams(),
                                          srv.adapter(body.model))
@@ -176,7 +185,10 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
         body = await srv.parse(request, EmbeddingRequest)
         rid = f"embd-{uuid.uuid4().hex}"
         pooling = PoolingParams(pooling_type=body.pooling_type, normalize=body.normalize, dimensions=body.dimensions)
-        vectors, used = await embed_all(srv, request, body.prompts(), body, rid, pooling)
+        prompts = body.prompts() or [await asyncio.to_thread(  # a conversation: the rendered template's token ids
+            srv.chat_ids, body.messages, body.add_generation_prompt, body.template_kwargs(), body.chat_template,
+            bool(body.add_special_tokens))]
+        vectors, used = await embed_all(srv, request, prompts, body, rid, pooling, "input" if body.input else "messages")
 
         def encode(v: list[float]) -> list[float] | str:
             return v if body.encoding_format == "float" else base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
