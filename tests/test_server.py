@@ -537,6 +537,30 @@ def test_auth(server):  # type: ignore[no-untyped-def]
     assert httpx.get(server["url"] + "/v1/models").status_code == 401
 
 
+def test_the_key_gates_every_route_but_the_probes(server):  # type: ignore[no-untyped-def]
+    """Every route of the API document, /v1 or not (/score, /rerank and /tokenize run the model or its
+    template: vLLM leaves them open), is a 401 without the key, none of them runs; the probes, metrics,
+    documents and the console's page answer without it."""
+    doc = httpx.get(server["url"] + "/openapi.json").json()
+    gated = [(path, method) for path, item in doc["paths"].items() for method in item]
+    assert {("/score", "post"), ("/rerank", "post"), ("/tokenize", "post"), ("/v1/embeddings", "post")} <= set(gated)
+    before = server["engine"].stats().computed_tokens
+    for path, method in gated:
+        r = httpx.request(method.upper(), server["url"] + path, json={"query": "a", "documents": ["b"],
+                                                                    "text_1": "a", "text_2": "b", "prompt": "hi"})
+        if path in ("/health", "/ping", "/version", "/metrics"):
+            assert r.status_code == 200, (path, method)
+        else:
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, method, r.text)
+    assert server["engine"].stats().computed_tokens == before  # nothing ran
+    for path in ("/docs", "/openapi.json"):
+        assert httpx.get(server["url"] + path).status_code == 200, path
+    for path in ("/", "/web/app.js"):  # the console's page and files (a 404 here: this app serves no console)
+        assert httpx.get(server["url"] + path).status_code == 404, path
+    assert httpx.get(server["url"] + "/nowhere").status_code == 401  # (an unknown route: no route listing)
+    assert post(server, "/rerank", {"query": "a", "documents": ["b"]}).status_code == 200  # with the key
+
+
 # ---------------------------------------------------------------- bad input
 
 BAD = [

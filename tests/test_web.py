@@ -78,8 +78,9 @@ def test_the_page_and_its_files(web):  # type: ignore[no-untyped-def]
     for name, kind in (("app.js", "javascript"), ("style.css", "css")):
         r = httpx.get(web["url"] + "/web/" + name)
         assert r.status_code == 200 and kind in r.headers["content-type"] and len(r.content) > 500
-    r = httpx.get(web["url"] + "/web/../app.py")
+    r = httpx.get(web["url"] + "/web/../app.py", headers={"Authorization": f"Bearer {KEY}"})  # (/app.py: keyed)
     assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(web["url"] + "/web/nothing.js").status_code == 404  # the console's files are open
     assert "/v1/engine/stream" not in httpx.get(web["url"] + "/openapi.json").text  # it never ends: not fuzzed
 
 

@@ -19,9 +19,22 @@ from lmserve.server.errors import ApiError
 from lmserve.server.limits import ServerLimits
 
 
+# What a server with an API key still answers without it: the probes, the metrics, the API's documents and
+# the console's page (which asks for the key and sends it). Every other route needs it: vLLM gates only /v1,
+# which leaves /score, /rerank and its SageMaker route running the model for anyone (its issue #58144).
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json", "/docs", "/redoc",
+                        "/docs/oauth2-redirect", "/"})
+
+
+def needs_key(path: str) -> bool:
+    """Whether a request to path needs the API key (when the server has one)."""
+    return path not in OPEN_PATHS and not path.startswith("/web/")
+
+
 class Gate:
     """Refuses a request whose headers are too big (whatever the HTTP parser let through) or, with an
-    API key set, one to /v1 without it (Anthropic's clients send x-api-key); `error` shapes the answer."""
+    API key set, one to a route that is not open (`needs_key`) without it (Anthropic's clients send
+    x-api-key); `error` shapes the answer."""
 
     def __init__(self, app: Any, limits: ServerLimits, api_key: str | None,
                  error: Callable[[Request, ApiError], Response]) -> None:
@@ -31,7 +44,7 @@ class Gate:
         too_big = self.limits.check_headers(request.scope["headers"])
         if too_big is not None:
             return too_big
-        if self.api_key and request.url.path.startswith("/v1"):
+        if self.api_key and needs_key(request.url.path):
             header = request.headers.get("authorization", "")
             tokens = [header[7:] if header.lower().startswith("bearer ") else ""]
             if anthropic_api.is_route(request.url.path):
