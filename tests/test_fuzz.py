@@ -33,7 +33,7 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] if m['conte
             "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/v1/responses",
           "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings", "/score", "/v1/score", "/rerank",
-          "/v1/rerank", "/v2/rerank", "/health", "/ping", "/version", "/metrics"]
+          "/v1/rerank", "/v2/rerank", "/invocations", "/health", "/ping", "/version", "/metrics"]
 
 
 @pytest.fixture(scope="module")

@@ -561,6 +561,42 @@ def test_the_key_gates_every_route_but_the_probes(server):  # type: ignore[no-un
     assert post(server, "/rerank", {"query": "a", "documents": ["b"]}).status_code == 200  # with the key
 
 
+def test_sagemaker_invocations_route_by_body(server):  # type: ignore[no-untyped-def]
+    """POST /invocations (SageMaker's route, as vLLM serves it) answers a body as the route its shape names
+    answers it: chat, completions (streamed too), embeddings, score, rerank, each equal to the route's own
+    answer; a body of no API is a 400 naming them; no key, a 401."""
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6, "temperature": 0}
+    comp = {"prompt": "The sky is", "max_tokens": 5, "temperature": 0}
+    for body, path in ((chat, "/v1/chat/completions"), (comp, "/v1/completions")):
+        want, got = post(server, path, body).json(), post(server, "/invocations", body).json()
+        assert got["object"] == want["object"] and got["choices"] == want["choices"], (path, got)
+    streamed = post(server, "/invocations", {**comp, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed.text.splitlines()
+                   if line.startswith("data: {"))
+    assert text == post(server, "/v1/completions", comp).json()["choices"][0]["text"]
+    emb = {"input": ["a red car", "the blue sea"]}
+    want = post(server, "/v1/embeddings", emb).json()["data"]
+    got = post(server, "/invocations", emb).json()["data"]
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert g["embedding"] == pytest.approx(w["embedding"], abs=1e-5)
+    score = {"text_1": "a red car", "text_2": ["a red car", "the sea"]}
+    assert [d["score"] for d in post(server, "/invocations", score).json()["data"]] == pytest.approx(
+        [d["score"] for d in post(server, "/score", score).json()["data"]], abs=1e-5)
+    rerank = {"query": "a red car", "documents": ["the sea", "a red truck"]}
+    ranked = [post(server, p, rerank).json()["results"] for p in ("/invocations", "/rerank")]
+    assert [r["index"] for r in ranked[0]] == [r["index"] for r in ranked[1]]
+    assert [r["relevance_score"] for r in ranked[0]] == pytest.approx([r["relevance_score"] for r in ranked[1]], abs=1e-5)
+    bad = post(server, "/invocations", {"max_tokens": 3})
+    assert bad.status_code == 400 and "'messages' (/v1/chat/completions)" in bad.json()["error"]["message"]
+    bad = post(server, "/invocations", {"prompt": "hi", "max_tokens": "four"})  # the chosen route's own check
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert post(server, "/invocations", None, raw=b"{oops").status_code == 400
+    assert httpx.post(server["url"] + "/invocations", json=comp).status_code == 401
+    assert_idle(server)
+
+
 # ---------------------------------------------------------------- bad input
 
 BAD = [

@@ -26,8 +26,7 @@ from lmserve.generation_config import sampling_defaults
 from lmserve.inputs import with_salt
 from lmserve.outputs import RequestOutput
 from lmserve.sequence import Request as EngineRequest
-from lmserve.server import anthropic_api, disagg, embeddings_api, lora_api, ops, responses_api
-from lmserve.server import openapi as oa
+from lmserve.server import anthropic_api, disagg, embeddings_api, lora_api, ops, responses_api, sagemaker, openapi as oa
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.server.cors import Cors
 from lmserve.server.errors import ApiError, invalid_request
@@ -394,6 +393,7 @@ def build_app(ae: AsyncEngine, served_model: str | Sequence[str], api_key: str |
     bodies += anthropic_api.register(app, srv)  # POST /v1/messages, /v1/messages/count_tokens
     bodies += embeddings_api.register(app, srv)  # POST /v1/embeddings
     ops.register(app, ae, srv.metrics)  # /health, /ping, /version, /metrics
+    bodies[:0] = sagemaker.register(app, srv)  # POST /invocations (first in the document: it refers to the others)
     if allow_runtime_lora:
         lora_api.register(app, srv)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     oa.document(app, bodies, limits.bounds(ae.max_logprobs), srv.model_names)
