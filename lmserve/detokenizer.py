@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+
 from lmserve.tokenizer import Tokenizer
 
 
@@ -10,10 +12,9 @@ class IncrementalDetokenizer:
 
     Keeps two offsets into the token list (as TGI and vLLM do): `prefix` marks tokens already fully
     emitted whose text is only decoded again as left context (byte-level BPE merges depend on it),
-    `read` marks where new tokens start. A delta ending in U+FFFD means an incomplete byte sequence,
-    so it is held back until the next token completes it: at most three tokens, since a character
-    is at most four bytes; bytes still no character after that are text (U+FFFD), as a decode of
-    all the tokens shows them. Byte-fallback decoders (SentencePiece: Llama 2, Gemma) turn a whole
+    `read` marks where new tokens start. A delta ending in U+FFFD whose tokens' bytes end inside a
+    character (`_unfinished`) is held back until the bytes that complete it come; bytes that are no
+    character are text (U+FFFD), as a decode of all the tokens shows them. Byte-fallback decoders (SentencePiece: Llama 2, Gemma) turn a whole
     run of byte tokens into U+FFFD once part of it is no character, so the text of emitted tokens
     can change afterwards: the delta is then what lies past the emitted text's length (vLLM's rule),
     never a stall.
@@ -44,11 +45,8 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         end = len(self.ids)
         full = self.tok.decode(self.ids[self.prefix:end], self.skip)
-        if full.endswith("\ufffd"):
-            if end - self.read <= self.HOLD:
-                return ""  # an unfinished UTF-8 character: wait for the tokens that complete it
-            end -= self.HOLD  # those bytes are no character: emit up to the tokens that may still be one
-            full = self.tok.decode(self.ids[self.prefix:end], self.skip)
+        if full.endswith("\ufffd") and self._unfinished(end):
+            return ""  # an unfinished UTF-8 character: wait for the bytes that complete it
         prev = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
         if full.startswith(prev):
             delta = full[len(prev):]
@@ -58,3 +56,12 @@ class IncrementalDetokenizer:
             return ""  # a merge rewrote the earlier text: wait for more
         self.prefix, self.read = self.read, end
         return delta
+
+    def _unfinished(self, end: int) -> bool:
+        """Whether the new tokens' bytes end inside a UTF-8 character (the first 1-3 bytes of one). Bytes,
+        not a count of tokens: a token of a large byte-level vocabulary may end one character and begin
+        the next (Llama 3's, Qwen's), so a character may take any number of tokens to finish; and bytes
+        that can begin no character are text at once (U+FFFD, as a decode of all the tokens shows them)."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(b"".join(self.tok.token_bytes(t) for t in self.ids[self.read:end]), final=False)
+        return bool(decoder.getstate()[0])  # (the bytes it holds back: a valid start, at most 3 bytes)

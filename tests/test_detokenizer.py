@@ -55,14 +55,14 @@ def test_a_prompt_ending_in_byte_characters_gives_none_of_them_as_output(bf):  #
     assert "".join(d.step([i]) for i in out) == "\n\n ok" == tok.decode(prompt + out)[len(tok.decode(prompt)):]
 
 
-def test_bytes_that_are_no_character_are_text_after_three_tokens(bf):  # type: ignore[no-untyped-def]
-    """A character is at most 4 bytes: a U+FFFD still at the end with more than three tokens held is
-    bytes that are no character; they come out (as a decode of all shows them) instead of holding every
-    later token back. A real character split over three tokens is still held whole."""
+def test_bytes_that_are_no_character_are_text_at_once(bf):  # type: ignore[no-untyped-def]
+    """Bytes that can begin no character come out as U+FFFD (as a decode of all shows them) at once,
+    holding nothing back (before, each was held three tokens); a real character split over three tokens
+    is still held whole."""
     tok, vocab = bf
     d = IncrementalDetokenizer(tok, [])
     pieces = [d.step([i]) for i in _bytes(vocab, b"\xff" * 8)]
-    assert "".join(pieces) == "\ufffd" * 5 and len(d.ids) - d.read == 3
+    assert pieces == ["\ufffd"] * 8 and len(d.ids) == d.read
     d = IncrementalDetokenizer(tok, _ids(vocab, "\u2581ok"))
     pieces = [d.step([i]) for i in _bytes(vocab, "🤹".encode()) + _ids(vocab, "\u2581Dye")]
     assert pieces == ["", "", "", "🤹", " Dye"]
@@ -84,3 +84,49 @@ def test_random_mixes_of_bytes_and_words_never_stall(bf):  # type: ignore[no-unt
         valid = tok.decode(seq + tail)
         if "\ufffd" not in valid:  # all characters whole: exactly the decode
             assert text == valid, trial
+
+
+def _byte_level(chunks: list[bytes]) -> tuple[Tokenizer, dict[bytes, int]]:
+    """A byte-level BPE tokenizer (GPT-2's byte alphabet, as Llama 3's and Qwen's) whose vocabulary is
+    every single byte and the given byte strings: its ids by bytes."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models
+
+    from lmserve.tokenizer import _BYTE_OF
+    char = {b: c for c, b in _BYTE_OF.items()}
+    spell = lambda data: "".join(char[b] for b in data)  # noqa: E731
+    pieces = list(dict.fromkeys([bytes([b]) for b in range(256)] + chunks))
+    raw = RawTokenizer(models.BPE(vocab={spell(p): i for i, p in enumerate(pieces)}, merges=[]))
+    raw.decoder = decoders.ByteLevel()
+    return Tokenizer(raw), {p: i for i, p in enumerate(pieces)}
+
+
+def test_a_token_that_ends_one_character_and_begins_the_next():  # type: ignore[no-untyped-def]
+    """本😀 as [E6] [9C AC F0] [9F] [98] [80]: the second token finishes 本 and begins 😀 (large byte-level
+    vocabularies hold such tokens). Before, the detokenizer held at most three tokens, then emitted 本's
+    first byte as U+FFFD and lost the character: '\ufffd😀'."""
+    tok, ids = _byte_level([b"\x9c\xac\xf0"])
+    out = [ids[b"\xe6"], ids[b"\x9c\xac\xf0"], ids[b"\x9f"], ids[b"\x98"], ids[b"\x80"]]
+    d = IncrementalDetokenizer(tok, [ids[b"H"], ids[b"i"]])
+    assert [d.step([i]) for i in out] == ["", "", "", "", "本😀"] and tok.decode(out) == "本😀"
+
+
+def test_text_cut_into_random_byte_chunks_comes_out_whole():  # type: ignore[no-untyped-def]
+    """Random text of 1- to 4-byte characters, its UTF-8 cut anywhere into tokens of 1-5 bytes: the deltas
+    join to the text itself (the independent reference), and each delta is whole characters."""
+    alphabet = "aZ é日本語🤹😀€\n"
+    trials = []
+    for trial in range(300):
+        r = random.Random(trial)
+        data = "".join(r.choice(alphabet) for _ in range(r.randint(1, 20))).encode()
+        cuts, at = [], 0
+        while at < len(data):
+            n = r.randint(1, 5)
+            cuts.append(data[at:at + n])
+            at += n
+        trials.append((data.decode(), cuts))
+    tok, ids = _byte_level([c for _, cuts in trials for c in cuts])
+    for trial, (text, cuts) in enumerate(trials):
+        d = IncrementalDetokenizer(tok, [ids[b"x"]])
+        deltas = [d.step([ids[c]]) for c in cuts]
+        assert "".join(deltas) == text and "\ufffd" not in "".join(deltas), (trial, cuts, deltas)
