@@ -87,8 +87,9 @@ def test_the_document_declares_every_route(fuzz_server):  # type: ignore[no-unty
                 ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
                 assert ref.rsplit("/", 1)[1] in schemas
                 assert {"400", "413", "415"} <= set(op["responses"]), path
-    n = schemas["CompletionRequest"]["properties"]["n"]
-    assert n["maximum"] == 16 and n["minimum"] == 1
+    n = schemas["CompletionRequest"]["properties"]["n"]  # (null: the default, as OpenAI documents it)
+    assert n["anyOf"][1] == {"type": "null"} and n["anyOf"][0]["maximum"] == 16 and n["anyOf"][0]["minimum"] == 1
+    assert schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["minimum"] == 0
     r = httpx.get(fuzz_server["url"] + "/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and error_body_ok("/v1/completions", r)
 

@@ -597,6 +597,24 @@ def test_sagemaker_invocations_route_by_body(server):  # type: ignore[no-untyped
     assert_idle(server)
 
 
+def test_null_is_the_default_where_openai_documents_null(server):  # type: ignore[no-untyped-def]
+    """OpenAI documents n, presence_penalty, frequency_penalty, stream, chat's logprobs and completions'
+    echo as nullable (vLLM reads null as the default): clients that send every key get the default's
+    answer, not a 400 (before: 400 for each); a required field stays required."""
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 5, "temperature": 0}
+    nulls = {"n": None, "presence_penalty": None, "frequency_penalty": None, "stream": None, "logprobs": None}
+    got = post(server, "/v1/chat/completions", {**chat, **nulls})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == post(server, "/v1/chat/completions", chat).json()["choices"]
+    comp = {"prompt": "The sky is", "max_tokens": 4, "temperature": 0}
+    got = post(server, "/v1/completions", {**comp, **{k: None for k in ("n", "echo", "stream", "presence_penalty")}})
+    assert got.status_code == 200 and got.json()["choices"] == post(server, "/v1/completions", comp).json()["choices"]
+    bad = post(server, "/v1/chat/completions", {**chat, "messages": None})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    bad = post(server, "/v1/chat/completions", {**chat, "n": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+
+
 # ---------------------------------------------------------------- bad input
 
 BAD = [

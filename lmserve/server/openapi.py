@@ -207,6 +207,8 @@ def document(app: FastAPI, bodies: list[type[BaseModel]], bounds: dict[str, dict
                     nullable = any(alt.get("type") == "null" for alt in prop.get("anyOf", []))
                     schema["properties"]["model"] = {"anyOf": [served, {"type": "null"}]} if nullable else served
                 schemas[model.__name__] = schema
+            for schema in schemas.values():
+                _json_schema_bounds(schema)
             for name, props in bounds.items():
                 for prop, keywords in props.items():
                     _bound(schemas[name]["properties"][prop], keywords)
@@ -224,3 +226,17 @@ def _bound(prop: dict[str, Any], keywords: dict[str, int]) -> None:
         for key, value in keywords.items():
             if alt.get("type") in kinds[key]:
                 alt[key] = value
+
+
+def _json_schema_bounds(node: Any) -> None:
+    """pydantic writes a bound on a nullable field (`Field(1, ge=1)` on `int | None`) into the non-null
+    alternative under its own name (`ge`), which JSON Schema does not know: renamed to JSON Schema's."""
+    if isinstance(node, dict):
+        for ours, theirs in (("ge", "minimum"), ("le", "maximum"), ("gt", "exclusiveMinimum"), ("lt", "exclusiveMaximum")):
+            if ours in node and "type" in node:
+                node[theirs] = node.pop(ours)
+        for value in node.values():
+            _json_schema_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _json_schema_bounds(value)

@@ -8,44 +8,20 @@ endpoints, `to_sampling_params()`; both raise ValueError naming the field, which
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, ValidationInfo, field_validator
 
 from lmserve.chat_template import join_text
 from lmserve.sequence import SamplingParams, StructuredOutputsParams
+from lmserve.server.fields import Float, Int, JsonBody as _Body
 from lmserve.server.tool_schema import check_tools, tools_json_schema
-
-def _integral(v: Any) -> Any:
-    """A float with no fraction is the integer JSON Schema says it is (2.0 is an integer there)."""
-    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
-
-
-Int = Annotated[StrictInt, BeforeValidator(_integral)]  # an integer field: no bools, no strings, 2.0 = 2
-
-
-def _number(v: Any) -> Any:
-    """A JSON number as a float field takes it: no bools, no strings (pydantic's lax float takes both)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError("Input should be a number")
-    try:
-        return float(v)
-    except OverflowError:  # an integer of hundreds of digits
-        raise ValueError("Input should be a finite number") from None
-
-
-Float = Annotated[float, BeforeValidator(_number)]  # a number field: an integer or a float, nothing else
-
 
 def _given(value: Any, defaults: dict[str, Any], name: str, fallback: Any) -> Any:
     """A body's sampling field, else the model's default for it, else the library's."""
     return value if value is not None else defaults.get(name, fallback)
 # the bounds on how large a request may be (n, stop strings, messages, ...) are the server's limits,
 # each a flag: server/limits.py
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class BaseRequest(_Body):
@@ -93,18 +69,19 @@ class StructuredOutputsBody(_Body):
 class SamplingRequest(BaseRequest):
     """Fields shared by completions and chat completions."""
 
+    null_is_default: ClassVar[tuple[str, ...]] = ("n", "presence_penalty", "frequency_penalty", "stream")
     temperature: Float | None = None
     top_p: Float | None = None
-    n: Int = Field(1, ge=1)
+    n: Int | None = Field(1, ge=1)
     best_of: Int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: Int | None = Field(None, ge=-(2 ** 63))  # vLLM's: any signed 64-bit seed
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
+    presence_penalty: Float | None = 0.0
+    frequency_penalty: Float | None = 0.0
     logit_bias: dict[str, Float] | None = None
     user: str | None = None
     priority: Int = 0  # vLLM's: lower is admitted first (and preempted last)
-    stream: StrictBool = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     # extensions (vLLM names)
     top_k: Int | None = None
@@ -227,7 +204,8 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[Int] | list[str] | list[list[Int]]
     max_tokens: Int | None = Field(16, ge=0)
     logprobs: Int | None = Field(None, ge=0)
-    echo: StrictBool = False
+    echo: StrictBool | None = False
+    null_is_default = (*SamplingRequest.null_is_default, "echo")
     suffix: str | None = None
     add_special_tokens: StrictBool = True  # vLLM's: false leaves out the tokenizer's BOS
 
@@ -339,8 +317,9 @@ class ChatCompletionRequest(SamplingRequest, TemplateArgs):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
-    logprobs: StrictBool = False
+    logprobs: StrictBool | None = False
     top_logprobs: Int | None = Field(None, ge=0)
+    null_is_default = (*SamplingRequest.null_is_default, "logprobs")
     echo: StrictBool = False  # vLLM's: an assistant's last message comes back before what was generated
     chat_template: str | None = None  # the request's own template: refused unless the server trusts them
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
