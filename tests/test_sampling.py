@@ -274,6 +274,19 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert Sampler()(logits.clone(), [s]).token_ids == [0]
 
 
+def test_min_tokens_masks_eos_with_ignore_eos_too():
+    """ignore_eos only keeps EOS from ending the output; min_tokens still keeps it out of the first
+    tokens (vLLM's MinTokensLogitsProcessor bans EOS whatever ignore_eos says). Before, with ignore_eos
+    an EOS-favouring model output EOS from the first token."""
+    params = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, max_tokens=5)
+    s = Sequence("r", [1, 2], params, eos_token_ids=(0,))
+    logits = torch.zeros(1, 10)
+    logits[0, 0], logits[0, 5] = 9.0, 1.0
+    assert Sampler()(logits.clone(), [s]).token_ids == [5]
+    s.token_ids += [5, 5]
+    assert Sampler()(logits.clone(), [s]).token_ids == [0]
+
+
 def test_greedy_is_argmax_and_logprobs_are_raw():
     logits = torch.randn(3, 20)
     seqs = make_seqs(SamplingParams(temperature=0, logprobs=3, max_tokens=1), 3)

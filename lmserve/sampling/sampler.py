@@ -69,7 +69,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: 
             bias[1].extend(p.logit_bias)
             bias[2].extend(p.logit_bias.values())
         if s.num_output_tokens < p.min_tokens:
-            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids))
+            stops = list(p.stop_token_ids) + list(s.eos_token_ids)  # (ignore_eos too: as vLLM, EOS waits for min_tokens)
             ban[0].extend([i] * len(stops))
             ban[1].extend(stops)
         if p.repetition_penalty != 1.0:
