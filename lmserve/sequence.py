@@ -126,6 +126,8 @@ class SamplingParams:
                                                             or is_whole(self.truncate_prompt_tokens)
                                                             and self.truncate_prompt_tokens == -1):
             raise bad("truncate_prompt_tokens", "must be -1 (the model's context) or an integer >= 1")
+        if self.seed == -1 and is_whole(self.seed):  # vLLM's (and llama.cpp's) "random": no seed
+            self.seed = None
         if self.seed is not None and not whole("seed", -(2 ** 63)):
             raise bad("seed", "must be an integer >= -2**63")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -474,3 +474,14 @@ def test_a_vanishing_temperature_is_greedy(tiny_models):  # type: ignore[no-unty
     tiny, greedy = (llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=t, seed=1, ignore_eos=True),
                                  use_tqdm=False)[0].outputs[0].token_ids for t in (1e-40, 0))
     assert tiny == greedy and tiny != [llm.engine.vocab_size - 1] * 6
+
+
+def test_seed_minus_one_means_unseeded(tiny_models):  # type: ignore[no-untyped-def]
+    """seed -1 is "random" (vLLM's SamplingParams and llama.cpp read it so): three runs differ, as unseeded
+    runs do; before, -1 was a fixed seed and the three were identical. Another negative seed is a seed."""
+    from lmserve import LLM
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    llm = LLM(str(tiny_models["llama"][0]), kv_cache_memory="16MiB")
+    runs = [llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=16, seed=s), use_tqdm=False)[0]
+            .outputs[0].token_ids for s in (-1, -1, -1, -2, -2)]
+    assert len({tuple(r) for r in runs[:3]}) == 3 and runs[3] == runs[4]
