@@ -116,8 +116,8 @@ class InputProcessor:
         max_tokens: with a pool smaller than the context, the context's rest was refused as more blocks
         than the cache has, so every request that left max_tokens unset got a 400). 0 when the prompt
         alone does not fit."""
-        def fits(t: int) -> bool:
-            return family * self.bm.max_blocks(prompt_len + t) <= self.bm.num_blocks
+        def fits(t: int) -> bool:  # (the last token generated is never run: t tokens hold prompt_len + t - 1)
+            return family * self.bm.max_blocks(prompt_len + max(t - 1, 0)) <= self.bm.num_blocks
 
         lo, hi = 0, max(0, self.max_model_len - prompt_len)
         if fits(hi):
@@ -188,7 +188,12 @@ class InputProcessor:
         if family > self.max_num_seqs:
             raise ValueError(f"{field}: {family} sequences for one request, but max_num_seqs is "
                              f"{self.max_num_seqs}")
-        need = family * self.bm.max_blocks(n + after)
+        alone = self.bm.max_blocks(n)
+        if alone > self.bm.num_blocks:  # no max_tokens could help
+            raise ValueError(f"prompt: {n} tokens need {alone} KV blocks but the cache has {self.bm.num_blocks}; "
+                             "raise kv_cache_memory or send a shorter prompt")
+        # KV for every token but the last one generated, which the request ends on without running it
+        need = family * self.bm.max_blocks(n + max(after - 1, 0))
         if need > self.bm.num_blocks:
             raise ValueError(f"{field}: the request needs {need} KV blocks"
                              f"{f' ({family} sequences)' if family > 1 else ''} but the cache has "

@@ -140,14 +140,22 @@ def test_a_pool_smaller_than_the_context_still_serves_requests_without_max_token
     eng = llm.engine
     assert eng.max_model_len == 2048 and eng.block_manager.num_blocks == 10  # a pool of 160 tokens
     room = eng.inputs.room
-    assert room(20) == 140 and room(20, family=2) == 60 and room(200) == 0
+    # the last token generated is never run: 20 + 141 tokens need KV for 160 (before: 140, one short)
+    assert room(20) == 141 and room(20, family=2) == 61 and room(160) == 1 and room(161) == 0
     ae = AsyncEngine(eng)
     with serving(build_app(ae, "tiny")) as (url, _):
         r = httpx.post(url + "/v1/completions", json={"prompt": "hello there", "max_tokens": None,
                                                       "ignore_eos": True}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 160, r.text
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 161, r.text
         c = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "ignore_eos": True}, timeout=60)
-        assert c.status_code == 200 and c.json()["usage"]["total_tokens"] == 160, c.text
+        assert c.status_code == 200 and c.json()["usage"]["total_tokens"] == 161, c.text
         too_long = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 500}, timeout=60)
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+        # a prompt the pool cannot hold at all names the prompt (it named max_tokens, which cannot help)
+        big = httpx.post(url + "/v1/completions", json={"prompt": "x" * 161, "max_tokens": 1}, timeout=60)
+        assert big.status_code == 400 and big.json()["error"]["param"] == "prompt", big.text
+        fits = httpx.post(url + "/v1/completions", json={"prompt": "x" * 159, "max_tokens": 2, "ignore_eos": True},
+                          timeout=60)  # 159 + 2 tokens in 160 slots (before: a 400, one block short)
+        assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 2, fits.text
+    assert eng.block_manager.num_free_blocks == 10
