@@ -4,6 +4,8 @@ with the field it is about, which the server turns into a 400 naming that field.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import random
 from typing import Any
@@ -53,6 +55,9 @@ class InputProcessor:
         if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
             params.validate()  # (the value is checked before it is used)
             ids = self.truncate(prompt, ids, params.truncate_prompt_tokens, pooling is not None)
+        if isinstance(params, SamplingParams) and params.max_tokens is None:  # (a copy: one may serve many prompts)
+            params.validate()
+            params = dataclasses.replace(params, max_tokens=max(1, self.room(len(ids), params.max_running)))
         grammar = self.validate(ids, params, pooling is not None)
         return Request(ids, params, prompt if isinstance(prompt, str) else None, grammar=grammar,  # (the text given)
                        lora=adapter, pooling=pooling, cache_salt=salt)

@@ -46,7 +46,7 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the context (and the KV pool) leave after the prompt, as vLLM
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -93,8 +93,8 @@ class SamplingParams:
             raise bad("n", "must be an integer >= 1")
         if self.best_of is not None and not whole("best_of", self.n):
             raise bad("best_of", "must be an integer >= n")
-        if not whole("max_tokens", 1):
-            raise bad("max_tokens", "must be an integer >= 1")
+        if self.max_tokens is not None and not whole("max_tokens", 1):  # (None: what the context leaves)
+            raise bad("max_tokens", "must be an integer >= 1 or None")
         if not whole("min_tokens", 0, self.max_tokens):
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",

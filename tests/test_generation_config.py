@@ -159,3 +159,18 @@ def test_a_pool_smaller_than_the_context_still_serves_requests_without_max_token
                           timeout=60)  # 159 + 2 tokens in 160 slots (before: a 400, one block short)
         assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 2, fits.text
     assert eng.block_manager.num_free_blocks == 10
+
+
+def test_max_tokens_none_is_what_the_context_leaves(tiny_models):  # type: ignore[no-untyped-def]
+    """SamplingParams(max_tokens=None) generates up to the context, as vLLM's does (it was refused); one
+    params object for prompts of different lengths gives each its own room, and is left unchanged."""
+    llm = LLM(str(tiny_models["llama"][0]), kv_cache_memory="16MiB", max_model_len=40)
+    params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0, min_tokens=5)
+    outs = llm.generate([[5, 6, 7, 8], list(range(10, 40))], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [36, 10] and params.max_tokens is None
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    beams = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=None, use_beam_search=True, n=2,
+                                                        ignore_eos=True), use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in beams.outputs] == [36, 36]
+    with pytest.raises(ValueError, match="^max_tokens"):
+        SamplingParams(max_tokens=0)
