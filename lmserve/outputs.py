@@ -224,7 +224,7 @@ class OutputProcessor:
                 # a stop_token_ids token is the stop reason (an EOS is not, unless EOS is ignored: vLLM's rule)
                 end = h.tokens[-1] if h.ended_by_eos and h.tokens else None
                 why = end if end in (p.stop_token_ids or ()) and (p.ignore_eos or end not in s0.eos_token_ids) else None
-                outs.append(CompletionOutput(index=i, text=text, token_ids=h.tokens, cumulative_logprob=h.score,
+                outs.append(CompletionOutput(index=i, text=text, token_ids=h.tokens, cumulative_logprob=h.logprob,
                                              finish_reason="stop" if h.ended_by_eos else "length", stop_reason=why,
                                              delta_text=text, delta_token_ids=h.tokens))
         metrics = request_metrics(seqs, finished, sum(len(o.token_ids) for o in outs),

@@ -53,6 +53,14 @@ def test_beam_with_eos_and_length_penalty(tiny_models):  # type: ignore[no-untyp
         assert any(o.finish_reason == "stop" for o in out.outputs)
         # a hypothesis ended by a stop_token_ids token names it (vLLM's stop_reason; it was None)
         assert all(o.stop_reason == (eos if o.finish_reason == "stop" else None) for o in out.outputs)
+        # cumulative_logprob is the sum of the tokens' log-probabilities (HF's, teacher-forced), as vLLM
+        # reports it, whatever the length penalty (it was the length-normalised ranking score)
+        for o in out.outputs:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + o.token_ids])).logits[0].double()
+            lp_all = logits.log_softmax(-1)[len(prompt) - 1:-1]  # (T, V): each generated token's distribution
+            want = lp_all.gather(1, torch.tensor(o.token_ids).unsqueeze(1)).sum().item()
+            assert o.cumulative_logprob == pytest.approx(want, abs=1e-3), (lp, o.token_ids)
     assert llm.stats().used_blocks == 0
 
 

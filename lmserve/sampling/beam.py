@@ -22,8 +22,9 @@ import torch
 @dataclass
 class Hypothesis:
     tokens: list[int]  # generated tokens, including the EOS that ended it, if any
-    score: float  # length-normalised
+    score: float  # length-normalised: what ranks it
     ended_by_eos: bool
+    logprob: float = 0.0  # the sum of its tokens' log-probabilities (its cumulative_logprob, as vLLM reports it)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class BeamState:
             for r, ((b, t, s), e) in enumerate(zip(cands, ends)):
                 if r < W and e:
                     norm = s / ((self.cur_len + 1) ** self.length_penalty)
-                    new.append(Hypothesis(outputs[b] + [t], norm, t in self.eos_ids))
+                    new.append(Hypothesis(outputs[b] + [t], norm, t in self.eos_ids, s))
         merged = self.finished + new
         order = sorted(range(len(merged)), key=lambda i: (-merged[i].score, i))  # stable: earlier first on ties
         self.finished = [merged[i] for i in order[:W]]
