@@ -597,6 +597,31 @@ def test_sagemaker_invocations_route_by_body(server):  # type: ignore[no-untyped
     assert_idle(server)
 
 
+def test_continuous_usage_is_each_choices_own(server):  # type: ignore[no-untyped-def]
+    """vLLM's continuous_usage_stats: only with include_usage (it was on alone); each chunk's usage counts
+    its own choice's tokens so far (it summed every choice); each choice's role chunk is its own chunk
+    (they shared one) and carries usage with 0 completion tokens."""
+    body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 8, "n": 2,
+            "temperature": 1.0, "seed": 3, "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = [json.loads(line[6:]) for line in post(server, "/v1/chat/completions", body).text.splitlines()
+              if line.startswith("data: {")]
+    heads = [c for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]]
+    assert [[ch["index"] for ch in c["choices"]] for c in heads] == [[0], [1]]
+    prompt = heads[0]["usage"]["prompt_tokens"]
+    assert prompt > 0 and all(c["usage"] == {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+                              for c in heads)
+    seen = {0: 0, 1: 0}
+    for c in chunks[2:-1]:
+        (ch,) = c["choices"]
+        seen[ch["index"]] += len(ch.get("token_ids") or [])
+        assert c["usage"]["completion_tokens"] == seen[ch["index"]], c
+    assert seen == {0: 8, 1: 8} and chunks[-1]["usage"]["completion_tokens"] == 16 and not chunks[-1]["choices"]
+    alone = {**body, "stream_options": {"continuous_usage_stats": True}}  # without include_usage: no usage at all
+    assert not any("usage" in json.loads(line[6:]) for line in
+                   post(server, "/v1/chat/completions", alone).text.splitlines() if line.startswith("data: {"))
+
+
 def test_null_is_the_default_where_openai_documents_null(server):  # type: ignore[no-untyped-def]
     """OpenAI documents n, presence_penalty, frequency_penalty, stream, chat's logprobs and completions'
     echo as nullable (vLLM reads null as the default): clients that send every key get the default's
@@ -883,6 +908,13 @@ def test_a_request_failed_by_a_failed_step_counts_as_an_error(server, monkeypatc
     r = post(server, "/v1/completions", {"prompt": "Once", "max_tokens": 8, "ignore_eos": True})
     assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
     assert metric(server, name) == before + 1
+    # streamed, the error event ends the stream: no usage chunk after it (there was one), then [DONE]
+    monkeypatch.setattr(eng, "step", FailOnCall(real, 2, RuntimeError("injected step failure")))
+    r = post(server, "/v1/completions", {"prompt": "Once", "max_tokens": 8, "ignore_eos": True, "stream": True,
+                                         "stream_options": {"include_usage": True}})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert "injected step failure" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]", events
+    assert not any("usage" in json.loads(e) for e in events[:-1])
     monkeypatch.setattr(eng, "step", real)
     assert_idle(server)
 

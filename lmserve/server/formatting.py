@@ -254,12 +254,12 @@ class ChatFormatter(Formatter):
     def logprobs(self, ids: list[int], lps: list[Logprob]) -> dict[str, Any]:
         return lj.chat(self.tok, ids, lps)
 
-    def head(self) -> list[dict[str, Any]]:
-        first = self.chunk([{"index": i, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
-                             "finish_reason": None} for i in range(self.body.n)])
+    def head(self) -> list[dict[str, Any]]:  # (a chunk per choice, as OpenAI and vLLM send them)
+        heads = [self.chunk([{"index": i, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(self.body.n)]
         if self.body.return_token_ids:
-            first["prompt_token_ids"] = self.prompt_ids
-        return [first]
+            heads[0]["prompt_token_ids"] = self.prompt_ids
+        return heads
 
     def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         r = super().response(outs)
@@ -350,15 +350,24 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
                      include_usage: bool, continuous: bool) -> AsyncIterator[str]:
     """The SSE stream of one response: its head, a chunk per choice per step that added something (an
     error event for a request that failed), a usage chunk when asked, then [DONE]. outputs yields
-    (job index, output) or (job index, error), which ends the stream."""
+    (job index, output) or (job index, error), which ends the stream (with the error: no usage chunk).
+    continuous (vLLM's continuous_usage_stats): each chunk's usage is its own choice's, so far."""
     for c in fmt.head():
-        yield sse(c)
+        prompt = len(getattr(fmt, "prompt_ids", None) or ())
+        yield sse({**c, "usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}}
+                  if continuous else c)
+
+    def own(item: RequestOutput, c: CompletionOutput) -> dict[str, Any]:  # a choice's usage (0: echo-only scoring)
+        u = fmt.usage([item])
+        done = len(c.token_ids) if u["completion_tokens"] else 0
+        return {**u, "completion_tokens": done, "total_tokens": u["prompt_tokens"] + done}
     last: dict[int, RequestOutput] = {}
     ended: set[tuple[int, int]] = set()  # (job, choice) finished and sent: a request's output holds its
     # finished choices every step until its last one ends, and each must go out once (OpenAI, vLLM)
     async for i, item in outputs:
         if isinstance(item, BaseException):
             yield sse(ApiError.of(item).body())
+            last.clear()  # (the stream ends with the error: no usage chunk after it, as vLLM's)
             break
         last[i] = item
         fmt.seen(i, item)
@@ -371,7 +380,7 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
                 yield sse(ApiError.engine_failure(c.error, c.error_status).body())
                 continue
             for choice in fmt.deltas(i, c):
-                yield sse(fmt.chunk([choice], fmt.usage([item]) if continuous else None))
+                yield sse(fmt.chunk([choice], own(item, c) if continuous else None))
     if include_usage and last:
         yield sse(fmt.chunk([], fmt.usage(list(last.values()))))
     yield DONE

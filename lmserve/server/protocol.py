@@ -120,10 +120,11 @@ class SamplingRequest(BaseRequest):
             raise ValueError("prompt_logprobs: not available when stream is true")
 
     def usage_flags(self) -> tuple[bool, bool]:
-        """(a final usage chunk, usage in every chunk) as stream_options / the vLLM extension ask."""
+        """(a final usage chunk, usage in every chunk) as stream_options / the vLLM extension ask: usage in
+        every chunk only with the final one too (vLLM's rule)."""
         opts = self.stream_options
-        continuous = bool(opts and opts.continuous_usage_stats) or self.continuous_usage_stats
-        return bool(opts and opts.include_usage), continuous
+        final = bool(opts and opts.include_usage)
+        return final, final and (bool(opts and opts.continuous_usage_stats) or self.continuous_usage_stats)
 
     def to_sampling_params(self, room: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The engine's SamplingParams; room: the default max_tokens (what the context, and the KV pool,
