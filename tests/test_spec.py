@@ -447,3 +447,21 @@ def test_vllm_speculative_config_sets_the_fields(tiny_models):  # type: ignore[n
     out = spec.generate([prompt], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     assert spec.stats().spec and spec.stats().spec["proposed"] > 0, spec.stats().spec
+
+
+def test_a_draft_mirror_replaced_for_another_request_frees_its_blocks(tiny_models):  # type: ignore[no-untyped-def]
+    """A mirror kept under a sequence object's id that a new request's sequence took (CPython reuses ids)
+    is replaced, and its draft-cache blocks go back (they leaked before; EAGLE's state freed them)."""
+    from lmserve.sequence import Sequence
+    path, _ = tiny_models["llama"]
+    prop = spec_llm(path, "draft").engine.spec.proposer
+    bm = prop.bm
+    old = Sequence("old", list(range(3, 40)), SamplingParams(max_tokens=4), eos_token_ids=(2,))
+    old.generator = random.Random(0)
+    prop.propose([old], [2])
+    assert bm.num_free_blocks < bm.num_blocks  # old's mirror holds the prompt's draft KV
+    new = Sequence("new", [5, 6, 7], SamplingParams(max_tokens=4), eos_token_ids=(2,))
+    new.generator = random.Random(1)
+    prop.mirrors[id(new)] = prop.mirrors.pop(id(old))  # as if `new` had taken old's id
+    assert prop._mirror(new).request_id == "new"
+    assert bm.num_free_blocks == bm.num_blocks

@@ -44,6 +44,8 @@ class DraftModelProposer:
     def _mirror(self, seq: Sequence) -> Sequence:
         m = self.mirrors.get(id(seq))
         if m is None or m.request_id != seq.request_id:
+            if m is not None:  # another request's, whose sequence object's id this one took: its blocks go
+                self.bm.free(m.block_tables)
             m = Sequence(seq.request_id, seq.prompt_token_ids, seq.params, eos_token_ids=seq.eos_token_ids)
             m.generator = random.Random(seq.generator.getrandbits(62))
             self.mirrors[id(seq)] = m
