@@ -231,7 +231,9 @@ class ModelRunner:
                 for n in chunks:
                     start = seq.num_computed_tokens
                     if block_manager.reserve(seq.block_tables, start, start + n) is None:
-                        raise RuntimeError("score: not enough free KV blocks")
+                        raise RuntimeError(f"score: {n} tokens in one forward need more KV blocks than the "
+                                           f"{block_manager.num_free_blocks} free (a windowed model keeps the whole "
+                                           "prompt's within one forward); pass decode_from or raise kv_cache_memory")
                     hidden = self.forward(SchedulerOutput([(seq, n)]))  # (n, hidden)
                     if not last_only or seq.num_computed_tokens + n == T:
                         logits.append(self.model.compute_logits(hidden[-1:] if last_only else hidden))  # (n, V)

@@ -333,6 +333,9 @@ def test_score_holds_only_the_window_it_reads(gemma):  # type: ignore[no-untyped
         ref = hf(torch.tensor([ids])).logits[0]  # (64, V)
     assert (got - ref).abs().max() < 1e-4
     assert llm.engine.block_manager.num_free_blocks == 30
+    with pytest.raises(RuntimeError, match="^score: 64 tokens in one forward .* pass decode_from"):
+        llm.score(ids)  # one forward holds every group's 16 blocks: the error says what to do
+    assert llm.engine.block_manager.num_free_blocks == 30
 
 
 def test_completions_add_special_tokens_false_leaves_out_bos(gemma_270m):  # type: ignore[no-untyped-def]
