@@ -6,6 +6,8 @@ import codecs
 
 from lmserve.tokenizer import Tokenizer
 
+REPLACEMENT = "\ufffd".encode()  # U+FFFD's bytes: what token_bytes gives for a byte it cannot spell
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
@@ -20,7 +22,7 @@ class IncrementalDetokenizer:
     never a stall.
     """
 
-    HOLD = 3  # tokens an unfinished character can span (its first three of at most four bytes)
+    HOLD = 3  # tokens a character's first bytes span at most, where the bytes are not known (see _unfinished)
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tok = tokenizer
@@ -57,11 +59,34 @@ class IncrementalDetokenizer:
         self.prefix, self.read = self.read, end
         return delta
 
+    def flush(self) -> str:
+        """At the sequence's end: the whole characters still held back (a run of tokens that each ended one
+        character and began the next holds them all), without the unfinished last one."""
+        end = len(self.ids)
+        if self.read == end:
+            return ""
+        full = self.tok.decode(self.ids[self.prefix:end], self.skip).rstrip("\ufffd")
+        prev = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        if len(full) <= len(prev) or not full.startswith(prev):
+            return ""
+        self.prefix, self.read = self.read, end
+        return full[len(prev):]
+
     def _unfinished(self, end: int) -> bool:
         """Whether the new tokens' bytes end inside a UTF-8 character (the first 1-3 bytes of one). Bytes,
         not a count of tokens: a token of a large byte-level vocabulary may end one character and begin
         the next (Llama 3's, Qwen's), so a character may take any number of tokens to finish; and bytes
-        that can begin no character are text at once (U+FFFD, as a decode of all the tokens shows them)."""
+        that can begin no character are text at once (U+FFFD, as a decode of all the tokens shows them).
+        A token whose bytes the vocabulary does not spell (its own decode is U+FFFD, and `token_bytes`
+        knows no better) falls back to a count: held for at most HOLD tokens."""
+        data = []
+        for t in self.ids[self.read:end]:
+            if self.skip and t in self.tok.special_ids:
+                continue  # (decode leaves it out: its text lies between no bytes)
+            b = self.tok.token_bytes(t)
+            if b == REPLACEMENT:
+                return end - self.read <= self.HOLD
+            data.append(b)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        decoder.decode(b"".join(self.tok.token_bytes(t) for t in self.ids[self.read:end]), final=False)
+        decoder.decode(b"".join(data), final=False)
         return bool(decoder.getstate()[0])  # (the bytes it holds back: a valid start, at most 3 bytes)

@@ -164,17 +164,29 @@ class OutputProcessor:
                 continue
             if seq.num_output_tokens - (last - i) <= p.min_tokens:  # as stop tokens: none before min_tokens
                 continue  # (vLLM's rule: a stop string counts from the token after the min_tokens-th)
-            for stop in p.stop:
-                idx = out.text.find(stop, max(0, before - len(stop) + 1))
-                if idx == -1:
-                    continue
-                out.text = out.text[:idx + len(stop)] if p.include_stop_str_in_output else out.text[:idx]
+            if self._stop_string(seq, before):
                 if i < last:
                     del seq.token_ids[len(seq.token_ids) - (last - i):]
-                # if a later token (EOS, length) had ended it already, the stop string wins
-                self.finish(seq, "stop", stop_reason=stop, override=True)
                 return i + 1
+        if seq.is_finished:  # the whole characters the detokenizer still held back
+            before = len(out.text)
+            out.text += out.detok.flush()
+            if p.stop and seq.finish_reason == "length" and seq.num_output_tokens > p.min_tokens:
+                self._stop_string(seq, before)
         return len(new_tokens)
+
+    def _stop_string(self, seq: Sequence, before: int) -> bool:
+        """Whether the text added after `before` completes a stop string; if so the text ends there (the
+        stop kept with include_stop_str_in_output) and the sequence finishes with it as the reason (a
+        later token that had ended it already, EOS or length, gives way: the stop string came first)."""
+        out, p = seq.output, seq.params
+        for stop in p.stop or ():
+            idx = out.text.find(stop, max(0, before - len(stop) + 1))
+            if idx != -1:
+                out.text = out.text[:idx + len(stop)] if p.include_stop_str_in_output else out.text[:idx]
+                self.finish(seq, "stop", stop_reason=stop, override=True)
+                return True
+        return False
 
     def make(self, rid: str, seqs: list[Sequence], beam: BeamState | None = None) -> RequestOutput:
         """The request's output now: every sample (best_of: the n most likely, once finished)."""

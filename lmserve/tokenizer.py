@@ -162,6 +162,11 @@ class Tokenizer:
         return self.decode([tid], skip_special_tokens=False).encode("utf-8")
 
     @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The special tokens' ids (what decode's skip_special_tokens leaves out)."""
+        return frozenset(i for i, t in self.raw.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
     def _added(self) -> frozenset[int]:  # added tokens are spelled as their text, not in the byte alphabet
         return frozenset(self.raw.get_added_tokens_decoder())
 

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from lmserve.detokenizer import IncrementalDetokenizer
+from lmserve.sequence import SamplingParams
 from lmserve.tokenizer import Tokenizer
 
 WORDS = ["ousands", "\u2581Stimmung", "\u2581Dye", "\u2581Juggling", "\u2581emoji:", "\n", "\u2581ok"]
@@ -130,3 +131,41 @@ def test_text_cut_into_random_byte_chunks_comes_out_whole():  # type: ignore[no-
         d = IncrementalDetokenizer(tok, [ids[b"x"]])
         deltas = [d.step([ids[c]]) for c in cuts]
         assert "".join(deltas) == text and "\ufffd" not in "".join(deltas), (trial, cuts, deltas)
+
+
+def _finish(seq, reason, stop_reason=None, override=False):  # type: ignore[no-untyped-def]
+    """Scheduler.finish's effect on the sequence alone."""
+    from lmserve.sequence import Status
+    if seq.status is not Status.FINISHED or override:
+        seq.status, seq.finish_reason, seq.stop_reason = Status.FINISHED, reason, stop_reason
+
+
+def test_a_sequence_ending_on_held_characters_keeps_the_whole_ones():  # type: ignore[no-untyped-def]
+    """[E6] [9C AC F0] [9F] and max_tokens reached: 本 is whole, 😀 is not. The output text keeps 本
+    (the detokenizer held both while the bytes ended inside 😀, and the end dropped what it held)."""
+    from lmserve.outputs import OutputProcessor
+    from lmserve.sequence import Sequence, Status
+    tok, ids = _byte_level([b"\x9c\xac\xf0"])
+    out = [ids[b"\xe6"], ids[b"\x9c\xac\xf0"], ids[b"\x9f"]]
+    for stop, want in (([], "本"), (["本"], "")):
+        proc = OutputProcessor(tok, _finish)
+        seq = Sequence("r", [ids[b"H"], ids[b"i"]], SamplingParams(max_tokens=3, stop=stop), eos_token_ids=(0,))
+        seq.status = Status.RUNNING
+        proc.start(seq)
+        for i, t in enumerate(out):
+            seq.token_ids.append(t)
+            if i == len(out) - 1:
+                _finish(seq, "length")
+            proc.process(seq, [t], [])
+        assert seq.output.text == want and seq.finish_reason == ("stop" if stop else "length"), stop
+
+
+def test_a_skipped_special_token_between_bytes_holds_no_byte_back(bf):  # type: ignore[no-untyped-def]
+    """[E6] <s> [9C] [AC] with special tokens skipped: decode leaves <s> out and gives 本; the hold test
+    must leave out its text too (it counted <s>'s bytes, so the character's first byte came out as U+FFFD)."""
+    raw, vocab = bf[0].raw, bf[1]
+    raw.add_special_tokens(["<s>"])
+    tok = Tokenizer(raw, eos_token="</s>")  # (a new one: special_ids is read once)
+    d = IncrementalDetokenizer(tok, _ids(vocab, "\u2581ok"))
+    out = _bytes(vocab, b"\xe6") + _ids(vocab, "<s>") + _bytes(vocab, b"\x9c\xac")
+    assert "".join(d.step([i]) for i in out) == "本" == tok.decode(out)
