@@ -227,14 +227,15 @@ def test_streaming_deltas_join_to_text(smol):  # type: ignore[no-untyped-def]
 
 
 def test_a_negative_seed_is_its_own_seed(smol):  # type: ignore[no-untyped-def]
-    """vLLM takes any signed 64-bit seed (it was refused). -1 is not 1 (random.Random seeds by the
-    absolute value: taken modulo 2**64 first) and repeats itself."""
+    """vLLM takes any signed 64-bit seed (it was refused). -2 is not 2 (random.Random seeds by the
+    absolute value: taken modulo 2**64 first) and repeats itself. (-1 is vLLM's "no seed":
+    test_sampling.py.)"""
     def text(seed: int) -> str:
         p = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)
         return smol.generate(["Once upon a time"], p, use_tqdm=False)[0].outputs[0].text
 
-    minus = text(-1)
-    assert minus == text(-1) and minus != text(1)
+    minus = text(-2)
+    assert minus == text(-2) and minus != text(2)
     assert text(-(2 ** 63)) == text(2 ** 63)  # the same seed modulo 2**64
 
 

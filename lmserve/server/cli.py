@@ -21,7 +21,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LMSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (or set LMSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version, /metrics, "
+                        "the API documents and the console's page (or set LMSERVE_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model id(s) clients send; with several, any of them (responses carry the first; "
                         "default: --model)")

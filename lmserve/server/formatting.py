@@ -362,12 +362,13 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
         done = len(c.token_ids) if u["completion_tokens"] else 0
         return {**u, "completion_tokens": done, "total_tokens": u["prompt_tokens"] + done}
     last: dict[int, RequestOutput] = {}
+    failed = False  # an error event went out
     ended: set[tuple[int, int]] = set()  # (job, choice) finished and sent: a request's output holds its
     # finished choices every step until its last one ends, and each must go out once (OpenAI, vLLM)
     async for i, item in outputs:
         if isinstance(item, BaseException):
             yield sse(ApiError.of(item).body())
-            last.clear()  # (the stream ends with the error: no usage chunk after it, as vLLM's)
+            failed = True
             break
         last[i] = item
         fmt.seen(i, item)
@@ -378,9 +379,10 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[tuple[int, RequestOu
                 ended.add((i, c.index))
             if c.finish_reason == "error":
                 yield sse(ApiError.engine_failure(c.error, c.error_status).body())
+                failed = True
                 continue
             for choice in fmt.deltas(i, c):
                 yield sse(fmt.chunk([choice], own(item, c) if continuous else None))
-    if include_usage and last:
+    if include_usage and last and not failed:  # (after an error event, [DONE] alone: vLLM's)
         yield sse(fmt.chunk([], fmt.usage(list(last.values()))))
     yield DONE

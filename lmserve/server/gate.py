@@ -44,10 +44,11 @@ class Gate:
         too_big = self.limits.check_headers(request.scope["headers"])
         if too_big is not None:
             return too_big
-        if self.api_key and needs_key(request.url.path):
+        path = request.scope["path"]  # (what the router routes by; request.url is rebuilt from the Host header)
+        if self.api_key and needs_key(path):
             header = request.headers.get("authorization", "")
             tokens = [header[7:] if header.lower().startswith("bearer ") else ""]
-            if anthropic_api.is_route(request.url.path):
+            if anthropic_api.is_route(path):
                 tokens.append(request.headers.get("x-api-key", ""))
             if not any([hmac.compare_digest(t.encode(), self.api_key.encode()) for t in tokens]):
                 return ApiError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")

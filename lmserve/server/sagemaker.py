@@ -1,8 +1,9 @@
 """POST /invocations: Amazon SageMaker's one inference route (its health probe is /ping, in ops.py), as
 vLLM serves it: the body's shape picks the API, and the request is that route's, answered as it answers
 (streamed when the body asks): `messages` -> /v1/chat/completions, `prompt` -> /v1/completions, `input`
--> /v1/embeddings, `text_1` -> /score, `query` -> /rerank. Behind the API key like those routes (vLLM
-leaves it open)."""
+-> /v1/embeddings, `text_1` -> /score, `query` -> /rerank (a conversation is a chat, in vLLM's order too:
+its embeddings come from /v1/embeddings). Behind the API key like those routes (vLLM leaves it open). The
+router forwards it like any route, without a prefix route or disaggregated prefill."""
 
 from __future__ import annotations
 
