@@ -65,6 +65,9 @@ def test_routing_text_of_each_api():
     assert chat.startswith("[{") and '"S"' in chat
     assert routing_text("/v1/messages", {"system": "sys", "messages": []}).startswith("sys")
     assert routing_text("/v1/completions", None) == "" and routing_text("/v1/completions", [1]) == ""
+    # SageMaker's /invocations: a completions body by its prompt, a chat body by its conversation
+    assert routing_text("/invocations", {"prompt": "hello"}) == "hello"
+    assert routing_text("/invocations", {"messages": [{"role": "system", "content": "S"}]}) == chat
     with pytest.raises(ValueError, match="policy"):
         Router([Replica("http://a")], "random")
 

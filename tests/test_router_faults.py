@@ -245,6 +245,7 @@ def test_the_path_goes_as_sent_and_a_console_view_is_no_load():
     async def observe() -> JSONResponse:  # the router's count for this replica while it handles the request
         seen.append(router.replicas[0].in_flight)
         return JSONResponse({})
+    app.add_api_route("/invocations", observe, methods=["POST"])  # (SageMaker's: generating too)
     with serving(app) as (rep, _):
         router = Router([Replica(rep)], "least-load")
         with serving(router_app.build_router_app(router, health_interval=0.1)) as (url, _):
@@ -253,7 +254,8 @@ def test_the_path_goes_as_sent_and_a_console_view_is_no_load():
             httpx.get(url + "/v1/engine/stream")
             httpx.post(url + "/v1/completions", json={})
             httpx.post(url + "/v1/chat/completions", json={})
-    assert seen == [0, 1, 1] and router.replicas[0].in_flight == 0
+            httpx.post(url + "/invocations", json={})
+    assert seen == [0, 1, 1, 1] and router.replicas[0].in_flight == 0
 
 
 def test_a_client_gone_during_the_disaggregated_prefill_ends_it_there():

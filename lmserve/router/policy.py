@@ -45,7 +45,7 @@ def routing_text(path: str, body: Any) -> str:
     (system, messages or input, tools) serialized in order, so a shared system prompt is a shared prefix."""
     if not isinstance(body, dict):
         return ""
-    if path.endswith("/completions") and "messages" not in body:
+    if "messages" not in body and (path.endswith("/completions") or path == "/invocations" and "prompt" in body):
         prompt = body.get("prompt", "")
         try:
             return prompt if isinstance(prompt, str) else json.dumps(prompt)

@@ -3,7 +3,8 @@ vLLM serves it: the body's shape picks the API, and the request is that route's,
 (streamed when the body asks): `messages` -> /v1/chat/completions, `prompt` -> /v1/completions, `input`
 -> /v1/embeddings, `text_1` -> /score, `query` -> /rerank (a conversation is a chat, in vLLM's order too:
 its embeddings come from /v1/embeddings). Behind the API key like those routes (vLLM leaves it open). The
-router forwards it like any route, without a prefix route or disaggregated prefill."""
+router counts it as generating load and routes a prompt or conversation by its prefix (no disaggregated
+prefill for it)."""
 
 from __future__ import annotations
 
