@@ -518,3 +518,23 @@ def test_cache_salt_on_every_route(server, client):  # type: ignore[no-untyped-d
     r = post(server, "/v1/chat/completions", {"messages": msgs, "cache_salt": ""})
     assert r.json()["error"]["param"] == "cache_salt"
     assert_idle(server)
+
+
+def test_null_is_the_default_on_responses_and_messages(server):  # type: ignore[no-untyped-def]
+    """OpenAI documents Responses' stream and parallel_tool_calls (and chat's parallel_tool_calls) as
+    "boolean or null"; vLLM takes Messages' stream as null too: null is the default's answer (it was a
+    400). A json_object or text format is echoed without json_schema's name (it carried "response")."""
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 4, **GREEDY}
+    want = post(server, "/v1/responses", body).json()["output"]
+    got = post(server, "/v1/responses", {**body, "stream": None, "parallel_tool_calls": None})
+    assert got.status_code == 200 and got.json()["output"][0]["content"] == want[0]["content"], got.text
+    msg = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": QUESTION}], **GREEDY}
+    got = post(server, "/v1/messages", {**msg, "stream": None})
+    assert got.status_code == 200 and got.json()["content"] == post(server, "/v1/messages", msg).json()["content"]
+    chat = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, **GREEDY}
+    assert post(server, "/v1/chat/completions", {**chat, "parallel_tool_calls": None}).status_code == 200
+    for kind in ("text", "json_object"):
+        r = post(server, "/v1/responses", {**body, "text": {"format": {"type": kind}}})
+        assert r.status_code == 200 and r.json()["text"]["format"] == {"type": kind}, r.text
+    schema = {"type": "json_schema", "schema": {"type": "object"}}
+    assert post(server, "/v1/responses", {**body, "text": {"format": schema}}).json()["text"]["format"]["name"] == "response"

@@ -184,7 +184,8 @@ class MessagesRequest(CountTokensRequest):
     temperature: Float | None = None
     top_p: Float | None = None
     top_k: Int | None = None
-    stream: StrictBool = False
+    stream: StrictBool | None = False
+    null_is_default = ("stream",)
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat completion this request is, checked; ValueError naming the (chat) field."""

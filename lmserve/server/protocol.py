@@ -320,11 +320,11 @@ class ChatCompletionRequest(SamplingRequest, TemplateArgs):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: StrictBool | None = False
     top_logprobs: Int | None = Field(None, ge=0)
-    null_is_default = (*SamplingRequest.null_is_default, "logprobs")
+    null_is_default = (*SamplingRequest.null_is_default, "logprobs", "parallel_tool_calls")
     echo: StrictBool = False  # vLLM's: an assistant's last message comes back before what was generated
     chat_template: str | None = None  # the request's own template: refused unless the server trusts them
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool = True
+    parallel_tool_calls: StrictBool | None = True
 
     def field_renames(self) -> tuple[tuple[str, str], ...]:  # (the engine's logprobs are top_logprobs here)
         return (*super().field_renames(), ("logprobs", "top_logprobs"))

@@ -55,7 +55,7 @@ class InputItem(_Body):
 
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
-    name: str = "response"
+    name: str | None = None  # (json_schema's: "response" when it has none; the other two have no name)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: StrictBool | None = None
@@ -99,9 +99,10 @@ class ResponsesRequest(BaseRequest):
     top_p: Float | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool = True
+    parallel_tool_calls: StrictBool | None = True
     text: TextConfig | None = None
-    stream: StrictBool = False
+    stream: StrictBool | None = False
+    null_is_default = ("parallel_tool_calls", "stream")  # (OpenAI's "boolean or null")
     store: StrictBool | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
@@ -178,7 +179,7 @@ class ResponsesRequest(BaseRequest):
             top_p=self.top_p, tools=tools, parallel_tool_calls=self.parallel_tool_calls, stream=self.stream,
             tool_choice={"type": "function", "function": {"name": tc["name"]}} if isinstance(tc, dict) else tc,
             response_format=None if fmt is None or fmt.type == "text" else {
-                "type": fmt.type, "json_schema": {"name": fmt.name, "description": fmt.description,
+                "type": fmt.type, "json_schema": {"name": fmt.name or "response", "description": fmt.description,
                                                   "schema": fmt.schema_, "strict": fmt.strict}})
         chat.check()
         return chat
@@ -206,6 +207,8 @@ class ResponsesFormatter(Formatter):
         """The response object: its status, output items and (out finished) usage."""
         b = self.body
         fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else None
+        if fmt is not None and fmt["type"] == "json_schema":
+            fmt.setdefault("name", "response")  # (the name it ran under)
         usage = None
         if out is not None:
             n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
