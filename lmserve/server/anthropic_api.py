@@ -35,7 +35,8 @@ ROUTE = "/v1/messages"
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
                413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error", 529: "overloaded_error"}
 # how this API names the fields of the chat request it becomes (for errors)
-RENAMES = (("prompt", "messages"), ("stop", "stop_sequences"), (".function.parameters", ".input_schema"),
+RENAMES = (("response_format.json_schema.schema", "output_config.format.schema"), ("response_format", "output_config"),
+           ("prompt", "messages"), ("stop", "stop_sequences"), (".function.parameters", ".input_schema"),
            (".function", ""), ("structured_outputs.json", "tools"), ("structured_outputs", "tools"))
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # tool_choice type -> chat tool_choice
 
@@ -178,6 +179,18 @@ class CountTokensRequest(BaseRequest):
         return check_tools(out)
 
 
+class OutputFormat(_Body):
+    """Anthropic's structured outputs: the answer is JSON under this schema (constrained decoding, as chat's
+    response_format json_schema)."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: Int = Field(ge=1)
     stop_sequences: list[str] | None = None  # bounded as chat's stop (ServerLimits.max_stop)
@@ -186,6 +199,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: Int | None = None
     stream: StrictBool | None = False
     null_is_default = ("stream",)
+    output_config: OutputConfig | None = None
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat completion this request is, checked; ValueError naming the (chat) field."""
@@ -196,7 +210,9 @@ class MessagesRequest(CountTokensRequest):
             model=self.model, cache_salt=self.cache_salt, messages=self.chat_messages(), max_tokens=self.max_tokens,
             stop=self.stop_sequences,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, tools=self.chat_tools(),
-            tool_choice=choice, parallel_tool_calls=not (tc and tc.disable_parallel_tool_use), stream=self.stream)
+            tool_choice=choice, parallel_tool_calls=not (tc and tc.disable_parallel_tool_use), stream=self.stream,
+            response_format=None if self.output_config is None or self.output_config.format is None else {
+                "type": "json_schema", "json_schema": {"name": "output", "schema": self.output_config.format.schema_}})
         chat.check()
         return chat
 
