@@ -494,10 +494,10 @@ def valid(v: Any, s: dict[str, Any], root: dict[str, Any] | None = None) -> bool
     known = {"type", "properties", "required", "additionalProperties", "items", "anyOf", "enum", "const",
              "minItems", "maxItems", "description", "title", "$ref", "$defs", "definitions"}
     assert set(s) <= known, f"the test validator does not know {set(s) - known}"
-    if "$ref" in s:  # "#/a/b": a pointer into the root
+    if "$ref" in s:  # "#/a/b": a JSON pointer into the root ("#": the root; "~1" is "/", "~0" is "~")
         target = root
-        for part in s["$ref"].removeprefix("#/").split("/"):
-            target = target[part]
+        for part in [p for p in s["$ref"].removeprefix("#").split("/") if p]:
+            target = target[part.replace("~1", "/").replace("~0", "~")]
         if not valid(v, target, root):
             return False
     if "type" in s and not _type_ok(v, s["type"]):
@@ -580,19 +580,49 @@ MOVE = {"type": "function", "function": {"name": "move", "parameters": {
 
 def test_schema_moves_definitions_to_the_root() -> None:
     s = tools_json_schema([TRIP, MOVE, *TOOLS], "required", parallel=True)
-    assert s["$defs"] == {"Place": PLACE} and s["definitions"] == {"Place": PLACE}
+    assert s["$defs"]["tool0_defs_Place"] == s["$defs"]["tool1_definitions_Place"] == PLACE
     trip = {"name": "plan_trip", "arguments": {"stops": [{"city": "Paris"}, {"city": "Rome"}]}}
     move = {"name": "move", "arguments": {"to": {"city": "Oslo"}}}
     assert valid([trip, move, W], s)
     for bad in ({"name": "plan_trip", "arguments": {"stops": [{"city": 1}]}},
                 {"name": "plan_trip", "arguments": {"stops": []}}, {"name": "move", "arguments": {"to": {}}}):
         assert not valid([bad], s), bad
-    assert "$defs" not in tools_json_schema([TRIP, *TOOLS], "get_time", parallel=True)  # only the chosen tool's
+    assert list(tools_json_schema([TRIP, *TOOLS], "get_time", parallel=True)["$defs"]) == ["tool2"]  # the chosen one's
+    # two tools may define one name differently (pydantic's Address in two models): each keeps its own
     other = {"type": "function", "function": {"name": "visit", "parameters": {
         "type": "object", "$defs": {"Place": {"type": "string"}}, "properties": {"p": {"$ref": "#/$defs/Place"}}}}}
-    with pytest.raises(ValueError, match=re.escape("tools[1].function.parameters.$defs.Place: ")):
-        tools_json_schema([TRIP, other], "required", parallel=True)
-    assert tools_json_schema([TRIP, other], "visit", parallel=True)["$defs"] == {"Place": {"type": "string"}}
+    s = tools_json_schema([TRIP, other], "required", parallel=True)
+    trip = {"name": "plan_trip", "arguments": {"stops": [{"city": "Paris"}]}}
+    assert valid([trip, {"name": "visit", "arguments": {"p": "Rome"}}], s)
+    assert not valid([{"name": "visit", "arguments": {"p": {"city": "Rome"}}}], s)
+
+
+# OpenAI's recursive form: "#" is the parameters themselves; "#/properties/..." a part of them
+TREE = {"type": "function", "function": {"name": "make_ui", "parameters": {
+    "type": "object", "properties": {"label": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["label", "children"], "additionalProperties": False}}}
+PAIR = {"type": "function", "function": {"name": "pair", "parameters": {
+    "type": "object", "properties": {"a": {"type": "string"}, "b": {"$ref": "#/properties/a"}},
+    "required": ["a", "b"]}}}
+SLASHED = {"type": "function", "function": {"name": "slashed", "parameters": {
+    "type": "object", "$defs": {"a/b": {"type": "integer"}}, "properties": {"n": {"$ref": "#/$defs/a~1b"}},
+    "required": ["n"]}}}
+
+
+@pytest.mark.parametrize("mode", ["required", "make_ui"])
+def test_schema_keeps_root_relative_references(mode) -> None:  # type: ignore[no-untyped-def]
+    """A "$ref" to "#" (or "#/properties/...") means the function's parameters: before, the parameters sat
+    inside the calls' array, where "#" is the array (a child came out as a list of calls) and
+    "#/properties/a" points nowhere (a 400)."""
+    s = tools_json_schema([TREE, PAIR, SLASHED], mode, parallel=True)
+    leaf = {"label": "b", "children": []}
+    ui = {"name": "make_ui", "arguments": {"label": "a", "children": [leaf, {"label": "c", "children": [leaf]}]}}
+    assert valid([ui], s)
+    assert not valid([{"name": "make_ui", "arguments": {"label": "a", "children": [[ui]]}}], s)
+    if mode == "required":
+        assert valid([{"name": "pair", "arguments": {"a": "x", "b": "y"}}, {"name": "slashed", "arguments": {"n": 3}}], s)
+        assert not valid([{"name": "pair", "arguments": {"a": "x", "b": 2}}], s)
+        assert not valid([{"name": "slashed", "arguments": {"n": "3"}}], s)
 
 
 def test_forced_output_round_trip() -> None:

@@ -59,8 +59,9 @@ def tools_json_schema(tools: Any, mode: str | dict[str, Any], parallel: bool = T
     {"type": "function", "function": {"name": ...}}; a function named "required" needs the object).
 
     Shape: [{"name": <one of the names>, "arguments": <that function's parameters>}, ...], at least one
-    call, at most one unless parallel (and tool_choice "required"); the parameters' "$defs" / "definitions" move to the root (so that
-    "#/$defs/..." references resolve), ValueError where two tools define one name differently.
+    call, at most one unless parallel (and tool_choice "required"); each function's parameters are a root
+    definition of their own (`_rebased`: their references resolve as in the function alone, and two tools may
+    define one name differently).
     `parse_forced_calls` reads such an output."""
     tools = check_tools(tools)
     if not tools:
@@ -76,21 +77,50 @@ def tools_json_schema(tools: Any, mode: str | dict[str, Any], parallel: bool = T
               if mode == "required" or t["function"]["name"] == mode]
     if not chosen:
         raise ValueError(f"tool_choice.function.name: no tool is a function named {mode!r}")
-    # definitions ("#/$defs/x" references, as pydantic writes them) move to the root, where they still resolve
-    defs: dict[str, dict[str, Any]] = {}
+    # each chosen function's parameters become a root definition of their own, their definitions beside them
+    # under names of their own, every "$ref" rewritten to match: "#" and "#/properties/..." (root-relative, as
+    # OpenAI's recursive schemas write them) and "#/$defs/x" (pydantic's) resolve as in the function alone
+    defs: dict[str, Any] = {}
     items = []
     for i, fn in chosen:
         params = dict(fn["parameters"])
         for key in DEFINITION_KEYS:
             for name, d in (params.pop(key, None) or {}).items():
-                if defs.setdefault(key, {}).setdefault(name, d) != d:
-                    raise ValueError(f"tools[{i}].function.parameters.{key}.{name}: differs from the definition "
-                                     "of that name in another tool")
+                defs[_def_name(i, key, name)] = _rebased(d, i)
+        defs[_def_name(i)] = _rebased(params, i)
         items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [fn["name"]]},
-                                                       "arguments": params},
+                                                       "arguments": {"$ref": f"#/$defs/{_def_name(i)}"}},
                       "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
-                              "minItems": 1, **defs}
+                              "minItems": 1, "$defs": defs}
     if not parallel or mode != "required":  # a named function: exactly one call, as OpenAI and vLLM make
         schema["maxItems"] = 1
     return schema
+
+
+def _def_name(i: int, key: str = "", name: str = "") -> str:
+    """The root definition that tools[i]'s parameters (or their definition key/name) become."""
+    return f"tool{i}" + (f"_{key.lstrip('$')}_{name}" if key else "")
+
+
+def _rebased(node: Any, i: int) -> Any:
+    """A copy of (part of) tools[i]'s parameters whose local "$ref"s point where `tools_json_schema` puts
+    what they pointed to: "#/$defs/x/..." (or "#/definitions/x/...") to that definition's new name, any
+    other "#..." into the parameters' own definition (a property named "$ref" is a schema: left as it is)."""
+    if isinstance(node, list):
+        return [_rebased(x, i) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            parts = v[2:].split("/", 2)
+            if len(parts) >= 2 and parts[0] in DEFINITION_KEYS:  # (a JSON pointer: "~1" is "/", "~0" is "~")
+                name = _def_name(i, parts[0], parts[1].replace("~1", "/").replace("~0", "~"))
+                v = f"#/$defs/{name.replace('~', '~0').replace('/', '~1')}" + ("/" + parts[2] if len(parts) > 2 else "")
+            else:
+                v = f"#/$defs/{_def_name(i)}" + v[1:]
+            out[k] = v
+        else:
+            out[k] = _rebased(v, i)
+    return out
