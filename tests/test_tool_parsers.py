@@ -119,7 +119,7 @@ def test_hermes_content_between_and_after_calls() -> None:
 def test_hermes_no_calls_is_all_content() -> None:
     text = "Plain answer with <b>tags</b>, a <tool_call mention and </tool_call> too."
     assert hermes().extract(text) == ExtractedToolCalls(text, [])
-    assert hermes().extract("  \n ").content is None
+    assert hermes().extract("  \n ").content == "  \n "  # (no call: the text as it is, vLLM's; it was None)
 
 
 @pytest.mark.parametrize("body", [
@@ -204,6 +204,15 @@ def test_whitespace_only_stretches_are_dropped_streaming() -> None:
     assert s.feed("\n  ") == []
     assert s.feed("ok\n") == [ContentDelta("\n  ok\n")]  # a stretch with text is sent whole
     assert s.finish() == []
+
+
+@pytest.mark.parametrize("parser", [hermes, llama3])
+def test_a_blank_output_without_calls_is_its_content(parser) -> None:  # type: ignore[no-untyped-def]
+    """No call at all: the output is the content as it is, blank too, streamed as whole (vLLM's rule; the
+    stream dropped it while the whole answer kept it)."""
+    s = parser().streaming()
+    assert s.feed("\n") == [] and s.feed("\n ") == []
+    assert s.finish() == [ContentDelta("\n\n ")] and parser().extract("\n\n ").content == "\n\n "
 
 
 # ---------------------------------------------------------------- hand-written outputs: llama3_json
@@ -345,7 +354,7 @@ def hermes_output(draw: Any, rich: bool = False) -> tuple[str, str | None, list[
         gap += piece
         text += piece
     content += gap if gap.strip() else ""
-    return text, content or None, calls, ends
+    return text, (content if calls else text) or None, calls, ends  # (no call: the text as it is, blank too)
 
 
 @st.composite
@@ -356,12 +365,12 @@ def llama3_output(draw: Any, rich: bool = False) -> tuple[str, str | None, list[
     lead = draw(ws) + (PYTHON_TAG + draw(ws) if draw(st.booleans()) else "")
     if kind == "text":  # opens with neither the tag nor a call
         text = draw(ws) + draw(st.sampled_from(["Sure", "<|python", "x", "; "])) + draw(words)
-        return text, text if text.strip() else None, [], []
+        return text, text or None, [], []
     if kind == "bad_first":
         bad = draw(st.sampled_from(MALFORMED + ['{"answer": 42}', "{"])
                    | call_json("parameters").map(lambda c: c[2][:-1]))
         text = lead + bad + draw(words.map(lambda w: w.replace("}", "")))  # nothing that completes bad
-        return text, text if text.strip() else None, [], []
+        return text, text or None, [], []
     calls, text, ends = [], lead, []
     for k in range(draw(st.integers(1, 3))):
         name, args, body = draw(call_json(draw(st.sampled_from(["parameters", "arguments"]))))

@@ -271,7 +271,7 @@ class ToolCallStream:
     def __init__(self, scanner: _Scanner, rng: random.Random) -> None:
         self._scanner, self._rng = scanner, rng
         self._buf = ""  # text not decided yet
-        self._ws = ""  # whitespace that opens a stretch of content: dropped if a call or the end comes first
+        self._ws = ""  # whitespace that opens a stretch of content: dropped if a call (or, after one, the end) comes first
         self._in_text = False  # the current stretch of content has more than whitespace (all of it is sent)
         self._done = False
         self.calls: list[ToolCall] = []
@@ -290,7 +290,11 @@ class ToolCallStream:
             return []
         found, _ = self._scanner.step(self._buf, True)
         self._buf, self._done = "", True
-        return self._deltas(found)
+        out = self._deltas(found)
+        if not self.calls and self._ws:  # no call at all: the output is content as it is, blank too (vLLM's)
+            out.append(ContentDelta(self._ws))
+            self._ws = ""
+        return out
 
     def _deltas(self, found: list[Found]) -> list[Delta]:
         out: list[Delta] = []
