@@ -566,3 +566,29 @@ def test_messages_structured_output(claude, server):  # type: ignore[no-untyped-
     bad = post(server, "/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": msgs,
                                         "output_config": {"format": {"type": "json_schema", "schema": {"type": 7}}}})
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("output_config.format.schema"), bad.text
+
+
+def test_responses_logprobs(client, server):  # type: ignore[no-untyped-def]
+    """include ["message.output_text.logprobs"] with top_logprobs: the output_text's tokens with their
+    log-probabilities, as chat completions gives them for the same conversation (they were always []),
+    whole and streamed (each delta its own tokens', the done event all of them); with tools a 400."""
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 6, **GREEDY,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    client.responses.create(**body)  # (the prompt into the prefix cache: the calls below run alike from it)
+    r = client.responses.create(**body)
+    lps = r.output[0].content[0].logprobs
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 6,
+                                                  **GREEDY, "logprobs": True, "top_logprobs": 2}).json()
+    want = chat["choices"][0]["logprobs"]["content"]
+    assert [x.token for x in lps] == [x["token"] for x in want] and len(lps) == r.usage.output_tokens
+    assert [x.logprob for x in lps] == pytest.approx([x["logprob"] for x in want], abs=1e-4)
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob for x in lps)
+    assert "".join(x.token for x in lps).startswith(r.output_text)
+    events = sse_events(server, "/v1/responses", {**body, "stream": True})
+    deltas = [x for name, data in events if name == "response.output_text.delta" for x in data["logprobs"]]
+    done = next(data for name, data in events if name == "response.output_text.done")["logprobs"]
+    assert [x["token"] for x in done] == [x.token for x in lps] and deltas == done[:len(deltas)] and deltas
+    assert "logprobs" not in json.dumps(client.responses.create(**{**body, "include": None, "top_logprobs": None})
+                                        .output[0].content[0].logprobs or "")
+    bad = post(server, "/v1/responses", {**body, "tools": [WEATHER_FN]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "include", bad.text

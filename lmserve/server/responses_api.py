@@ -32,6 +32,7 @@ from lmserve.tokenizer import Tokenizer
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text")
 STATELESS = "this server is stateless (it stores no responses); send the whole conversation as input"
+LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the answer's logprobs
 
 
 class InputItem(_Body):
@@ -106,6 +107,8 @@ class ResponsesRequest(BaseRequest):
     store: StrictBool | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs": the answer's tokens' log-probabilities
+    top_logprobs: Int | None = Field(None, ge=0)  # with them, the k most likely alternatives of each token
 
     @field_validator("input", mode="before")
     @classmethod
@@ -127,12 +130,20 @@ class ResponsesRequest(BaseRequest):
         fmt = self.text.format if self.text else None
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise ValueError("text.format.schema: is required for type json_schema")
+        if self.logprobs and self.tools:  # (an answer's text is cut around its calls; its tokens are not)
+            raise ValueError("include: message.output_text.logprobs is not supported with tools")
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the answer's output_text carries its tokens' log-probabilities."""
+        return LOGPROBS in (self.include or ())
 
     def renames(self) -> tuple[tuple[str, str], ...]:
         """How this API names the fields of the chat request it becomes (for errors)."""
         fmt = self.text.format if self.text else None
         constraint = "text.format.schema" if fmt is not None and fmt.type == "json_schema" else "tools"
         return (("messages", "input"), ("prompt", "input"), ("max_tokens", "max_output_tokens"), (".function", ""),
+                ("top_logprobs: only allowed when logprobs is true", f"top_logprobs: only allowed with include {LOGPROBS}"),
                 ("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
                 ("structured_outputs.json", constraint), ("structured_outputs", constraint))
 
@@ -177,6 +188,7 @@ class ResponsesRequest(BaseRequest):
             model=self.model, cache_salt=self.cache_salt, messages=self.messages(),
             max_completion_tokens=self.max_output_tokens, temperature=self.temperature,
             top_p=self.top_p, tools=tools, parallel_tool_calls=self.parallel_tool_calls, stream=self.stream,
+            logprobs=self.logprobs, top_logprobs=self.top_logprobs if self.logprobs else None,
             tool_choice={"type": "function", "function": {"name": tc["name"]}} if isinstance(tc, dict) else tc,
             response_format=None if fmt is None or fmt.type == "text" else {
                 "type": fmt.type, "json_schema": {"name": fmt.name or "response", "description": fmt.description,
@@ -229,11 +241,12 @@ class ResponsesFormatter(Formatter):
         return "incomplete" if finish_reason == "length" else "completed"
 
     @staticmethod
-    def message_item(text: str | None, status: str, mid: str | None = None) -> dict[str, Any]:
-        """A message item with its output_text (none: a message just opened)."""
+    def message_item(text: str | None, status: str, mid: str | None = None, logprobs: list | None = None
+                     ) -> dict[str, Any]:
+        """A message item with its output_text (none: a message just opened) and its tokens' logprobs."""
         return {"id": mid or new_id("msg"), "type": "message", "status": status, "role": "assistant",
                 "content": [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
-                                                     "logprobs": []}]}
+                                                     "logprobs": logprobs or []}]}
 
     @staticmethod
     def call_item(call_id: str, name: str, arguments: str, status: str, fid: str | None = None) -> dict[str, Any]:
@@ -243,7 +256,9 @@ class ResponsesFormatter(Formatter):
     def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         out = outs[0]
         status = self.status(out.outputs[0].finish_reason)
-        items = [self.message_item(p, status) if isinstance(p, str) else self.call_item(p.id, p.name, p.arguments, status)
+        lps = (self.chat.choice(0, out, out.outputs[0])["logprobs"] or {}).get("content") if self.body.logprobs else None
+        items = [self.message_item(p, status, logprobs=lps) if isinstance(p, str)
+                 else self.call_item(p.id, p.name, p.arguments, status)
                  for p in self.chat.segments(out.outputs[0].text)]  # in the model's order, as the stream has them
         return self.envelope(status, items or [self.message_item("", status)], out)
 
@@ -264,14 +279,15 @@ class ResponsesFormatter(Formatter):
                                  content_index=0, part=part))
         return ev
 
-    def close_item(self, items: list[dict[str, Any]], text: str, status: str) -> list[str]:
+    def close_item(self, items: list[dict[str, Any]], text: str, status: str, logprobs: list | None = None
+                   ) -> list[str]:
         """Events that finish the last output item (text: its text or arguments so far)."""
         i, item = len(items) - 1, items[-1]
         if item["type"] == "message":
-            done = self.message_item(text, status, item["id"])
+            done = self.message_item(text, status, item["id"], logprobs)
             part = done["content"][0]
             ev = [self.event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                             text=text, logprobs=[]),
+                             text=text, logprobs=logprobs or []),
                   self.event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                              part=part)]
         else:
@@ -289,6 +305,7 @@ class ResponsesFormatter(Formatter):
         yield self.event("response.in_progress", response=self.envelope("in_progress", [], None))
         items: list[dict[str, Any]] = []
         text, is_open = "", False  # the open (last) item's text or arguments so far
+        lps: list[dict[str, Any]] = []  # the answer's tokens' logprobs so far (include: without tools, one message)
         async for _, out in outputs:
             c = out.outputs[0] if isinstance(out, RequestOutput) else None
             if c is None or c.finish_reason == "error":
@@ -299,6 +316,8 @@ class ResponsesFormatter(Formatter):
                 return
             for choice in self.chat.deltas(0, c):
                 d = choice["delta"]
+                new = ((choice.get("logprobs") or {}).get("content") or []) if self.body.logprobs else []
+                lps += new  # (a last chunk without text may still bring some: the done events have them all)
                 if d.get("content"):
                     if is_open and items[-1]["type"] != "message":
                         for e in self.close_item(items, text, "completed"):
@@ -310,7 +329,7 @@ class ResponsesFormatter(Formatter):
                         text, is_open = "", True
                     text += d["content"]
                     yield self.event("response.output_text.delta", item_id=items[-1]["id"],
-                                     output_index=len(items) - 1, content_index=0, delta=d["content"], logprobs=[])
+                                     output_index=len(items) - 1, content_index=0, delta=d["content"], logprobs=new)
                 for tc in d.get("tool_calls") or []:
                     if "id" in tc:  # a new call: its id and name
                         if is_open:
@@ -331,7 +350,7 @@ class ResponsesFormatter(Formatter):
                         yield e
                     text, is_open = "", True
                 if is_open:
-                    for e in self.close_item(items, text, status):
+                    for e in self.close_item(items, text, status, lps):
                         yield e
                 kind = "response.completed" if status == "completed" else "response.incomplete"
                 yield self.event(kind, response=self.envelope(status, items, out))

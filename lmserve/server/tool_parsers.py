@@ -292,8 +292,7 @@ class ToolCallStream:
         self._buf, self._done = "", True
         out = self._deltas(found)
         if not self.calls and self._ws:  # no call at all: the output is content as it is, blank too (vLLM's)
-            out.append(ContentDelta(self._ws))
-            self._ws = ""
+            out.append(ContentDelta(self._ws))  # (finished: nothing follows)
         return out
 
     def _deltas(self, found: list[Found]) -> list[Delta]:
