@@ -6,7 +6,6 @@ import codecs
 
 from lmserve.tokenizer import Tokenizer
 
-REPLACEMENT = "\ufffd".encode()  # U+FFFD's bytes: what token_bytes gives for a byte it cannot spell
 
 
 class IncrementalDetokenizer:
@@ -65,7 +64,12 @@ class IncrementalDetokenizer:
         end = len(self.ids)
         if self.read == end:
             return ""
-        full = self.tok.decode(self.ids[self.prefix:end], self.skip).rstrip("\ufffd")
+        full = self.tok.decode(self.ids[self.prefix:end], self.skip)
+        pending = self._pending(end)  # the unfinished character's bytes: each at most one U+FFFD at the end
+        if pending < 0:  # (bytes unknown: every U+FFFD at the end may be theirs)
+            full = full.rstrip("\ufffd")
+        while pending > 0 and full.endswith("\ufffd"):
+            full, pending = full[:-1], pending - 1
         prev = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
         if len(full) <= len(prev) or not full.startswith(prev):
             return ""
@@ -73,20 +77,24 @@ class IncrementalDetokenizer:
         return full[len(prev):]
 
     def _unfinished(self, end: int) -> bool:
-        """Whether the new tokens' bytes end inside a UTF-8 character (the first 1-3 bytes of one). Bytes,
+        """Whether the new tokens end inside a character (`_pending`)."""
+        return self._pending(end) != 0
+
+    def _pending(self, end: int) -> int:
+        """How many of the new tokens' bytes end inside a UTF-8 character (the first 1-3 bytes of one). Bytes,
         not a count of tokens: a token of a large byte-level vocabulary may end one character and begin
         the next (Llama 3's, Qwen's), so a character may take any number of tokens to finish; and bytes
         that can begin no character are text at once (U+FFFD, as a decode of all the tokens shows them).
-        A token whose bytes the vocabulary does not spell (its own decode is U+FFFD, and `token_bytes`
-        knows no better) falls back to a count: held for at most HOLD tokens."""
+        A token whose bytes the vocabulary does not spell (`Tokenizer.known_bytes` None) falls back to a
+        count: held for at most HOLD tokens. `_pending`: how many bytes end unfinished (-1: unknown)."""
         data = []
         for t in self.ids[self.read:end]:
             if self.skip and t in self.tok.special_ids:
                 continue  # (decode leaves it out: its text lies between no bytes)
-            b = self.tok.token_bytes(t)
-            if b == REPLACEMENT:
-                return end - self.read <= self.HOLD
+            b = self.tok.known_bytes(t)
+            if b is None:
+                return -1 if end - self.read <= self.HOLD else 0  # (-1: held, how many bytes unknown)
             data.append(b)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(b"".join(data), final=False)
-        return bool(decoder.getstate()[0])  # (the bytes it holds back: a valid start, at most 3 bytes)
+        return len(decoder.getstate()[0])  # the bytes it holds back: a valid start, at most 3

@@ -171,7 +171,7 @@ class OutputProcessor:
         if seq.is_finished:  # the whole characters the detokenizer still held back
             before = len(out.text)
             out.text += out.detok.flush()
-            if p.stop and seq.finish_reason == "length" and seq.num_output_tokens > p.min_tokens:
+            if p.stop and seq.finish_reason in ("stop", "length") and seq.num_output_tokens > p.min_tokens:
                 self._stop_string(seq, before)
         return len(new_tokens)
 

@@ -151,6 +151,12 @@ class Tokenizer:
         """A token's own bytes, as chat logprobs give them: a token holding part of a multi-byte
         character is that part (decoded alone it is U+FFFD), so a client can join a character again.
         Byte-level BPE spells bytes as characters; SentencePiece's byte fallback as <0xAB>."""
+        known = self.known_bytes(tid)
+        return known if known is not None else self.decode([tid], skip_special_tokens=False).encode("utf-8")
+
+    def known_bytes(self, tid: int) -> bytes | None:
+        """A token's own bytes where the vocabulary spells them (byte-level BPE, <0xAB> byte tokens) or its
+        text is whole characters; None where its text holds U+FFFD that it does not spell (bytes unknown)."""
         tok = self.raw.id_to_token(tid)
         if tok is not None and self._byte_level and tid not in self._added and all(ch in _BYTE_OF for ch in tok):
             return bytes(_BYTE_OF[ch] for ch in tok)
@@ -159,7 +165,8 @@ class Tokenizer:
                 return bytes([int(tok[3:5], 16)])
             except ValueError:
                 pass
-        return self.decode([tid], skip_special_tokens=False).encode("utf-8")
+        text = self.decode([tid], skip_special_tokens=False)
+        return None if "\ufffd" in text and "\ufffd" not in (tok or "") else text.encode("utf-8")
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:

@@ -146,26 +146,40 @@ def test_a_sequence_ending_on_held_characters_keeps_the_whole_ones():  # type: i
     from lmserve.outputs import OutputProcessor
     from lmserve.sequence import Sequence, Status
     tok, ids = _byte_level([b"\x9c\xac\xf0"])
-    out = [ids[b"\xe6"], ids[b"\x9c\xac\xf0"], ids[b"\x9f"]]
-    for stop, want in (([], "本"), (["本"], "")):
-        proc = OutputProcessor(tok, _finish)
-        seq = Sequence("r", [ids[b"H"], ids[b"i"]], SamplingParams(max_tokens=3, stop=stop), eos_token_ids=(0,))
-        seq.status = Status.RUNNING
-        proc.start(seq)
-        for i, t in enumerate(out):
-            seq.token_ids.append(t)
-            if i == len(out) - 1:
-                _finish(seq, "length")
-            proc.process(seq, [t], [])
-        assert seq.output.text == want and seq.finish_reason == ("stop" if stop else "length"), stop
+    held = [ids[b"\xe6"], ids[b"\x9c\xac\xf0"], ids[b"\x9f"]]
+    # ended by length on the last held token, or by an EOS after them (a stop string among the held
+    # characters still cuts, and is the reason: it came before the EOS)
+    for out, end in ((held, "length"), (held + [0], "stop")):
+        for stop, want in (([], "本"), (["本"], "")):
+            proc = OutputProcessor(tok, _finish)
+            seq = Sequence("r", [ids[b"H"], ids[b"i"]], SamplingParams(max_tokens=4, stop=stop), eos_token_ids=(0,))
+            seq.status = Status.RUNNING
+            proc.start(seq)
+            for i, t in enumerate(out):
+                seq.token_ids.append(t)
+                if i == len(out) - 1:
+                    _finish(seq, end)
+                proc.process(seq, [t], [])
+            assert seq.output.text == want, (end, stop)
+            assert (seq.finish_reason, seq.stop_reason) == (("stop", "本") if stop else (end, None)), (end, stop)
+
+
+def test_a_real_replacement_character_token_is_text_at_once():  # type: ignore[no-untyped-def]
+    """A byte-level vocabulary's token for "\ufffd" itself (its bytes EF BF BD) is a whole character: out at
+    once and kept at the end (it was held three tokens, and the end's flush dropped it)."""
+    tok, ids = _byte_level(["\ufffd".encode()])
+    d = IncrementalDetokenizer(tok, [ids[b"x"]])
+    assert [d.step([ids[b"a"]]), d.step([ids["\ufffd".encode()]])] == ["a", "\ufffd"] and d.flush() == ""
 
 
 def test_a_skipped_special_token_between_bytes_holds_no_byte_back(bf):  # type: ignore[no-untyped-def]
     """[E6] <s> [9C] [AC] with special tokens skipped: decode leaves <s> out and gives 本; the hold test
     must leave out its text too (it counted <s>'s bytes, so the character's first byte came out as U+FFFD)."""
-    raw, vocab = bf[0].raw, bf[1]
+    from tokenizers import Tokenizer as RawTokenizer
+    vocab = bf[1]
+    raw = RawTokenizer.from_str(bf[0].raw.to_str())  # (a copy: the module's tokenizer stays as it is)
     raw.add_special_tokens(["<s>"])
-    tok = Tokenizer(raw, eos_token="</s>")  # (a new one: special_ids is read once)
+    tok = Tokenizer(raw, eos_token="</s>")
     d = IncrementalDetokenizer(tok, _ids(vocab, "\u2581ok"))
     out = _bytes(vocab, b"\xe6") + _ids(vocab, "<s>") + _bytes(vocab, b"\x9c\xac")
     assert "".join(d.step([i]) for i in out) == "本" == tok.decode(out)

@@ -589,7 +589,7 @@ MOVE = {"type": "function", "function": {"name": "move", "parameters": {
 
 def test_schema_moves_definitions_to_the_root() -> None:
     s = tools_json_schema([TRIP, MOVE, *TOOLS], "required", parallel=True)
-    assert s["$defs"]["tool0_defs_Place"] == s["$defs"]["tool1_definitions_Place"] == PLACE
+    assert s["$defs"]["tool0_def0"] == s["$defs"]["tool1_def0"] == PLACE
     trip = {"name": "plan_trip", "arguments": {"stops": [{"city": "Paris"}, {"city": "Rome"}]}}
     move = {"name": "move", "arguments": {"to": {"city": "Oslo"}}}
     assert valid([trip, move, W], s)
@@ -632,6 +632,21 @@ def test_schema_keeps_root_relative_references(mode) -> None:  # type: ignore[no
         assert valid([{"name": "pair", "arguments": {"a": "x", "b": "y"}}, {"name": "slashed", "arguments": {"n": 3}}], s)
         assert not valid([{"name": "pair", "arguments": {"a": "x", "b": 2}}], s)
         assert not valid([{"name": "slashed", "arguments": {"n": "3"}}], s)
+    xgr = pytest.importorskip("xgrammar")  # the grammar engine follows every rebased reference (it cannot
+    xgr.Grammar.from_json_schema(json.dumps(s))  # unescape "~1" in a name: the new names need no escapes)
+
+
+def test_schema_rebases_schemas_not_values() -> None:
+    """A "$ref" inside const / enum / default is data the output must equal: left as written; a property
+    named "enum" is a schema, its reference rebased."""
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "$defs": {"N": {"type": "integer"}},
+        "properties": {"c": {"const": {"$ref": "#"}}, "enum": {"$ref": "#/$defs/N"}}, "required": ["c", "enum"]}}}
+    s = tools_json_schema([odd], "odd")
+    params = s["$defs"]["tool0"]
+    assert params["properties"]["c"] == {"const": {"$ref": "#"}}
+    assert params["properties"]["enum"] == {"$ref": "#/$defs/tool0_def0"} and s["$defs"]["tool0_def0"] == {"type": "integer"}
+    assert valid([{"name": "odd", "arguments": {"c": {"$ref": "#"}, "enum": 3}}], s)
 
 
 def test_forced_output_round_trip() -> None:

@@ -246,7 +246,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
         tried: set[str] = set()
         busy = 0  # replicas whose connection pool was full
         refusal: Response | None = None  # the last replica's refusal, the answer when no replica is left
-        path = request.url.path
+        path = request.scope["path"]  # (request.url is rebuilt from the Host header)
         weight = int(request.method == "POST" and path in (*GENERATING, "/invocations"))  # its load (a console view: none)
         while True:
             rep = first if first is not None and first.healthy and not tried else router.pick(text, tried)

@@ -260,7 +260,7 @@ class ResponsesFormatter(Formatter):
         items = [self.message_item(p, status, logprobs=lps) if isinstance(p, str)
                  else self.call_item(p.id, p.name, p.arguments, status)
                  for p in self.chat.segments(out.outputs[0].text)]  # in the model's order, as the stream has them
-        return self.envelope(status, items or [self.message_item("", status)], out)
+        return self.envelope(status, items or [self.message_item("", status, logprobs=lps)], out)
 
     # ------------------------------------------------------------ streaming
     def event(self, type_: str, **fields: Any) -> str:

@@ -84,10 +84,11 @@ def tools_json_schema(tools: Any, mode: str | dict[str, Any], parallel: bool = T
     items = []
     for i, fn in chosen:
         params = dict(fn["parameters"])
-        for key in DEFINITION_KEYS:
-            for name, d in (params.pop(key, None) or {}).items():
-                defs[_def_name(i, key, name)] = _rebased(d, i)
-        defs[_def_name(i)] = _rebased(params, i)
+        found = [(key, name, d) for key in DEFINITION_KEYS for name, d in (params.pop(key, None) or {}).items()]
+        names = {(key, name): f"tool{i}_def{j}" for j, (key, name, _) in enumerate(found)}  # (no pointer escapes)
+        for key, name, d in found:
+            defs[names[key, name]] = _rebased(d, i, names)
+        defs[_def_name(i)] = _rebased(params, i, names)
         items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [fn["name"]]},
                                                        "arguments": {"$ref": f"#/$defs/{_def_name(i)}"}},
                       "required": ["name", "arguments"], "additionalProperties": False})
@@ -98,29 +99,36 @@ def tools_json_schema(tools: Any, mode: str | dict[str, Any], parallel: bool = T
     return schema
 
 
-def _def_name(i: int, key: str = "", name: str = "") -> str:
-    """The root definition that tools[i]'s parameters (or their definition key/name) become."""
-    return f"tool{i}" + (f"_{key.lstrip('$')}_{name}" if key else "")
+def _def_name(i: int) -> str:
+    """The root definition that tools[i]'s parameters become."""
+    return f"tool{i}"
 
 
-def _rebased(node: Any, i: int) -> Any:
+DATA_KEYS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: never rewritten
+NAME_MAPS = frozenset({"properties", "patternProperties", "dependentSchemas", *DEFINITION_KEYS})  # name -> schema
+
+
+def _rebased(node: Any, i: int, names: dict[tuple[str, str], str], named: bool = False) -> Any:
     """A copy of (part of) tools[i]'s parameters whose local "$ref"s point where `tools_json_schema` puts
-    what they pointed to: "#/$defs/x/..." (or "#/definitions/x/...") to that definition's new name, any
-    other "#..." into the parameters' own definition (a property named "$ref" is a schema: left as it is)."""
+    what they pointed to: "#/$defs/x/..." (or "#/definitions/x/...") to that definition's new name
+    (`names`), any other "#..." into the parameters' own definition; values (`DATA_KEYS`) and a property
+    named "$ref" or "enum" (a schema, under `NAME_MAPS`) are no keywords."""
     if isinstance(node, list):
-        return [_rebased(x, i) for x in node]
+        return [_rebased(x, i, names) for x in node]
     if not isinstance(node, dict):
         return node
+    if named:  # {name: schema}: the names are no keywords
+        return {k: _rebased(v, i, names) for k, v in node.items()}
     out: dict[str, Any] = {}
     for k, v in node.items():
         if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
             parts = v[2:].split("/", 2)
-            if len(parts) >= 2 and parts[0] in DEFINITION_KEYS:  # (a JSON pointer: "~1" is "/", "~0" is "~")
-                name = _def_name(i, parts[0], parts[1].replace("~1", "/").replace("~0", "~"))
-                v = f"#/$defs/{name.replace('~', '~0').replace('/', '~1')}" + ("/" + parts[2] if len(parts) > 2 else "")
-            else:
+            name = parts[1].replace("~1", "/").replace("~0", "~") if len(parts) >= 2 else None  # (a JSON pointer)
+            if parts[0] in DEFINITION_KEYS and (parts[0], name) in names:
+                v = f"#/$defs/{names[parts[0], name]}" + ("/" + parts[2] if len(parts) > 2 else "")
+            else:  # (a definition that is not there stays missing: the compiler names it)
                 v = f"#/$defs/{_def_name(i)}" + v[1:]
             out[k] = v
         else:
-            out[k] = _rebased(v, i)
+            out[k] = v if k in DATA_KEYS else _rebased(v, i, names, k in NAME_MAPS)
     return out
