@@ -256,7 +256,8 @@ class ResponsesFormatter(Formatter):
     def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         out = outs[0]
         status = self.status(out.outputs[0].finish_reason)
-        lps = (self.chat.choice(0, out, out.outputs[0])["logprobs"] or {}).get("content") if self.body.logprobs else None
+        c = out.outputs[0]
+        lps = self.chat.logprobs(c.token_ids, c.logprobs or [])["content"] if self.body.logprobs else None
         items = [self.message_item(p, status, logprobs=lps) if isinstance(p, str)
                  else self.call_item(p.id, p.name, p.arguments, status)
                  for p in self.chat.segments(out.outputs[0].text)]  # in the model's order, as the stream has them
