@@ -577,7 +577,7 @@ def test_server_names_the_constraint_as_sent_and_answers_busy_with_429(smol, mon
               "response_format.json_schema.schema"), ({"guided_json": bad}, "guided_json"),
              ({"guided_regex": r"\Aab"}, "guided_regex"), ({"structured_outputs": {"json": bad}},
                                                            "structured_outputs.json"),
-             ({"tools": [tool], "tool_choice": "required"}, "tools")]
+             ({"tools": [tool], "tool_choice": "required"}, "tools[0].function.parameters")]
     with TestClient(build_app(AsyncEngine(smol.engine), "smollm2-135m")) as c:
         def chat(extra: dict) -> object:
             body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra}
@@ -585,6 +585,11 @@ def test_server_names_the_constraint_as_sent_and_answers_busy_with_429(smol, mon
         for extra, param in cases:
             r = chat(extra)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
+            assert "$defs" not in r.json()["error"]["message"], r.text  # (a forced tool's named as sent)
+        r = chat({"tools": [{"type": "function", "function": {"name": "g"}}, tool],
+                  "tool_choice": {"type": "function", "function": {"name": "f"}}})
+        assert r.json()["error"]["message"] == "tools[1].function.parameters: properties.a.uniqueItems is not " \
+            "enforced by the grammar engine", r.text
         raw = b'{"messages": [{"role": "user", "content": "Hi"}], "guided_regex": "\\ud800"}'
         r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text

@@ -12,6 +12,9 @@ from fastapi.responses import JSONResponse
 from lmserve.structured import CompilerBusy
 
 
+PARAM_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_$]+|\[[0-9]+\])*")  # a field: 'tools[0].function.name'
+
+
 class ApiError(Exception):
     """An error with an HTTP status and OpenAI's error body."""
 
@@ -31,7 +34,7 @@ class ApiError(Exception):
         """A 400 for one of our ValueErrors, which start with the field they are about: 'max_tokens: ...'."""
         msg = str(e)
         head = msg.split(":", 1)[0]
-        param = head if head.replace("_", "").replace(".", "").isalnum() and " " not in head else None  # a.b: nested
+        param = head if PARAM_RE.fullmatch(head) else None  # a.b, a[0].b: nested
         return cls(400, msg, param=param)
 
     @classmethod

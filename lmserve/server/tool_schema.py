@@ -8,6 +8,8 @@ import json
 import re
 from typing import Any
 
+from lmserve.structured import unenforced_schema
+
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s point to
@@ -83,6 +85,8 @@ def tools_json_schema(tools: Any, mode: str | dict[str, Any], parallel: bool = T
     defs: dict[str, Any] = {}
     items = []
     for i, fn in chosen:
+        if (problem := unenforced_schema(fn["parameters"])):  # (named here: the compile sees it as $defs.tool{i})
+            raise ValueError(f"tools[{i}].function.parameters: {problem}")
         params = dict(fn["parameters"])
         found = [(key, name, d) for key in DEFINITION_KEYS for name, d in (params.pop(key, None) or {}).items()]
         names = {(key, name): f"tool{i}_def{j}" for j, (key, name, _) in enumerate(found)}  # (no pointer escapes)
