@@ -25,8 +25,9 @@ from lmserve.chat_template import join_text
 from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
+from lmserve.server.fields import Float, Int, JsonBody
 from lmserve.server.formatting import ChatFormatter, Formatter, sse_json
-from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Float, Int, _Body
+from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage
 from lmserve.server.tool_parsers import ToolParser
 from lmserve.server.tool_schema import check_tools
 from lmserve.tokenizer import Tokenizer
@@ -78,13 +79,13 @@ def text_of(content: Any, at: str) -> str:
     return join_text(field(block(b, f"{at}[{j}]", ("text",)), "text", str, f"{at}[{j}]") for j, b in enumerate(content))
 
 
-class ToolChoice(_Body):
+class ToolChoice(JsonBody):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: StrictBool = False
 
 
-class Message(_Body):
+class Message(JsonBody):
     role: Literal["user", "assistant"]
     content: Any  # a string or a list of content blocks
 
@@ -179,7 +180,7 @@ class CountTokensRequest(BaseRequest):
         return check_tools(out)
 
 
-class OutputFormat(_Body):
+class OutputFormat(JsonBody):
     """Anthropic's structured outputs: the answer is JSON under this schema (constrained decoding, as chat's
     response_format json_schema)."""
 
@@ -187,7 +188,7 @@ class OutputFormat(_Body):
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Body):
+class OutputConfig(JsonBody):
     format: OutputFormat | None = None
 
 

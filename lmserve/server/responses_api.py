@@ -24,8 +24,9 @@ from lmserve.chat_template import join_text
 from lmserve.outputs import RequestOutput
 from lmserve.server import openapi as oa
 from lmserve.server.errors import ApiError, invalid_request
+from lmserve.server.fields import Float, Int, JsonBody
 from lmserve.server.formatting import ChatFormatter, Formatter, sse_json
-from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage, Float, Int, _Body
+from lmserve.server.protocol import BaseRequest, ChatCompletionRequest, ChatMessage
 from lmserve.server.tool_parsers import ToolParser
 from lmserve.tokenizer import Tokenizer
 
@@ -35,7 +36,7 @@ STATELESS = "this server is stateless (it stores no responses); send the whole c
 LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the answer's logprobs
 
 
-class InputItem(_Body):
+class InputItem(JsonBody):
     """An input item: a message (the default type), a function_call or a function_call_output."""
 
     type: Literal["message", "function_call", "function_call_output"] = "message"
@@ -54,7 +55,7 @@ class InputItem(_Body):
         return v
 
 
-class TextFormat(_Body):
+class TextFormat(JsonBody):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None  # (json_schema's: "response" when it has none; the other two have no name)
     description: str | None = None
@@ -62,11 +63,11 @@ class TextFormat(_Body):
     strict: StrictBool | None = None
 
 
-class TextConfig(_Body):
+class TextConfig(JsonBody):
     format: TextFormat | None = None
 
 
-def each(items: list[Any], model: type[_Body], at: str) -> list[Any]:
+def each(items: list[Any], model: type[JsonBody], at: str) -> list[Any]:
     """items validated as model, one by one, so that an error names the item: 'input[2].role: ...'."""
     out = []
     for i, item in enumerate(items):
