@@ -256,3 +256,79 @@ def test_float_layers_inside_an_awq_checkpoint_are_refused_by_name():  # type: i
         assert check_awq_config({**qc, "modules_to_not_convert": empty}) == 32
     with pytest.raises(ValueError, match="modules_to_not_convert"):
         check_awq_config({**qc, "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]})
+
+
+def test_an_awq_folder_from_a_llama3_gguf_is_the_same_model_to_hf(tmp_path):  # type: ignore[no-untyped-def]
+    """A Llama-3.x GGUF's rope_freqs divisors go into config.json as the llama3 scaling that gives them
+    (they went as rope_type 'freq_factors', which only lmserve reads: HF raised KeyError building the
+    model); HF on that config and the original weights computes the original logits."""
+    import transformers as tf
+
+    from tests.test_loader import LLAMA3, LONG, _llama3_rope_freqs, _tiny_llama, hf_logits, write_gguf
+    hf = _tiny_llama(LLAMA3)
+    write_gguf(tmp_path / "l3.gguf", hf, {}, _llama3_rope_freqs(10000.0, 16, LLAMA3))
+    llm = LLM(str(tmp_path / "l3.gguf"), quantization="none", kv_cache_memory=KV)
+    save_awq_checkpoint(llm.engine.model, llm.engine.model_config, tmp_path / "awq", 32, tokenizer=llm.tokenizer)
+    config = json.loads((tmp_path / "awq" / "config.json").read_text())
+    rope = config["rope_scaling"]
+    assert rope["rope_type"] == "llama3" and rope["original_max_position_embeddings"] == 64, rope
+    assert rope["factor"] == pytest.approx(8.0) and rope["low_freq_factor"] == 1.0
+    assert rope["high_freq_factor"] == pytest.approx(4.0, rel=1e-4)
+    config.pop("quantization_config")
+    again = tf.LlamaForCausalLM(tf.LlamaConfig(**config)).eval()
+    again.load_state_dict(hf.state_dict())
+    ref = hf_logits(hf, LONG)
+    assert (hf_logits(again, LONG) - ref).abs().max() < 1e-4 * ref.abs().max()
+    from lmserve.layers.rotary import hf_rope_scaling
+    with pytest.raises(ValueError, match="no llama3 scaling"):  # (a linear factor on top: no llama3 gives it)
+        hf_rope_scaling([2.0 * d for d in _llama3_rope_freqs(10000.0, 16, LLAMA3).tolist()], 10000.0)
+    assert hf_rope_scaling([1.0] * 8, 1e4) is None and hf_rope_scaling([2.0] * 8, 1e4) == {"rope_type": "linear",
+                                                                                          "factor": 2.0}
+
+
+def test_a_gemma3_config_json_is_hfs_text_model():  # type: ignore[no-untyped-def]
+    """model_type gemma3_text: HF read 'gemma3' as the multimodal wrapper with its default 4B text config
+    (hidden 2304, 26 layers) and built Gemma3ForConditionalGeneration."""
+    import transformers as tf
+
+    from lmserve.config import ModelConfig
+    cfg = ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 96,
+                               "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                               "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_theta": 1e6, "rope_local_base_freq": 1e4, "query_pre_attn_scalar": 16})
+    d = hf_config_dict(cfg)
+    hc = tf.AutoConfig.for_model(**d)
+    assert type(hc).__name__ == "Gemma3TextConfig", type(hc)
+    assert (hc.hidden_size, hc.num_hidden_layers, hc.head_dim, hc.sliding_window, list(hc.layer_types)) == \
+        (32, 2, 16, 8, ["sliding_attention", "full_attention"])
+    assert tf.AutoModelForCausalLM.from_config(hc).__class__.__name__ == "Gemma3ForCausalLM"
+    assert ModelConfig.from_hf(d) == cfg
+
+
+def test_a_written_tokenizer_adds_its_bos_in_hf_too(tmp_path):  # type: ignore[no-untyped-def]
+    """A GGUF tokenizer that adds a BOS (Gemma's, Llama's) written out gets a post-processor that adds it:
+    HF's tokenizer ignored add_bos_token and encoded every text without the BOS."""
+    import transformers as tf
+
+    from lmserve.models.gguf_file import GGUFFile
+    from lmserve.models.loader import resolve_model
+    from lmserve.quant.checkpoint import write_tokenizer
+    from lmserve.tokenizer import Tokenizer
+    ours = Tokenizer.from_gguf(GGUFFile(resolve_model("gemma-3-270m").path))
+    before = ours.raw.to_str()
+    write_tokenizer(ours, tmp_path)
+    theirs = tf.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ["Hello world", "  two  spaces", "数字123 😀", "<start_of_turn>user\nhi<end_of_turn>", ""]:
+        assert theirs.encode(text) == ours.encode(text) and ours.encode(text)[0] == ours.bos_token_id, text
+    assert ours.raw.to_str() == before  # (the live tokenizer is left as it was)
+
+
+def test_an_awq_folder_with_another_quantization_is_refused_by_name(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """It failed inside the weight stream ('Int8Linear has no qweight'), naming no option."""
+    model = tiny_models["llama"][0]
+    llm = LLM(str(model), kv_cache_memory=KV)
+    save_awq_checkpoint(llm.engine.model, llm.engine.model_config, tmp_path / "awq", 32, source=model)
+    for scheme in ("int8", "int4", "fp8"):
+        with pytest.raises(ValueError, match=r"^quantization: the folder's weights are quantized already"):
+            LLM(str(tmp_path / "awq"), quantization=scheme, kv_cache_memory=KV)

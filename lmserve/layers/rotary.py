@@ -35,6 +35,35 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, freq_factors)")
 
 
+def hf_rope_scaling(divisors: list[float] | tuple[float, ...], theta: float) -> dict[str, Any] | None:
+    """The HF rope_scaling that gives llama.cpp's per-frequency divisors (a Llama-3.x GGUF's rope_freqs
+    tensor, our "freq_factors"), for a config.json that HF and vLLM read: llama3's (equal divisors: linear,
+    or None for ones); ValueError when none gives them.
+
+    In llama3's smooth band a divisor d is 1 / ((1 - s) / factor + s) with s = (L / wavelen - lo) / (hi - lo),
+    linear in the frequency: s = a * inv + b, so the band fixes only a = L / (2 pi (hi - lo)) and
+    b = -lo / (hi - lo); lo = 1 (every Llama 3.x's) then gives hi and L."""
+    d = torch.tensor(divisors, dtype=torch.float64)  # (d/2,)
+    inv = _inv_freq(2 * d.numel(), theta, None)  # (d/2,)
+    factor = float(d.max())
+    if torch.allclose(d, d[0].expand_as(d), rtol=1e-6, atol=0):  # one divisor for all: linear (or none)
+        return None if abs(factor - 1) < 1e-6 else {"rope_type": "linear", "factor": factor}
+    s = (1 / d - 1 / factor) / (1 - 1 / factor) if factor > 1 else torch.zeros_like(d)  # 1 kept, 0 divided
+    band = (s > 1e-6) & (s < 1 - 1e-6)
+    if int(band.sum()) >= 2:
+        a, b = torch.linalg.lstsq(torch.stack([inv[band], torch.ones_like(inv[band])], 1),
+                                  s[band].unsqueeze(1)).solution.squeeze(1).tolist()
+        width = -1 / b if b < 0 else 0.0  # hi - lo
+        old = a * 2 * math.pi * width
+        if old > 0:
+            params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": round(1.0 + width, 6),
+                      "original_max_position_embeddings": round(old) if abs(old - round(old)) < 1e-3 * old else old}
+            got = _inv_freq(2 * d.numel(), theta, params)
+            if torch.allclose(got, inv / d, rtol=1e-5, atol=0):
+                return params
+    raise ValueError("rope_scaling: these rope_freqs divisors are no llama3 scaling (no HF rope_type gives them)")
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables; forward rotates q and k at the given positions."""
 

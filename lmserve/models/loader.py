@@ -234,9 +234,13 @@ def _quantize(model: nn.Module, cfg: ModelConfig, config: EngineConfig, src: Mod
     if config.quantization_group_size is not None and scheme not in ("int8", "int4"):  # refused, not ignored
         raise ValueError(f"quantization_group_size: only int8 / int4 quantized at load use it, not quantization="
                          f"{scheme or 'none'} (a GGUF's or an AWQ checkpoint's blocks keep their own groups)")
-    if src.kind == "hf" and scheme in (None, "awq"):
+    if src.kind == "hf":
         from lmserve.quant.checkpoint import check_awq_config, group_awq_tensors, read_quantization_config
         qc = read_quantization_config(src.path)
+        if qc is not None and scheme not in (None, "awq"):  # (its int4 weights cannot be re-quantized)
+            raise ValueError(f"quantization: the folder's weights are quantized already (its quantization_config: "
+                             f"quant_method={qc.get('quant_method', 'awq')!r}); load it as quantization='awq' "
+                             f"or leave quantization unset, not {scheme!r}")
         if qc is not None:
             group = check_awq_config(qc)  # the decoder's linears int4 as stored; the LM head float, as AutoAWQ keeps it
             quantize_model(model, "int4", group, head=None, copy=False)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lmserve.config import ModelConfig
+from lmserve.layers.rotary import hf_rope_scaling
 from lmserve.quant.awq import check_dense, dequantize_int4, quantize_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an int32 holds column AWQ_ORDER[i] of its eight
@@ -158,16 +159,24 @@ def check_awq_config(qc: dict[str, Any]) -> int:
 
 # ---------------------------------------------------------------- saving
 
+MODEL_TYPES = {"Gemma3ForCausalLM": "gemma3_text"}  # HF's model_type where it is not the lowered name ("gemma3"
+# is the multimodal wrapper: HF would build its default 4B text config)
+
+
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """An HF config.json for our ModelConfig (what ModelConfig.from_hf reads back)."""
+    rope = cfg.rope_scaling
+    if rope and rope.get("rope_type") == "freq_factors":  # a Llama-3.x GGUF's rope_freqs: only we read the type
+        rope = hf_rope_scaling(rope["freq_factors"], cfg.rope_theta)
+    model_type = MODEL_TYPES.get(cfg.architecture, cfg.architecture.removesuffix("ForCausalLM").lower())
     d: dict[str, Any] = {
-        "architectures": [cfg.architecture], "model_type": cfg.architecture.removesuffix("ForCausalLM").lower(),
+        "architectures": [cfg.architecture], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.qkv_bias, "hidden_act": cfg.hidden_act, "rope_scaling": cfg.rope_scaling,
+        "attention_bias": cfg.qkv_bias, "hidden_act": cfg.hidden_act, "rope_scaling": rope,
         "sliding_window": cfg.sliding_window, "use_sliding_window": cfg.sliding_window is not None,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1 else cfg.eos_token_ids[0],
@@ -253,7 +262,16 @@ def save_awq_checkpoint(model: nn.Module, cfg: ModelConfig, out: str | Path, gro
 
 def write_tokenizer(tokenizer: Any, out: Path) -> None:
     """Our Tokenizer (e.g. built from GGUF metadata) as tokenizer.json + tokenizer_config.json."""
-    tokenizer.raw.save(str(out / "tokenizer.json"))
+    raw = tokenizer.raw
+    if tokenizer.add_bos:  # HF's tokenizer adds the BOS through tokenizer.json's post-processor (it ignores
+        from tokenizers import Tokenizer as RawTokenizer  # add_bos_token), which a GGUF's has none of
+        from tokenizers import processors
+        raw = RawTokenizer.from_str(raw.to_str())
+        bos = processors.TemplateProcessing(single=f"{tokenizer.bos_token}:0 $A:0",
+                                            pair=f"{tokenizer.bos_token}:0 $A:0 $B:1",
+                                            special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+        raw.post_processor = bos if raw.post_processor is None else processors.Sequence([raw.post_processor, bos])
+    raw.save(str(out / "tokenizer.json"))
     tc = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
           "eos_token": tokenizer.eos_token, "add_bos_token": tokenizer.add_bos,
           "chat_template": tokenizer.chat_template}
