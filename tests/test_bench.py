@@ -143,6 +143,59 @@ def test_bench_serve_wall_ends_with_the_run_and_itl_is_per_choice(monkeypatch): 
     assert res.ok and len(res.itl) == 6 and min(res.itl) > 0.005  # 3 gaps per choice, each ~10 ms
 
 
+def test_bench_serve_times_every_token_chunk_and_the_runs_own_hit_rate(monkeypatch):  # type: ignore[no-untyped-def]
+    """A chunk whose text is empty (a special token, or text held for a character's next bytes) is a token
+    step, as vLLM's benchmark times it: they were skipped (TTFT moved to the first text, a 1-token request
+    with empty text failed 'no tokens streamed'). The prefix-cache hit rate is the run's own: the counters'
+    difference (it was the server's lifetime rate)."""
+    import asyncio
+    import json
+    import time
+
+    from lmserve.bench import serve
+
+    def client(texts: list[str]):  # type: ignore[no-untyped-def]
+        class Stream:
+            status_code = 200
+
+            async def __aenter__(self):  # type: ignore[no-untyped-def]
+                return self
+
+            async def __aexit__(self, *a):  # type: ignore[no-untyped-def]
+                return None
+
+            async def aiter_lines(self):  # type: ignore[no-untyped-def]
+                for t in texts:
+                    time.sleep(0.02)
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "text": t}]})
+                yield "data: [DONE]"
+
+        class Client:
+            def stream(self, *a, **k):  # type: ignore[no-untyped-def]
+                return Stream()
+        return Client()
+
+    res = asyncio.run(serve._one(client(["", "a", "", "b"]), "http://x", "m", serve.ServeRequest([5], 4), {}))
+    assert res.ok and len(res.itl) == 3 and res.ttft < 0.035 and min(res.itl) > 0.015, (res.ttft, res.itl)
+    res = asyncio.run(serve._one(client([""]), "http://x", "m", serve.ServeRequest([5], 1), {}))
+    assert res.ok and res.error is None
+
+    text = "\n".join(['# HELP x', 'lmserve_prefix_cache_hit_tokens_total 30.0',
+                      'lmserve_prefix_cache_queries_total 100.0', 'vllm:prefix_cache_hits_total{model_name="m"} 30.0'])
+
+    class Answer:
+        def __init__(self, text: str) -> None:
+            self.text = text
+    import httpx
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: Answer(text))
+    before = serve._scrape_prefix_counts("http://x", {})
+    assert before == (30.0, 100.0)
+    text = text.replace("100.0", "140.0")  # 40 more tokens looked up, none hit
+    assert serve.prefix_hit_rate(before, serve._scrape_prefix_counts("http://x", {})) == 0.0
+    text = 'vllm:prefix_cache_hits_total{model_name="m"} 50.0\nvllm:prefix_cache_queries_total{model_name="m"} 150.0'
+    assert serve.prefix_hit_rate((30.0, 100.0), serve._scrape_prefix_counts("http://x", {})) == 0.4  # vLLM's names
+
+
 def test_bench_flags_out_of_range_are_the_flags_errors(tiny_models, tmp_path, capsys):  # type: ignore[no-untyped-def]
     """bench spec --batch-sizes 0 was a ZeroDivisionError, --threads -1 a RuntimeError out of torch, an
     --output-json under a file a FileExistsError after the whole run: each is exit status 2 naming it."""

@@ -459,11 +459,17 @@ def test_stop_and_token_id_prompts(client):  # type: ignore[no-untyped-def]
 
 def test_tokenize_detokenize_models_health(server):  # type: ignore[no-untyped-def]
     t = post(server, "/tokenize", {"prompt": "Hello world"}).json()
-    assert t["count"] == len(t["tokens"]) > 0
+    assert t["count"] == len(t["tokens"]) > 0 and t["token_strs"] is None
     assert post(server, "/detokenize", {"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
     assert post(server, "/detokenize", {"tokens": [10**7]}).status_code == 400
+    # vLLM's return_token_strs: the vocabulary's strings (byte-level: a space is G-dot); it was dropped
+    t = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
+    assert t["token_strs"] == ["Hello", "\u0120world"] and len(t["tokens"]) == 2, t
+    assert post(server, "/tokenize", {"prompt": "Hi", "return_token_strs": "yes"}).status_code == 400
     m = httpx.get(server["url"] + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
-    assert m["data"][0]["id"] == "smollm2-135m"
+    card = m["data"][0]
+    assert card["id"] == "smollm2-135m" and card["parent"] is None and card["root"]  # vLLM's ModelCard
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"] is True
     assert httpx.get(server["url"] + "/health").status_code == 200  # open without a key
 
 
@@ -1169,6 +1175,7 @@ def test_bench_serve_against_server(server, tmp_path):  # type: ignore[no-untype
     rc = main(["bench", "serve", "--url", server["url"], "--api-key", KEY, "--num-requests", "10",
                "--request-rate", "20", "--input-len", "4", "16", "--output-len", "4", "12",
                "--shared-prefix-fraction", "0.5", "--num-prefixes", "1", "--prefix-len", "64", "--n-fraction", "0.3",
+               "--max-concurrency", "1",  # (the run's own hit rate: requests all at once would all miss)
                "--slo-ttft-ms", "60000", "--output-json", str(out), "--plot", "--no-progress"])
     assert rc == 0
     r = json.loads(out.read_text())["results"]

@@ -89,9 +89,8 @@ async def _one(client: Any, url: str, model: str, req: ServeRequest, headers: di
                 if chunk.get("usage"):
                     res.completion_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                for c in chunk.get("choices", []):
-                    if not c.get("text"):
-                        continue
+                for c in chunk.get("choices", []):  # a chunk is a step's tokens, text or not (a special
+                    # token's is empty; vLLM's benchmark times every one)
                     if res.ttft is None:
                         res.ttft = now - t0
                     if c.get("index", 0) in last:
@@ -106,16 +105,31 @@ async def _one(client: Any, url: str, model: str, req: ServeRequest, headers: di
     return res
 
 
-def _scrape_prefix_hit_rate(url: str, headers: dict[str, str]) -> float | None:
+def _scrape_prefix_counts(url: str, headers: dict[str, str]) -> tuple[float, float] | None:
+    """The server's prefix-cache (hit tokens, queried tokens) counters (lmserve's or vLLM's), or None."""
     import httpx
     try:
         text = httpx.get(url + "/metrics", headers=headers, timeout=5).text
     except Exception:
         return None
+    found: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("lmserve_prefix_cache_hit_rate "):
-            return float(line.split()[1])
-    return None
+        name, _, value = line.partition(" ")
+        name = name.split("{")[0]
+        for key, names in (("hits", ("lmserve_prefix_cache_hit_tokens_total", "vllm:prefix_cache_hits_total")),
+                           ("queries", ("lmserve_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"))):
+            if name in names and key not in found:
+                found[key] = float(value.split()[0])
+    return (found["hits"], found["queries"]) if len(found) == 2 else None
+
+
+def prefix_hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """The run's own prefix-cache hit rate, from the counters scraped before and after it (the server's
+    lifetime rate counted earlier runs too)."""
+    if before is None or after is None:
+        return None
+    queried = after[1] - before[1]
+    return (after[0] - before[0]) / queried if queried > 0 else 0.0
 
 
 async def run_serve(url: str, model: str, reqs: list[ServeRequest], rate: float, seed: int,
@@ -239,11 +253,12 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
         reqs = make_requests(a.num_requests, tuple(a.input_len), tuple(a.output_len), a.vocab_size,
                              a.shared_prefix_fraction, a.num_prefixes, a.prefix_len, a.n_fraction, a.n, a.seed)
+        before = _scrape_prefix_counts(url, headers)
         results, wall = asyncio.run(run_serve(url, a.model, reqs, a.request_rate, a.seed, a.api_key,
                                               a.max_concurrency, progress=not a.no_progress))
         summary = summarize(results, wall, a.slo_ttft_ms / 1e3 if a.slo_ttft_ms else None,
                             a.slo_tpot_ms / 1e3 if a.slo_tpot_ms else None)
-        summary["prefix_cache_hit_rate"] = _scrape_prefix_hit_rate(url, headers)
+        summary["prefix_cache_hit_rate"] = prefix_hit_rate(before, _scrape_prefix_counts(url, headers))
     finally:
         if proc is not None:
             proc.terminate()

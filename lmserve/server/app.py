@@ -32,7 +32,7 @@ from lmserve.server.cors import Cors
 from lmserve.server.errors import ApiError, invalid_request
 from lmserve.server.gate import Gate
 from lmserve.server.limits import ServerLimits
-from lmserve.server.lora_api import LoRAModules
+from lmserve.server.lora_api import LoRAModules, model_card
 from lmserve.server.formatting import ChatFormatter, CompletionFormatter, Formatter
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import (BaseRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -311,7 +311,8 @@ class OpenAIServer:
             ids = (await self.chat_ids_async(body.messages, body.add_generation_prompt, body.template_kwargs())
                    if body.messages is not None
                    else await asyncio.to_thread(tok.encode, body.prompt or "", add_special_tokens=body.add_special_tokens))
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.ae.max_model_len})
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.ae.max_model_len,
+                             "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None})
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize: token ids as text."""
@@ -326,10 +327,9 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: a card for each of the served model's names, then the LoRA adapters' (as vLLM)."""
-        return JSONResponse({"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(time.time()), "owned_by": "lmserve",
-            "root": self.ae.info()["model"], "max_model_len": self.ae.max_model_len} for name in self.served_models]
-            + self.loras.cards(self.served_model, self.ae.max_model_len)})
+        return JSONResponse({"object": "list", "data": [model_card(name, self.ae.info()["model"], None, self.ae.max_model_len)
+                                                        for name in self.served_models]
+                             + self.loras.cards(self.served_model, self.ae.max_model_len)})
 
 
 def build_app(ae: AsyncEngine, served_model: str | Sequence[str], api_key: str | None = None,

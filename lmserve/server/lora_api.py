@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from typing import Any
 
 from fastapi import Request
@@ -85,9 +86,18 @@ class LoRAModules:
 
     def cards(self, root_parent: str, max_model_len: int) -> list[dict[str, Any]]:
         """The adapters' /v1/models entries (vLLM's: root is the adapter's path, parent the base model)."""
-        return [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "lmserve",
-                 "root": req.lora_path, "parent": root_parent, "max_model_len": max_model_len}
-                for name, req in list(self.requests.items())]
+        return [model_card(name, req.lora_path, root_parent, max_model_len) for name, req in list(self.requests.items())]
+
+
+def model_card(name: str, root: str, parent: str | None, max_model_len: int) -> dict[str, Any]:
+    """A /v1/models entry, as vLLM's ModelCard (parent: the base model of an adapter, else None)."""
+    now = int(time.time())
+    return {"id": name, "object": "model", "created": now, "owned_by": "lmserve", "root": root, "parent": parent,
+            "max_model_len": max_model_len, "permission": [{
+                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                "group": None, "is_blocking": False}]}
 
 
 def register(app: Any, srv: Any) -> None:

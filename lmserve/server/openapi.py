@@ -111,12 +111,30 @@ class ChatCompletionResponse(_Out):
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
+class ModelPermission(_Out):
+    id: str
+    object: Literal["model_permission"]
+    created: int
+    allow_create_engine: bool
+    allow_sampling: bool
+    allow_logprobs: bool
+    allow_search_indices: bool
+    allow_view: bool
+    allow_fine_tuning: bool
+    organization: str
+    group: str | None
+    is_blocking: bool
+
+
 class ModelCard(_Out):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str  # the base model's path, or an adapter's
+    parent: str | None  # an adapter's base model
     max_model_len: int
+    permission: list[ModelPermission]
 
 
 class ModelList(_Out):
@@ -128,6 +146,7 @@ class TokenizeResponse(_Out):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None  # with return_token_strs
 
 
 class DetokenizeResponse(_Out):

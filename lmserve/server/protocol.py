@@ -369,6 +369,7 @@ class TokenizeRequest(TemplateArgs):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False  # vLLM's: each token's vocabulary string beside its id
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
