@@ -187,6 +187,9 @@ def test_bad_adapters_are_refused_naming_the_field(adapters, llm, tmp_path):  # 
     cases = {
         "lora_path": [str(tmp_path / "missing"), write_adapter(a, tmp_path / "dora", {"use_dora": True}),
                       write_adapter(a, tmp_path / "bias", {"bias": "all"}),
+                      # (an aLoRA was applied at every position: PEFT applies it from the invocation tokens on)
+                      write_adapter(a, tmp_path / "alora", {"alora_invocation_tokens": [70, 71]}),
+                      write_adapter(a, tmp_path / "params", {"target_parameters": ["mlp.experts.down_proj"]}),
                       write_adapter(a, tmp_path / "half", drop="q_proj.lora_B"),
                       write_adapter(a, tmp_path / "head", rename=("layers.0.mlp.down_proj", "lm_head")),
                       write_adapter(a, tmp_path / "deep", raw_config="[" * 100000 + "]" * 100000)],

@@ -176,6 +176,38 @@ def test_the_int8_model_over_2_ranks_equals_the_int8_model_in_one(tiny_models, m
         assert [o.outputs[0].token_ids for o in two.generate(_prompts(), GREEDY, use_tqdm=False)] == want
 
 
+def test_int8_activations_see_the_whole_layers_blocks_on_every_rank(tmp_path, monkeypatch):
+    """The CPU int8 kernel (avx2int8 / vnni) quantizes x per 32 input columns: an MLP of 96 channels was cut
+    48 / 48 and rank 1's blocks started mid-block (every logit of it moved, up to 0.03; greedy tokens
+    changed). The cut is now in whole 32s (64 / 32); heads whose o_proj columns would cut a block are
+    refused by name."""
+    import transformers as tf
+
+    from lmserve.layers import cpu_native
+    if cpu_native.isa() not in ("vnni", "avx2int8"):
+        pytest.skip(f"this CPU's int8 path is {cpu_native.isa()!r}: no int8-activation kernel to cut")
+    monkeypatch.setenv("LMSERVE_ISA", "avx2int8")  # (a lone sum's last bit cannot move a rounding between the two)
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    model = tf.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(tmp_path)
+    prompt = [(3 * j + 1) % 128 for j in range(20)]
+    with LLM(str(tmp_path), quantization="int8", kv_cache_memory="8MiB") as one:
+        logits = one.score(prompt)
+        want = one.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(str(tmp_path), quantization="int8", kv_cache_memory="8MiB", tensor_parallel_size=2) as two:
+        torch.testing.assert_close(two.score(prompt), logits, rtol=0, atol=1e-4)
+        assert two.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match=r"rank 0's attention heads \(o_proj input columns 0:16\) cut Int8Linear's "
+                                         r"blocks of 32"):  # 4 ranks: one 16-wide head each
+        LLM(str(tmp_path), quantization="int8", kv_cache_memory="8MiB", tensor_parallel_size=4)
+
+
 def test_what_cannot_be_split_is_refused_by_name(tiny_models):
     with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
         LLM(str(tiny_models["llama"][0]), tensor_parallel_size=3, kv_cache_memory="16MiB")

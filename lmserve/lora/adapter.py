@@ -92,7 +92,9 @@ def read_config(folder: Path, max_rank: int) -> tuple[dict[str, Any], int, float
         raise ValueError(f"lora_path: peft_type {cfg.get('peft_type')!r} is not LORA")
     unsupported = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (whole modules, not low-rank)",
                    "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
-                   "fan_in_fan_out": "fan_in_fan_out (Conv1D models)"}
+                   "fan_in_fan_out": "fan_in_fan_out (Conv1D models)",
+                   "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens: applied from those tokens on)",
+                   "target_parameters": "LoRA on parameters (target_parameters)", "arrow_config": "Arrow routing"}
     for key, what in unsupported.items():
         if cfg.get(key):
             raise ValueError(f"lora_path: the adapter uses {what}, which is not supported")

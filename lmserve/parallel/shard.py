@@ -18,12 +18,14 @@ holds exactly the integers and scales of the int8 model under TP=1.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import nn
 
 from lmserve.config import ModelConfig
 from lmserve.layers.linear import LinearBase
+from lmserve.layers.quant import GroupQuantLinear
 from lmserve.models.llama import MLP, Attention, LlamaForCausalLM
 from lmserve.models.registry import QuantEmbedding
 from lmserve.parallel.group import TPGroup, even_split, head_split, vocab_split
@@ -123,15 +125,32 @@ def check_shardable(model: nn.Module, cfg: ModelConfig, size: int) -> None:
         if type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
             raise ValueError(f"tensor parallelism: layer {i} of {cfg.architecture} is not dense attention + MLP "
                              f"(mixture-of-experts and MLA layers are not sharded yet)")
+    o_proj, unit = model.layers[0].self_attn.o_proj, col_unit(model.layers[0].self_attn.o_proj)
     for r in range(size):
-        head_split(cfg.num_heads, cfg.num_kv_heads, size, r)
+        qh, _ = head_split(cfg.num_heads, cfg.num_kv_heads, size, r)
+        c0, c1 = qh.start * cfg.head_dim, qh.stop * cfg.head_dim
+        if c0 % unit or (c1 % unit and c1 != o_proj.in_features):
+            raise ValueError(f"tensor parallelism: rank {r}'s attention heads (o_proj input columns {c0}:{c1}) cut "
+                             f"{type(o_proj).__name__}'s blocks of {unit} columns (quantization groups / the 32 "
+                             f"columns x is quantized in): use another tensor_parallel_size or quantization")
     even_split(cfg.intermediate_size, size, 0, mlp_unit(model))
 
 
+X_BLOCK = 32  # an integer layer's CPU kernel quantizes x per 32 input columns (llama.cpp's way): a rank's
+# columns must start on such a block, or its blocks, and so its x, are not the whole layer's
+
+
+def col_unit(layer: nn.Module) -> int:
+    """A row-parallel layer's input columns go to ranks in whole units of this: its quantization group
+    (unless one scale a row), and for integer weights the 32-column blocks x is quantized in."""
+    g = getattr(layer, "group_size", None)
+    unit = 1 if g is None or g == layer.in_features else g
+    return math.lcm(unit, X_BLOCK) if isinstance(layer, GroupQuantLinear) else unit
+
+
 def mlp_unit(model: nn.Module) -> int:
-    """The MLP channels go to ranks in whole units of the down projection's quantization group."""
-    g = getattr(model.layers[0].mlp.down_proj, "group_size", None)
-    return 1 if g is None or g == model.cfg.intermediate_size else g
+    """The MLP channels go to ranks in whole units of the down projection's (col_unit)."""
+    return col_unit(model.layers[0].mlp.down_proj)
 
 
 def shard_model(model: LlamaForCausalLM, cfg: ModelConfig, tp: TPGroup) -> ModelConfig:
