@@ -113,7 +113,7 @@ class FanOut:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time
-        child.first_token_time = parent.first_token_time
+        child.first_token_time, child.last_token_time = parent.first_token_time, parent.last_token_time
         child.family.beam_score = parent.family.beam_score
         family.append(child)
         self.scheduler.add_running(child, after=after)
@@ -137,6 +137,9 @@ class FanOut:
         for s in seqs:  # this step's tokens exist now, in the beams or (a search ending here) the hypotheses
             if s.first_token_time is None:
                 s.first_token_time = now
+            if s.last_token_time is not None:
+                stats.inter_token_latency.observe(now - s.last_token_time)
+            s.last_token_time = now
         used: set[int] = set()
         plan = []
         for b, tok, score in nxt:  # fork first: a clone copies its parent before the parent moves on

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from lmserve.kv.block_manager import BlockManager
 from lmserve.kv.offload import OffloadTier
 from lmserve.sequence import Sequence, Status
+from lmserve.stats import SchedulerStats
 
 
 @dataclass
@@ -39,21 +40,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class SchedulerStats:
-    """Cumulative counters."""
-
-    num_preemptions: int = 0
-    num_swapped: int = 0  # preemptions that swapped the KV out (the rest recompute)
-    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    prompt_tokens_queried: int = 0  # tokens looked up in the prefix cache at first admission (not a
-    # readmission, which finds its own blocks, nor a prompt_logprobs request, which looks nothing up)
-    prompt_tokens: int = 0  # prompt tokens of requests that produced their first token (once per request)
-    generation_tokens: int = 0  # tokens generated (all of a request's sequences; aborted ones' so far too)
-    computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
-    peak_used_blocks: int = 0
 
 
 class Scheduler:
@@ -150,6 +136,8 @@ class Scheduler:
         if not scheduled:  # no copies will run: the pins of sequences scheduled, then preempted, go
             self.release_pins()
         self.stats.computed_tokens += sum(scheduled.values())
+        if scheduled:
+            self.stats.step_tokens.observe(sum(scheduled.values()))
         decode = sum(n for s, n in scheduled.items() if n == 1 + s.spec.num_draft and s.num_output_tokens)
         self.last_batch = (sum(scheduled.values()) - decode, decode)  # (prefill, decode) tokens: the console
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.bm.num_blocks - self.bm.num_free_blocks)
@@ -331,6 +319,9 @@ class Scheduler:
             if seq in sampled:
                 if seq.first_token_time is None and seq.index == 0:  # the request's prompt, counted once
                     self.stats.prompt_tokens += seq.num_prompt_tokens
+                if seq.last_token_time is not None:
+                    self.stats.inter_token_latency.observe(now - seq.last_token_time)
+                seq.last_token_time = now
                 got, stop = self._append(seq, sampled[seq], now)
                 self.stats.generation_tokens += len(got) if seq.pooled is None else 0  # (an embedding's token: none)
                 received[seq] = got

@@ -306,6 +306,7 @@ class Sequence:
     num_preemptions: int = field(default=0, init=False)
     first_scheduled_time: float | None = field(default=None, init=False)
     first_token_time: float | None = field(default=None, init=False)
+    last_token_time: float | None = field(default=None, init=False)  # the step of its latest tokens (metrics)
     finished_time: float | None = field(default=None, init=False)
     generator: random.Random | None = field(default=None, init=False)  # this sequence's draws (host-side)
     prompt_logprobs: list[Logprob | None] = field(default_factory=list, init=False)

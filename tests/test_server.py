@@ -247,6 +247,38 @@ def test_metrics_under_vllms_names(client, server):  # type: ignore[no-untyped-d
     assert parse_load(vllm) == 6
 
 
+def test_vllms_request_and_step_histograms(client, server):  # type: ignore[no-untyped-def]
+    """vLLM's series that dashboards read (they were missing): inter-token latency (one a sequence a step
+    after its first; under its older name too), tokens a step, and per request its prompt / generated /
+    longest-choice tokens, n, max_tokens and the prefill / decode / inference phases. Checked against a
+    known workload: one n=2 request of 5 tokens each, one streamed request of 4."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server["url"] + "/metrics").text
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name.startswith("vllm:") and s.name.endswith(("_count", "_sum"))}
+    before = scrape()
+    a = client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=5, n=2, temperature=1.0,
+                                  seed=1, extra_body={"ignore_eos": True})
+    b = list(client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=4, stream=True, temperature=0,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    after = scrape()
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    prompt_tokens = a.usage.prompt_tokens + b[-1].usage.prompt_tokens
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+                 "request_params_n", "request_params_max_tokens", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert d[f"vllm:{name}_count"] == 2, name
+    assert d["vllm:request_prompt_tokens_sum"] == prompt_tokens
+    assert d["vllm:request_generation_tokens_sum"] == 10 + 4 and d["vllm:request_max_num_generation_tokens_sum"] == 5 + 4
+    assert d["vllm:request_params_n_sum"] == 3 and d["vllm:request_params_max_tokens_sum"] == 9
+    assert 0 < d["vllm:request_decode_time_seconds_sum"] < d["vllm:request_inference_time_seconds_sum"]
+    assert d["vllm:inter_token_latency_seconds_count"] == 2 * 4 + 3 > 0 and d["vllm:inter_token_latency_seconds_sum"] > 0
+    assert d["vllm:time_per_output_token_seconds_count"] == d["vllm:inter_token_latency_seconds_count"]
+    assert d["vllm:iteration_tokens_total_count"] >= 5 and d["vllm:iteration_tokens_total_sum"] >= prompt_tokens + 11
+
+
 def test_beam_search_and_best_of(client, server):  # type: ignore[no-untyped-def]
     kw = dict(model="smollm2-135m", prompt="The three primary colours are", max_tokens=8, n=2)
     beam = client.completions.create(extra_body={"use_beam_search": True}, best_of=3, temperature=0, **kw)

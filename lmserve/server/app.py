@@ -240,11 +240,11 @@ class OpenAIServer:
             async for out in self.ae.generate(rid, req):
                 failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
                 if failed is not None:  # the response is this error: none of the rest need run (closing
-                    self.metrics.observe(out)  # this stream aborts the request's other outputs)
+                    self.metrics.observe(out, req.params)  # this stream aborts the request's other outputs)
                     raise ApiError.engine_failure(failed.error, failed.error_status)
                 last = out
             assert last is not None
-            self.metrics.observe(last)
+            self.metrics.observe(last, req.params)
             return last
 
         tasks = [asyncio.ensure_future(one(*j)) for j in jobs]

@@ -13,14 +13,15 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from lmserve.outputs import RequestOutput
+from lmserve.sequence import SamplingParams
+from lmserve.stats import LATENCY_BUCKETS, buckets_125
 
 if TYPE_CHECKING:
     from lmserve.server.async_engine import AsyncEngine
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _WORST_FIRST = ("error", "abort", "length", "stop")
 # our series -> vLLM's names for the same quantity (vLLM's V1 engine; the KV usage under its older name too)
 VLLM_NAMES: dict[str, tuple[str, ...]] = {
@@ -41,6 +42,17 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "lmserve_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
     "lmserve_request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
     "lmserve_lora_requests_info": ("vllm:lora_requests_info",),  # (what LoRA-aware gateways route by)
+    # (time_per_output_token_seconds: the older name of inter_token_latency_seconds, which dashboards still read)
+    "lmserve_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "lmserve_iteration_tokens": ("vllm:iteration_tokens_total",),
+    "lmserve_request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "lmserve_request_generation_tokens": ("vllm:request_generation_tokens",),
+    "lmserve_request_max_num_generation_tokens": ("vllm:request_max_num_generation_tokens",),
+    "lmserve_request_params_n": ("vllm:request_params_n",),
+    "lmserve_request_params_max_tokens": ("vllm:request_params_max_tokens",),
+    "lmserve_request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "lmserve_request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "lmserve_request_inference_time_seconds": ("vllm:request_inference_time_seconds",),
 }
 
 
@@ -88,6 +100,13 @@ class _EngineCollector:
             yield c("lmserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", value=st.spec["accepted"])
             yield c("lmserve_spec_decode_num_drafts", "Verifications of drafts", value=st.spec["verifications"])
         yield g("lmserve_engine_alive", "1 while the engine loop runs", value=1.0 if self.ae.alive else 0.0)
+        for name, doc, snap in (("lmserve_inter_token_latency_seconds", "Time between a sequence's steps with tokens",
+                                 st.inter_token_latency),
+                                ("lmserve_iteration_tokens", "Tokens run through the model in a step", st.step_tokens)):
+            if snap is not None:  # (an engine's Histogram.snapshot(): bounds, cumulative counts, sum)
+                bounds, cum, total = snap
+                yield HistogramMetricFamily(name, doc, sum_value=total, buckets=[
+                    *((str(float(b)), c) for b, c in zip(bounds, cum)), ("+Inf", cum[-1])])
         if st.max_loras:  # vLLM's: the adapters in the running and waiting queues as labels, the time as value
             info = g("lmserve_lora_requests_info", "Running and waiting LoRA adapters",
                      labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
@@ -126,25 +145,47 @@ class ServerMetrics:
         self.requests = Counter("lmserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         for reason in _WORST_FIRST:  # every series from the start (a rate() over a new label has no past)
             self.requests.labels(reason)
-        self.ttft = Histogram("lmserve_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("lmserve_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
         # one observation a request, its mean (vLLM's request_time_per_output_token_seconds)
         self.tpot = Histogram("lmserve_request_time_per_output_token_seconds", "A request's TPOT",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("lmserve_e2e_request_latency_seconds", "End-to-end latency", buckets=_LATENCY_BUCKETS,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("lmserve_e2e_request_latency_seconds", "End-to-end latency", buckets=LATENCY_BUCKETS,
                              registry=r)
         self.queue = Histogram("lmserve_request_queue_time_seconds", "Arrival to first schedule",
-                               buckets=_LATENCY_BUCKETS, registry=r)
+                               buckets=LATENCY_BUCKETS, registry=r)
+        # vLLM's per-request phases: first schedule -> first token -> last token
+        phases = [Histogram(f"lmserve_request_{k}_time_seconds", doc, buckets=LATENCY_BUCKETS, registry=r)
+                  for k, doc in (("prefill", "First schedule to first token"), ("decode", "First token to the last"),
+                                 ("inference", "First schedule to the last token"))]
+        self.prefill, self.decode, self.inference = phases
+        tokens = buckets_125(max(async_engine.max_model_len, 1))
+        sizes = [Histogram(f"lmserve_request_{k}", doc, buckets=b, registry=r) for k, doc, b in (
+            ("prompt_tokens", "A request's prompt tokens", tokens),
+            ("generation_tokens", "A request's generated tokens (all its choices)", tokens),
+            ("max_num_generation_tokens", "A request's longest choice, in tokens", tokens),
+            ("params_n", "A request's n", buckets_125(100)), ("params_max_tokens", "A request's max_tokens", tokens))]
+        self.prompt_tokens, self.generation_tokens, self.max_generation_tokens, self.params_n, self.params_max = sizes
         engine = _EngineCollector(async_engine)
         r.register(engine)
-        r.register(_VllmNames([engine, self.requests, self.ttft, self.tpot, self.e2e, self.queue], model_name))
+        r.register(_VllmNames([engine, self.requests, self.ttft, self.tpot, self.e2e, self.queue, *phases, *sizes],
+                              model_name))
 
-    def observe(self, out: RequestOutput) -> None:
-        """Record a finished request."""
+    def observe(self, out: RequestOutput, params: SamplingParams | None = None) -> None:
+        """Record a finished request (params: what it asked for, for vLLM's request_params_* series; an
+        embedding request's are not)."""
         m = out.metrics
+        params = None if out.embedding is not None else params
         self.requests.labels(finish_reason(out)).inc()
         if m.first_scheduled_time is None:  # refused before it ran (max_waiting_time): no latencies
             return
-        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e), (self.queue, m.queue_time)):
+        last = m.finished_time if m.first_token_time is not None else None
+        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e), (self.queue, m.queue_time),
+                            (self.prefill, m.first_token_time and m.first_token_time - m.first_scheduled_time),
+                            (self.decode, last and last - m.first_token_time),
+                            (self.inference, last and last - m.first_scheduled_time),
+                            (self.prompt_tokens, m.num_prompt_tokens), (self.generation_tokens, m.num_output_tokens),
+                            (self.max_generation_tokens, m.num_decode_tokens),
+                            (self.params_n, params and params.n), (self.params_max, params and params.max_tokens)):
             if value is not None:
                 hist.observe(value)
 

@@ -48,7 +48,7 @@ async def merge_streams(ae: AsyncEngine, metrics: ServerMetrics, jobs: list[Any]
             async with contextlib.aclosing(ae.generate(rid, req, streams and streams[i])) as outs:  # closed (aborted) at once
                 async for out in outs:
                     if out.finished:
-                        metrics.observe(out)
+                        metrics.observe(out, req.params)
                     await q.put((i, out))
         except asyncio.CancelledError:
             raise  # the merge is gone: nobody to tell (waiting on a full queue here would never end)
