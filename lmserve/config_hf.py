@@ -12,11 +12,38 @@ from __future__ import annotations
 from typing import Any
 
 QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # max_window_layers: the layers from it on slide
+_QWEN = {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096}
+_DEEPSEEK = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+# What each architecture's transformers config class fills in for a key config.json leaves out, where that
+# is not the fallback model_fields gives every architecture (checked against the classes by
+# tests/test_hf_config.py::test_a_missing_key_reads_as_transformers_class_default). rope_theta: the last resort,
+# after config.json's own rope_parameters
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"bos_token_id": 1, "eos_token_id": 2},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "bos_token_id": 1,
+                           "eos_token_id": 2},
+    "Qwen2ForCausalLM": _QWEN,
+    "Qwen3ForCausalLM": {**_QWEN, "head_dim": 128},
+    "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 4, "head_dim": 256,
+                          "hidden_activation": "gelu_pytorch_tanh", "bos_token_id": 2, "eos_token_id": 1},
+    "MixtralForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                           "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2, "bos_token_id": 1,
+                           "eos_token_id": 2},
+    "Qwen3MoeForCausalLM": {**_QWEN, "num_key_value_heads": 4, "num_local_experts": 128, "num_experts_per_tok": 8,
+                            "moe_intermediate_size": 768},
+    "DeepseekV2ForCausalLM": {**_DEEPSEEK, "n_routed_experts": 64, "n_shared_experts": 2, "moe_intermediate_size": 1407,
+                              "bos_token_id": 1, "eos_token_id": 2},
+    "DeepseekV3ForCausalLM": {**_DEEPSEEK, "max_position_embeddings": 4096, "n_routed_experts": 256, "n_shared_experts": 1,
+                              "moe_intermediate_size": 2048, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+                              "first_k_dense_replace": 3, "bos_token_id": 0, "eos_token_id": 1},
+}
 
 
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig(**model_fields(cfg)) for an HF config.json dict."""
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    defaults = CLASS_DEFAULTS.get(arch, {})
+    cfg = {**{k: v for k, v in defaults.items() if k != "rope_theta"}, **cfg}  # (an explicit null stays null)
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     eos = cfg.get("eos_token_id")
@@ -24,7 +51,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     rope_theta = cfg.get("rope_theta")
     rope_params = cfg.get("rope_parameters") or {}
     if rope_theta is None:
-        rope_theta = rope_params.get("rope_theta", 10000.0)
+        rope_theta = rope_params.get("rope_theta", defaults.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling")
     if scaling is None and rope_params.get("rope_type", "default") != "default":
         scaling = rope_params

@@ -178,3 +178,49 @@ def test_windows_are_where_transformers_code_has_them(tmp_path, case):  # type: 
     with torch.no_grad():
         ref = hf(torch.tensor([LONG_IDS])).logits[0].float()
     assert (ours.score(LONG_IDS) - ref).abs().max().item() < 1e-4
+
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
+CLASSES = {  # each architecture's transformers config, as a small model of it would save it
+    "LlamaForCausalLM": ("LlamaConfig", {}), "MistralForCausalLM": ("MistralConfig", {"num_key_value_heads": 2}),
+    "Qwen2ForCausalLM": ("Qwen2Config", {"num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 8,
+                                         "max_window_layers": 2}),
+    "Qwen3ForCausalLM": ("Qwen3Config", {"num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 8,
+                                         "max_window_layers": 2}),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", {}), "MixtralForCausalLM": ("MixtralConfig", {"num_key_value_heads": 2}),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {}),
+    "DeepseekV2ForCausalLM": ("DeepseekV2Config", {"num_key_value_heads": 4, "n_routed_experts": 8,
+                                                   "num_experts_per_tok": 2}),
+    "DeepseekV3ForCausalLM": ("DeepseekV3Config", {"num_key_value_heads": 4}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CLASSES))
+def test_a_missing_key_reads_as_transformers_class_default(arch):  # type: ignore[no-untyped-def]
+    """Each key a config.json may leave out, left out: the same ModelConfig as transformers' class fills in.
+    Gemma 3 without hidden_activation ran SiLU (HF: tanh-GELU; 0.52 off in the logits), Mixtral without
+    rope_theta 1e4 (HF: 1e6), DeepSeek-V3 without n_group / topk_group routed with no group limit, Qwen3
+    without head_dim used hidden / heads (HF: 128), a missing num_key_value_heads meant every head."""
+    import transformers as tf
+    cls_name, extra = CLASSES[arch]
+    cls = getattr(tf, cls_name)
+    full = cls(**SMALL, **extra).to_dict()
+    full["architectures"] = [arch]
+    shape = {"architectures", "model_type", "transformers_version", *SMALL}
+    checked = 0
+    for key in sorted(set(full) - shape):
+        dropped = {k: v for k, v in full.items() if k != key}
+        try:
+            filled = cls.from_dict(dropped).to_dict()
+        except Exception:  # noqa: BLE001 - transformers refuses the config itself: nothing to compare
+            continue
+        filled["architectures"] = [arch]
+        try:
+            want = ModelConfig.from_hf(filled)
+        except ValueError:  # what transformers fills in, we refuse (a default our layers lack): refused both ways
+            with pytest.raises(ValueError):
+                ModelConfig.from_hf(dropped)
+            continue
+        assert ModelConfig.from_hf(dropped) == want, key
+        checked += 1
+    assert checked >= 15
