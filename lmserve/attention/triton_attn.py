@@ -350,16 +350,17 @@ class TritonAttention:
     supports_cuda_graphs = True  # a static decode batch needs no host-side lengths (see _plan)
 
     def __init__(self, rows: int = 64, max_splits: int = 16, target_programs: int | None = None,
-                 prefill_keys: int = 64, decode_keys: int = 64, fp32_dot: str = "tf32") -> None:
+                 prefill_keys: int = 64, decode_keys: int = 64, fp32_dot: str | None = None) -> None:
         self.rows = rows  # query rows (tokens x heads of a group) per prefill program; >= 16 for tl.dot
         self.prefill_keys = prefill_keys  # keys per iteration of a prefill program (whole pages)
         self.decode_keys = decode_keys  # keys x query heads per iteration of a decode program (registers)
         self.max_splits = max_splits
         self.target_programs = target_programs  # decode programs a step aims at; None: grid_target(device)
         # prefill tl.dot on float32 inputs: "tf32" (tensor cores, ~1e-3 relative) or "ieee" (exact
-        # products; what the kernel checks use). bf16 inputs (the CUDA default) ignore it: exact products,
-        # float32 accumulation.
-        self.fp32_dot = fp32_dot
+        # products; what the kernel checks use); None: as torch's float32 matmuls
+        # (torch.set_float32_matmul_precision: "highest", the default, is ieee), as SDPA and the torch path
+        # compute a float32 model. bf16 inputs (the CUDA default) ignore it: exact products, float32 accumulation.
+        self.fp32_dot = fp32_dot or ("ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32")
 
     def _splits(self, num_decodes: int, num_kv_heads: int, device: torch.device, max_pages: int | None = None) -> int:
         """Split-KV factor: enough programs for ~2 waves, never more splits than pages."""
