@@ -366,3 +366,15 @@ def test_an_engine_that_fails_after_its_ranks_started_stops_them(tiny_models):  
         assert two.generate([[5, 9, 13]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
         with pytest.raises(RuntimeError, match="already running"):
             init_group(2, 0, "cpu", 5, None, "tcp://127.0.0.1:1")
+
+
+def test_a_rank_that_dies_before_the_group_forms_is_named(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+    """Rank 0 waits distributed_timeout for the group, then said only torch's rendezvous error (a
+    timeout in a TCP store); it names the rank that exited, and its status."""
+    from lmserve.parallel import driver
+
+    def dying(config, init):  # type: ignore[no-untyped-def]
+        return [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])]
+    monkeypatch.setattr(driver, "spawn_workers", dying)
+    with pytest.raises(RuntimeError, match=r"rank 1 exited \(status 3\) before the group formed"):
+        LLM(str(tiny_models["llama"][0]), tensor_parallel_size=2, distributed_timeout=3, kv_cache_memory="16MiB")

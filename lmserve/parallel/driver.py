@@ -199,11 +199,15 @@ def load_tensor_parallel(config: EngineConfig) -> tuple[ModelConfig, TPModel, An
         tp = init_group(size, 0, config.device, config.distributed_timeout, config.distributed_interface, init)
         local: list[ModelConfig] = []
         cfg, model, tokenizer = load_model(config, shard=lambda m, c: local.append(shard_model(m, c, tp)))
-    except BaseException:
+    except BaseException as e:
+        gone = [(rank, w.poll()) for rank, w in enumerate(workers, 1) if w.poll() is not None]
         for w in workers:
             w.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if gone and isinstance(e, Exception):  # (rank 0 waited for it until the timeout: a rendezvous error)
+            raise RuntimeError(f"tensor parallelism: rank {gone[0][0]} exited (status {gone[0][1]}) before the group "
+                               f"formed; its own error is in its output above") from e
         raise
     proxy = TPModel(model, tp, cfg, local[0], workers, min(1.0, config.distributed_timeout / 4))
     proxy.start_heartbeat()  # from now on: the other ranks wait for INIT while the engine sizes its cache
