@@ -115,7 +115,22 @@ def test_bench_serve_wall_ends_with_the_run_and_itl_is_per_choice(monkeypatch): 
     _, wall = asyncio.run(serve.run_serve("http://x", "m", reqs, 4.0, seed, progress=False))
     assert abs(wall - (gaps[0] + gaps[1])) < 0.1 < gaps[2] - 0.3
 
-    class Stream:  # two choices' chunks, alternating, 10 ms apart per pair
+    # two choices' chunks, alternating, 10 ms apart per pair
+    pairs = [(0.01 if i == 0 else 0.0, {"choices": [{"index": i, "text": "x"}]}) for _ in range(4) for i in (0, 1)]
+    usage = (0.0, {"choices": [], "usage": {"completion_tokens": 8, "prompt_tokens": 2}})
+    monkeypatch.undo()
+    res = asyncio.run(serve._one(streaming_client([*pairs, usage]), "http://x", "m", serve.ServeRequest([5, 6], 4, n=2),
+                                 {}))
+    assert res.ok and len(res.itl) == 6 and min(res.itl) > 0.005  # 3 gaps per choice, each ~10 ms
+
+
+def streaming_client(chunks: list[tuple[float, dict]]):  # type: ignore[no-untyped-def]
+    """An httpx-like client whose one stream sends each chunk as an SSE data line after its delay (s),
+    then [DONE]."""
+    import json
+    import time
+
+    class Stream:
         status_code = 200
 
         async def __aenter__(self):  # type: ignore[no-untyped-def]
@@ -125,22 +140,15 @@ def test_bench_serve_wall_ends_with_the_run_and_itl_is_per_choice(monkeypatch): 
             return None
 
         async def aiter_lines(self):  # type: ignore[no-untyped-def]
-            import json
-            import time
-            for _ in range(4):
-                time.sleep(0.01)
-                for i in (0, 1):
-                    yield "data: " + json.dumps({"choices": [{"index": i, "text": "x"}]})
-            yield "data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 8, "prompt_tokens": 2}})
+            for delay, chunk in chunks:
+                time.sleep(delay)
+                yield "data: " + json.dumps(chunk)
             yield "data: [DONE]"
 
     class Client:
         def stream(self, *a, **k):  # type: ignore[no-untyped-def]
             return Stream()
-
-    monkeypatch.undo()
-    res = asyncio.run(serve._one(Client(), "http://x", "m", serve.ServeRequest([5, 6], 4, n=2), {}))
-    assert res.ok and len(res.itl) == 6 and min(res.itl) > 0.005  # 3 gaps per choice, each ~10 ms
+    return Client()
 
 
 def test_bench_serve_times_every_token_chunk_and_the_runs_own_hit_rate(monkeypatch):  # type: ignore[no-untyped-def]
@@ -149,31 +157,11 @@ def test_bench_serve_times_every_token_chunk_and_the_runs_own_hit_rate(monkeypat
     with empty text failed 'no tokens streamed'). The prefix-cache hit rate is the run's own: the counters'
     difference (it was the server's lifetime rate)."""
     import asyncio
-    import json
-    import time
 
     from lmserve.bench import serve
 
     def client(texts: list[str]):  # type: ignore[no-untyped-def]
-        class Stream:
-            status_code = 200
-
-            async def __aenter__(self):  # type: ignore[no-untyped-def]
-                return self
-
-            async def __aexit__(self, *a):  # type: ignore[no-untyped-def]
-                return None
-
-            async def aiter_lines(self):  # type: ignore[no-untyped-def]
-                for t in texts:
-                    time.sleep(0.02)
-                    yield "data: " + json.dumps({"choices": [{"index": 0, "text": t}]})
-                yield "data: [DONE]"
-
-        class Client:
-            def stream(self, *a, **k):  # type: ignore[no-untyped-def]
-                return Stream()
-        return Client()
+        return streaming_client([(0.02, {"choices": [{"index": 0, "text": t}]}) for t in texts])
 
     res = asyncio.run(serve._one(client(["", "a", "", "b"]), "http://x", "m", serve.ServeRequest([5], 4), {}))
     assert res.ok and len(res.itl) == 3 and res.ttft < 0.035 and min(res.itl) > 0.015, (res.ttft, res.itl)
