@@ -182,6 +182,29 @@ def test_a_response_whose_client_left_leaves_no_task_behind(tiny_models):  # typ
     assert not llm.engine.requests and llm.stats().used_blocks == 0
 
 
+def test_a_reader_whose_event_loop_closed_does_not_stop_the_engine(tiny_models):  # type: ignore[no-untyped-def]
+    """A request's reader lives on an event loop that ends (asyncio.run returns) while the request still
+    runs and before any abort: the engine drops that request and goes on serving (before, handing it
+    the next output raised 'Event loop is closed' on the engine thread and the whole loop died)."""
+    with merging_server(tiny_models) as (llm, ae, _srv):
+        async def start():  # type: ignore[no-untyped-def]
+            stream = ae.submit("orphan", ae.process_request(PROMPTS[1], SamplingParams(max_tokens=400, ignore_eos=True)))
+            await stream.queue.get()  # it runs; its loop now closes without reading on or aborting
+        asyncio.run(start())
+        for _ in range(250):
+            if not llm.engine.requests or not ae.alive:
+                break
+            time.sleep(0.02)
+        assert ae.alive and ae.error is None
+        assert not llm.engine.requests and llm.stats().used_blocks == 0
+
+        async def after():  # type: ignore[no-untyped-def]
+            req = ae.process_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+            return [o async for o in ae.generate("next", req)][-1]
+        last = asyncio.run(after())
+        assert last.finished and len(last.outputs[0].token_ids) == 5
+
+
 def test_a_started_request_is_not_expired_for_a_child_still_waiting(tiny_models):  # type: ignore[no-untyped-def]
     """n = 2 with a one-token prompt: the children are queued from the start, and with room for one
     sequence the second waits while the first runs; past max_waiting_time the request is not ended

@@ -63,13 +63,24 @@ class _Stream:
     sent: int = 0  # outputs put (engine thread)
     read: int = 0  # outputs taken (the reader)
 
-    def put(self, item: object) -> None:
+    def put(self, item: object) -> bool:
+        """Hand an item to the reader's event loop; False when that loop is closed (nobody will read)."""
         self.sent += 1
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        return _call_soon(self.loop, self.queue.put_nowait, item)
 
     @property
     def unread(self) -> int:
         return self.sent - self.read
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
+    """fn(*args) on `loop` from the engine thread; False when the loop is closed (its reader is gone:
+    an event loop that ended with a request in flight must not take the engine loop down with it)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
 
 
 def _settle(done: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -293,8 +304,10 @@ class AsyncEngine:
                         del self._streams[out.request_id]
                         stream.put(SlowReaderError(f"{MAX_UNREAD} outputs unread: the client is not reading"))
                         continue
-                    stream.put(out)
-                    if out.finished:
+                    if not stream.put(out) and not out.finished:  # its reader's loop closed: drop it
+                        self._engine.abort_request(out.request_id)
+                        del self._streams[out.request_id]
+                    elif out.finished:
                         del self._streams[out.request_id]
                 if self.view.watched:
                     self._watched(self.view.after_step, outputs)
@@ -321,7 +334,7 @@ class AsyncEngine:
                 result, exc = fn(self._engine), None
             except Exception as e:  # the caller's alone
                 result, exc = None, e
-            loop.call_soon_threadsafe(_settle, done, result, exc)
+            _call_soon(loop, _settle, done, result, exc)
         for rid, request, stream, arrived in pending:
             try:
                 self._engine.add_request(rid, request, arrival_time=arrived)
@@ -360,7 +373,7 @@ class AsyncEngine:
             for _, _, stream, _ in pending:
                 stream.put(error)
             for _, loop, done in calls:
-                loop.call_soon_threadsafe(_settle, done, None, error)
+                _call_soon(loop, _settle, done, None, error)
         for rid in list(self._engine.requests):
             try:
                 self._engine.abort_request(rid)
