@@ -337,6 +337,11 @@ class Scheduler:
                                           seq.block_hashes, salt=seq.cache_salt)
         return received
 
+    def took_back(self, n: int) -> None:
+        """n tokens counted generated were dropped after all (past a stop string or a grammar's end, in a
+        speculative window): generation_tokens counts what the requests kept."""
+        self.stats.generation_tokens -= n
+
     def release_pins(self) -> None:
         """The step's block copies are done (or the step failed): let go of their pinned sources."""
         for blocks in self._pinned.values():

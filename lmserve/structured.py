@@ -154,6 +154,7 @@ class GrammarState:
         self.failed = False  # a kept token the grammar did not accept (the sequence is stopped)
         self.why = "structured output: the model produced a token its grammar does not allow"  # when failed
         self.status = 500  # the HTTP status of that failure: 400 when no token could continue the grammar
+        self.dead_row: int | None = None  # of the step's bitmask rows (fill), the first no token can pass, if any
 
     @property
     def terminated(self) -> bool:
@@ -316,9 +317,13 @@ class StructuredOutputs:
         all, or those up to the one that completed the grammar (a stop token it accepted), or those
         before one it refused (then `failed` is set). The caller drops the rest and ends the sequence."""
         g = seq.grammar
+        dead, g.dead_row = g.dead_row, None
         for i, tok in enumerate(tokens):
             if g.terminated:
                 return i  # a stop token ended it: nothing after it stands
+            if i == dead:  # drawn where no token could pass: nothing stands from here (fill said why)
+                g.failed = True
+                return i
             if not g.matcher.accept_token(tok):
                 g.failed = True
                 log.warning("structured output: token %d of request %s is not allowed by its grammar", tok,
@@ -333,31 +338,31 @@ class StructuredOutputs:
         kept = self.advance(seq, new)
         if kept < len(new):
             del seq.token_ids[len(seq.token_ids) - (len(new) - kept):]
-        if (seq.grammar.terminated or seq.grammar.failed) and not seq.is_finished:
-            finish(seq, "stop")
+        if seq.grammar.terminated and not seq.is_finished:
+            finish(seq, "stop")  # (a refused one the caller ends with the grammar's reason: OutputProcessor.fail)
         return new[:kept]
 
     # ---------------------------------------------------------------- the step's bitmask
     def fill(self, rows: list[tuple[Sequence, list[int]]]) -> dict[Sequence, torch.Tensor]:
         """For each (sequence, drafts): len(drafts) + 1 bitmask rows (W,) int32: the tokens allowed next,
         then after each draft in turn (a draft the grammar refuses leaves the rows after it all ones:
-        verification rejects it first). The matcher is rolled back to where it was."""
+        verification rejects it first). A row no token can pass (the grammar's, or it and
+        allowed_token_ids together) is the sequence's `dead_row`: a token drawn there ends it with the
+        reason (advance). The matcher is rolled back to where it was."""
         out: dict[Sequence, torch.Tensor] = {}
         for seq, drafts in rows:
-            m = seq.grammar.matcher
+            g, m = seq.grammar, seq.grammar.matcher
+            g.dead_row = None
             mask = torch.full((len(drafts) + 1, self.width), -1, dtype=torch.int32)  # (k + 1, W)
             accepted = 0
             for i in range(len(drafts) + 1):
                 if m.is_terminated():
                     break
                 m.fill_next_token_bitmask(mask, i)
-                if i == 0 and not mask[0].any():  # no token may come next: the vocabulary cannot write what the
-                    g = seq.grammar  # grammar needs (SmolLM2 has no byte 0xF1: U+42221 is beyond it)
-                    g.why, g.status = ("structured output: no token of the model's vocabulary can continue the "
-                                       "constraint (it needs a character the tokenizer cannot write)"), 400
-                elif i == 0 and seq.params.allowed_token_ids and not _any_set(mask[0], seq.params.allowed_token_ids):
-                    g = seq.grammar  # (else every logit would be masked: a token neither allows would come out)
-                    g.why, g.status = ("allowed_token_ids: none of them can continue the structured output"), 400
+                why = self._dead(mask[i], seq.params.allowed_token_ids)
+                if why is not None:  # (every logit there is masked: whatever came out would be neither's)
+                    g.dead_row, g.why, g.status = i, why, 400
+                    break
                 if i == len(drafts) or not m.accept_token(drafts[i]):
                     break
                 accepted += 1
@@ -365,6 +370,16 @@ class StructuredOutputs:
                 m.rollback(accepted)
             out[seq] = mask
         return out
+
+    @staticmethod
+    def _dead(row: torch.Tensor, allowed: list[int] | None) -> str | None:
+        """Why no token can pass a bitmask row (W,) int32 (with allowed_token_ids), or None."""
+        if not row.any():  # the vocabulary cannot write what the grammar needs (SmolLM2 has no byte 0xF1)
+            return ("structured output: no token of the model's vocabulary can continue the constraint "
+                    "(it needs a character the tokenizer cannot write)")
+        if allowed and not _any_set(row, allowed):
+            return "allowed_token_ids: none of them can continue the structured output"
+        return None
 
     def fill_async(self, rows: list[tuple[Sequence, list[int]]]) -> Future:
         """fill() on the worker thread (overlapping the model's forward); the Future's result is

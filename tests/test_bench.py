@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lmserve.cli import main
-from tests.conftest import FailOnCall
+from tests.conftest import FailOnCall, char_tokenizer_model
 
 
 def test_throughput_json_with_hf_baseline(tiny_models, tmp_path, capsys):  # type: ignore[no-untyped-def]
@@ -242,3 +242,23 @@ def test_a_benchmark_whose_requests_fail_raises(tiny_models):  # type: ignore[no
     with pytest.raises(RuntimeError, match="injected fault"):
         run_latency(llm, 2, 8, 8, repeats=1, peak_bandwidth=1e9)
     assert not llm.engine.has_unfinished_requests() and llm.stats().used_blocks == 0
+
+
+def test_bench_spec_acceptance_by_position_is_each_rows_own(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """bench spec's per-position acceptance of a row counts that row's runs alone: the batch-2 row of a
+    "1,2" run (two prompts; the batch-1 row ran one) equals the one row of a "2" run
+    (before, every row reported the engine's cumulative figures since its start); a model without a
+    tokenizer is refused naming it (it was an AttributeError)."""
+    path = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars")
+    assert main(["bench", "spec", "--model", str(tiny_models["llama"][0]), "--methods", "none",
+                 "--batch-sizes", "1", "--num-prompts", "1", "--max-tokens", "4"]) == 2
+
+    def rows(sizes: str) -> list[dict]:
+        out = tmp_path / f"spec-{sizes}.json"
+        assert main(["bench", "spec", "--model", str(path), "--methods", "ngram", "--batch-sizes", sizes,
+                     "--num-prompts", "1", "--max-tokens", "24", "--kv-cache-memory", "16MiB",
+                     "--spec-min-acceptance", "0", "--output-json", str(out)]) == 0
+        return json.loads(out.read_text())["rows"]
+    both, alone = rows("1,2"), rows("2")
+    assert [r["batch"] for r in both] == [1, 2] and alone[0]["proposed"] > 0
+    assert both[1]["acceptance_by_position"] == pytest.approx(alone[0]["acceptance_by_position"])

@@ -30,6 +30,24 @@ def test_children_equal_seeded_requests_alone(llm):  # type: ignore[no-untyped-d
     assert st.used_blocks == 0 and st.free_blocks == st.num_blocks
 
 
+def test_children_equal_seeded_requests_alone_with_speculation(tiny_models):  # type: ignore[no-untyped-def]
+    """The same rule with n-gram speculation on a repetitive prompt: child i equals a request alone with
+    seed + i, the alone ones on an engine without prefix caching (before, a child whose prompt was cached
+    but its last token drafted on that prompt token, drawing its random numbers otherwise: a seeded
+    output then depended on the cache)."""
+    path, _ = tiny_models["llama"]
+    prompt = [7, 8, 9, 10, 11] * 8
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 3, "kv_cache_memory": "256MiB"}
+    fam = LLM(str(path), block_size=16, **spec).generate([prompt], params, use_tqdm=False)[0]
+    cold = LLM(str(path), block_size=16, enable_prefix_caching=False, **spec)
+    for i, out in enumerate(fam.outputs):
+        alone = cold.generate([prompt], SamplingParams(temperature=1.0, seed=11 + i, max_tokens=24, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == alone.token_ids, i
+    assert cold.stats().spec["proposed"] > 0  # drafts ran
+
+
 def test_children_under_preemption(tiny_models):  # type: ignore[no-untyped-def]
     path, _ = tiny_models["llama"]
     from lmserve.kv.cache import KVCache

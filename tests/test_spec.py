@@ -123,6 +123,18 @@ def test_rejection_multi_position_and_point_mass():
     assert verify(q, [best[0], wrong, best[2]], None, None, greedy=True) == ([best[0], best[1]], 1)
 
 
+def test_a_position_no_token_can_pass_accepts_no_draft():
+    """A row whose logits were all masked (a grammar and allowed_token_ids that leave nothing) has NaN
+    probabilities: its draft is rejected, with a point-mass draft and with a draft distribution (before,
+    min(1, nan) read as 1 and the draft, a token nothing allowed, was accepted)."""
+    q = torch.tensor([[0.5, 0.5, 0.0], [float("nan")] * 3, [1.0, 0.0, 0.0]], dtype=torch.float64)  # (k+1, V): row 1 dead
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
+    for seed in range(20):
+        for probs in (None, p):
+            toks, n = verify(q, [0, 2], probs, random.Random(seed), greedy=False)
+            assert n <= 1 and toks[:n] == [0, 2][:n], (toks, n)
+
+
 @pytest.mark.parametrize("extra", [{}, {"repetition_penalty": 1.5, "logit_bias": {7: 3.0}}, {"min_tokens": 4}])
 def test_greedy_verification_argmax_is_target_probs_argmax(extra: dict) -> None:
     """The runner's greedy verification reads the processed argmax directly (Sampler.target_argmax):
@@ -225,7 +237,7 @@ def test_speculative_outputs_equal_plain_with_stops_and_logprobs(smol, monkeypat
     """Defects 2 and 3: several tokens arriving in one step (accepted drafts) must end a request
     exactly where one token per step would: a stop string completed before an EOS / stop token in
     the same step wins, and the tokens dropped after any stop take their logprobs (and their share
-    of cumulative_logprob) with them."""
+    of cumulative_logprob) with them, and leave the generation_tokens metric (they stayed counted)."""
     eng = smol.engine
     tok = smol.tokenizer
     eos = tok.eos_token_ids[0]
@@ -248,7 +260,9 @@ def test_speculative_outputs_equal_plain_with_stops_and_logprobs(smol, monkeypat
         for _ in range(6):  # random speculative chunkings of the same token stream
             cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(1, min(6, len(stream) - 1))))
             chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+            counted = smol.stats().generation_tokens
             spec = scripted(eng, prompt, chunks, params, monkeypatch)
+            assert smol.stats().generation_tokens - counted == len(spec.token_ids), (kw, chunks)  # (the metric)
             assert (spec.text, spec.token_ids, spec.finish_reason, spec.stop_reason) == \
                 (plain.text, plain.token_ids, plain.finish_reason, plain.stop_reason), (kw, chunks)
             assert [(lp.token_id, lp.logprob) for lp in spec.logprobs] == \

@@ -130,6 +130,34 @@ def test_speculation_with_a_grammar_gives_the_same_tokens(tmp_path):  # type: ig
     assert st["proposed"] > 0 and st["accepted"] < st["proposed"], st  # drafts ran, some were refused
 
 
+def test_speculation_reaching_a_position_nothing_can_pass_ends_as_one_token_at_a_time_does():  # type: ignore[no-untyped-def]
+    """allowed_token_ids (the digits) and a grammar (two digits, two letters) leave no token for the third
+    position; n-gram drafts copy "12ab" from the prompt. The request must end as it does without
+    speculation: "12", then a 400 naming allowed_token_ids (before, the dead row's all -inf logits made a
+    NaN probability that verification took as acceptance: the forbidden "ab" came out, then a 500; greedy
+    lost a character of its text to the failure)."""
+    from lmserve import LLM
+    prompt = "12ab12ab12ab12ab12ab12ab12ab"
+    outs = {}
+    for spec in (False, True):
+        llm = LLM(quantization="none", kv_cache_memory="256MiB",
+                  **({"speculative_method": "ngram", "num_speculative_tokens": 4} if spec else {}))
+        digits = [llm.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
+        params = [SamplingParams(max_tokens=8, temperature=t, seed=s, allowed_token_ids=digits,
+                                 structured_outputs=StructuredOutputsParams(regex="[0-9]{2}[a-z]{2}"))
+                  for t, s in ((0, None), (1.0, 0), (1.0, 1))]
+        outs[spec] = [o.outputs[0] for o in llm.generate([prompt] * 3, params, use_tqdm=False)]
+        if spec:
+            assert llm.stats().spec["proposed"] > 0  # drafts ran
+        del llm
+    for plain, spec in zip(outs[False], outs[True]):
+        assert plain.finish_reason == spec.finish_reason == "error", (plain, spec)
+        assert spec.error_status == 400 and "allowed_token_ids" in spec.error, spec
+        assert all(t in range(32, 42) for t in spec.token_ids) and len(spec.token_ids) == 2, spec
+        assert spec.text.isdigit() and len(spec.text) == 2, spec
+    assert outs[False][0].token_ids == outs[True][0].token_ids and outs[False][0].text == outs[True][0].text
+
+
 def test_fill_rolls_back_and_stops_at_a_forbidden_draft(smol):  # type: ignore[no-untyped-def]
     """The bitmask rows of a speculating sequence: one per position, all ones after a draft the grammar
     refuses; the matcher is where it was afterwards (the same rows again)."""

@@ -31,6 +31,14 @@ TEXTS = [
 ]
 
 
+
+def by_position(before: dict, after: dict) -> list[float]:
+    """Acceptance at each draft position between two SpecStats.as_dict snapshots (this row's runs alone)."""
+    def delta(key: str) -> list[int]:
+        a, b = after.get(key, []), before.get(key, [])
+        return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+    return [acc / prop for acc, prop in zip(delta("accepted_at"), delta("proposed_at")) if prop]
+
 def task_prompts(tokenizer: Any, n: int, task: str = "copy") -> list[list[int]]:
     out = []
     for i in range(n):
@@ -133,6 +141,8 @@ def cmd_spec(a: argparse.Namespace) -> int:
             raise ValueError(f"num_prompts: must be >= 1, got {a.num_prompts}")
         kw["spec_max_batch"] = max(int(b) for b in a.batch_sizes.split(","))
         llm = LLM(a.model, **kw)
+        if llm.tokenizer is None:
+            raise ValueError("model: bench spec writes its prompts as text; this model has no tokenizer")
         timers = _Timers(llm)
         for b in (int(x) for x in a.batch_sizes.split(",")):
             n = -(-max(a.num_prompts, b) // b) * b  # whole waves of b
@@ -158,7 +168,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
                          "tokens_per_s": toks / wall, "proposed": prop, "accepted": acc,
                          "acceptance_rate": acc / prop if prop else None,
                          "mean_accepted_length": 1 + acc / ver if ver else None,
-                         "acceptance_by_position": after.get("acceptance_by_position"),
+                         "acceptance_by_position": by_position(before, after),
                          "draft_s_per_round": timers.draft_s / timers.drafted if timers.drafted else None,
                          "verify_step_s": timers.verify_s / timers.verify_steps if timers.verify_steps else None,
                          "decode_step_s": timers.plain_s / timers.plain_steps if timers.plain_steps else None})

@@ -67,4 +67,5 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
                 "acceptance_by_position": self.acceptance_by_position, "verifications": self.num_verifications,
-                "mean_accepted_length": self.mean_accepted_length}
+                "mean_accepted_length": self.mean_accepted_length,
+                "proposed_at": list(self.proposed_at), "accepted_at": list(self.accepted_at)}
