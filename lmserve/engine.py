@@ -202,11 +202,8 @@ class Engine:
             counted = seq.num_output_tokens
             if seq.grammar is not None:  # tokens past a complete grammar, or from a refused one, go
                 new = self.structured.keep(seq, new, self.scheduler.finish)
-                if seq.grammar.failed:  # ended first: the tokens it kept are text, none is a stop token
-                    self.output.fail(seq, seq.grammar.why, status=seq.grammar.status)
-            self.output.process(seq, new, res.logprobs.get(seq, []))
-            if new and seq.num_output_tokens < counted:  # a stop string or a grammar's end cut a draft window
-                self.scheduler.took_back(counted - seq.num_output_tokens)
+            self.output.process(seq, new, res.logprobs.get(seq, []))  # (a refused grammar: it fails it)
+            self.scheduler.took_back(counted - seq.num_output_tokens)  # cut by a stop string or a grammar
         self.fanout.after_step(out, res.beam, self.requests)
         if self.spec is not None:  # sequences that ended this step (stopped, pruned) let their draft state go
             self.spec.release(seq for seq, _ in out.scheduled)

@@ -120,14 +120,20 @@ class OutputProcessor:
         """End a sequence with finish_reason 'error' and its reason (what the server answers with
         `status`: 500 for a failure inside the engine, 503 for a request that waited too long, 400 for
         one the model cannot serve)."""
-        seq.output.error, seq.output.error_status = error, status
+        out = seq.output
+        if out.detok is not None and not seq.is_finished:  # the whole characters held back are its text too
+            out.text += out.detok.flush()
+        out.error, out.error_status = error, status
         self.finish(seq, "error", override=True)
 
     def process(self, seq: Sequence, new_tokens: list[int], logprobs: list[Logprob]) -> None:
         """Text and stop strings for the tokens a step delivered, then the kept tokens' logprobs. A
-        failure here ends this sequence alone (finish_reason 'error'), never the engine."""
+        sequence whose grammar refused a token (StructuredOutputs.keep dropped it and what followed: every
+        token here is text, none ended it) then fails with the grammar's reason, unless a stop string
+        came first. A failure here ends this sequence alone (finish_reason 'error'), never the engine."""
+        refused = seq.grammar is not None and seq.grammar.failed
         try:
-            kept = self._text(seq, new_tokens)
+            kept = self._text(seq, new_tokens, ended_by_token=not refused)
         except Exception as e:  # one request's failure must not reach the others
             log.exception("output processing failed for %s", seq.request_id)
             self.fail(seq, f"{type(e).__name__}: {e}")
@@ -137,8 +143,10 @@ class OutputProcessor:
             if seq.params.logprobs is not None:
                 out.logprobs.append(lp)
             out.cumulative_logprob += lp.logprob
+        if refused and not isinstance(seq.stop_reason, str):
+            self.fail(seq, seq.grammar.why, status=seq.grammar.status)  # type: ignore[union-attr]
 
-    def _text(self, seq: Sequence, new_tokens: list[int]) -> int:
+    def _text(self, seq: Sequence, new_tokens: list[int], ended_by_token: bool = True) -> int:
         """Detokenize the new tokens one by one and apply stop strings (the stop string itself is not
         emitted, nor the text of an EOS or stop token that ended the sequence, unless
         include_stop_str_in_output). Tokens after a stop string (possible when several arrive at once) are dropped.
@@ -155,12 +163,13 @@ class OutputProcessor:
             return len(new_tokens)
         p = seq.params
         last = len(new_tokens) - 1
+        ender = last if ended_by_token else -1  # the token that ended the sequence, if one of these did
         for i, tok in enumerate(new_tokens):
             before = len(out.text)
-            if i == last and seq.finish_reason == "stop" and not p.include_stop_str_in_output:
+            if i == ender and seq.finish_reason == "stop" and not p.include_stop_str_in_output:
                 break  # the EOS / stop token that ended it: its id stays, its text does not (vLLM's rule)
             out.text += out.detok.step([tok])
-            if not p.stop or (i == last and seq.finish_reason not in (None, "length")):
+            if not p.stop or (i == ender and seq.finish_reason not in (None, "length")):
                 continue
             if seq.num_output_tokens - (last - i) <= p.min_tokens:  # as stop tokens: none before min_tokens
                 continue  # (vLLM's rule: a stop string counts from the token after the min_tokens-th)

@@ -338,8 +338,8 @@ class Scheduler:
         return received
 
     def took_back(self, n: int) -> None:
-        """n tokens counted generated were dropped after all (past a stop string or a grammar's end, in a
-        speculative window): generation_tokens counts what the requests kept."""
+        """n (>= 0) tokens counted generated were dropped after all (past a stop string or a grammar's end,
+        in a speculative window, or refused by a grammar): generation_tokens counts what the requests kept."""
         self.stats.generation_tokens -= n
 
     def release_pins(self) -> None:

@@ -154,7 +154,8 @@ class GrammarState:
         self.failed = False  # a kept token the grammar did not accept (the sequence is stopped)
         self.why = "structured output: the model produced a token its grammar does not allow"  # when failed
         self.status = 500  # the HTTP status of that failure: 400 when no token could continue the grammar
-        self.dead_row: int | None = None  # of the step's bitmask rows (fill), the first no token can pass, if any
+        self.dead: tuple[int, str] | None = None  # of the step's bitmask rows (fill): the first no token can
+        # pass, and why (a token drawn there fails the sequence with a 400)
 
     @property
     def terminated(self) -> bool:
@@ -317,12 +318,12 @@ class StructuredOutputs:
         all, or those up to the one that completed the grammar (a stop token it accepted), or those
         before one it refused (then `failed` is set). The caller drops the rest and ends the sequence."""
         g = seq.grammar
-        dead, g.dead_row = g.dead_row, None
+        dead, g.dead = g.dead, None
         for i, tok in enumerate(tokens):
             if g.terminated:
                 return i  # a stop token ended it: nothing after it stands
-            if i == dead:  # drawn where no token could pass: nothing stands from here (fill said why)
-                g.failed = True
+            if dead is not None and i == dead[0]:  # drawn where no token could pass: nothing stands from here
+                g.failed, g.why, g.status = True, dead[1], 400
                 return i
             if not g.matcher.accept_token(tok):
                 g.failed = True
@@ -347,12 +348,12 @@ class StructuredOutputs:
         """For each (sequence, drafts): len(drafts) + 1 bitmask rows (W,) int32: the tokens allowed next,
         then after each draft in turn (a draft the grammar refuses leaves the rows after it all ones:
         verification rejects it first). A row no token can pass (the grammar's, or it and
-        allowed_token_ids together) is the sequence's `dead_row`: a token drawn there ends it with the
+        allowed_token_ids together) is the sequence's `dead` row: a token drawn there ends it with the
         reason (advance). The matcher is rolled back to where it was."""
         out: dict[Sequence, torch.Tensor] = {}
         for seq, drafts in rows:
             g, m = seq.grammar, seq.grammar.matcher
-            g.dead_row = None
+            g.dead = None
             mask = torch.full((len(drafts) + 1, self.width), -1, dtype=torch.int32)  # (k + 1, W)
             accepted = 0
             for i in range(len(drafts) + 1):
@@ -361,7 +362,7 @@ class StructuredOutputs:
                 m.fill_next_token_bitmask(mask, i)
                 why = self._dead(mask[i], seq.params.allowed_token_ids)
                 if why is not None:  # (every logit there is masked: whatever came out would be neither's)
-                    g.dead_row, g.why, g.status = i, why, 400
+                    g.dead = (i, why)
                     break
                 if i == len(drafts) or not m.accept_token(drafts[i]):
                     break

@@ -135,7 +135,8 @@ def test_speculation_reaching_a_position_nothing_can_pass_ends_as_one_token_at_a
     position; n-gram drafts copy "12ab" from the prompt. The request must end as it does without
     speculation: "12", then a 400 naming allowed_token_ids (before, the dead row's all -inf logits made a
     NaN probability that verification took as acceptance: the forbidden "ab" came out, then a 500; greedy
-    lost a character of its text to the failure)."""
+    lost a character of its text to the failure), or, with the stop string "2", a stop there; and
+    generation_tokens counts the tokens kept either way."""
     from lmserve import LLM
     prompt = "12ab12ab12ab12ab12ab12ab12ab"
     outs = {}
@@ -143,13 +144,18 @@ def test_speculation_reaching_a_position_nothing_can_pass_ends_as_one_token_at_a
         llm = LLM(quantization="none", kv_cache_memory="256MiB",
                   **({"speculative_method": "ngram", "num_speculative_tokens": 4} if spec else {}))
         digits = [llm.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
-        params = [SamplingParams(max_tokens=8, temperature=t, seed=s, allowed_token_ids=digits,
+        params = [SamplingParams(max_tokens=8, temperature=t, seed=s, allowed_token_ids=digits, stop=stop,
                                  structured_outputs=StructuredOutputsParams(regex="[0-9]{2}[a-z]{2}"))
-                  for t, s in ((0, None), (1.0, 0), (1.0, 1))]
-        outs[spec] = [o.outputs[0] for o in llm.generate([prompt] * 3, params, use_tqdm=False)]
+                  for t, s, stop in ((0, None, None), (1.0, 0, None), (1.0, 1, None), (0, None, ["2"]))]
+        outs[spec] = [o.outputs[0] for o in llm.generate([prompt] * 4, params, use_tqdm=False)]
+        assert llm.stats().generation_tokens == sum(len(o.token_ids) for o in outs[spec])  # what they kept
         if spec:
             assert llm.stats().spec["proposed"] > 0  # drafts ran
         del llm
+    stopped = [outs[False].pop(), outs[True].pop()]
+    for o in stopped:  # a stop string before the dead position ends it first, as one token at a time does
+        assert (o.finish_reason, o.stop_reason, o.text, o.error) == ("stop", "2", "1", None), o
+    assert stopped[0].token_ids == stopped[1].token_ids
     for plain, spec in zip(outs[False], outs[True]):
         assert plain.finish_reason == spec.finish_reason == "error", (plain, spec)
         assert spec.error_status == 400 and "allowed_token_ids" in spec.error, spec

@@ -49,7 +49,7 @@ def verify(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
     for i, x in enumerate(drafts):
         qx = float(q[i, x])
         px = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        if px > 0 and qx > 0 and _uniform(generator) < min(1.0, qx / px):  # (a NaN row: no token passes)
+        if px > 0 and _uniform(generator) < qx / px:  # (q(x) / p(x) >= 1 always passes; NaN, a dead row's, never)
             continue
         if draft_probs is None:
             residual = q[i].clone()

@@ -90,11 +90,11 @@ class SpecPolicy:
             if set(last) <= set(running):  # none finished: no wait for new work can lie in between
                 self.costs.record_step(rows, self.clock() - self._since)
             self._timed = None
-        # decoding, one output token on: a prompt whose last token alone is left (the rest cached) drafts
-        # nothing, as with nothing cached (a seeded sequence's draws must not depend on the cache)
-        seqs = [s for s in running
-                if s.num_tokens - s.num_computed_tokens == 1 and s.num_computed_tokens >= s.num_prompt_tokens]
-        ks = [self._num_drafts(s, len(running)) for s in seqs]
+        seqs = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]  # one-row steps
+        # a prompt whose last token alone is left (the rest cached) drafts nothing, as with nothing cached
+        # (a seeded sequence's draws must not depend on the cache); it is still a row of the step
+        ks = [self._num_drafts(s, len(running)) if s.num_computed_tokens >= s.num_prompt_tokens else 0
+              for s in seqs]
         if self.goodput:
             ks = self._choose(seqs, ks)
             self._plain = 0 if any(ks) else self._plain + 1
