@@ -133,7 +133,7 @@ class OutputProcessor:
         came first. A failure here ends this sequence alone (finish_reason 'error'), never the engine."""
         refused = seq.grammar is not None and seq.grammar.failed
         try:
-            kept = self._text(seq, new_tokens, ended_by_token=not refused)
+            kept = self._text(seq, new_tokens)
         except Exception as e:  # one request's failure must not reach the others
             log.exception("output processing failed for %s", seq.request_id)
             self.fail(seq, f"{type(e).__name__}: {e}")
@@ -146,7 +146,7 @@ class OutputProcessor:
         if refused and not isinstance(seq.stop_reason, str):
             self.fail(seq, seq.grammar.why, status=seq.grammar.status)  # type: ignore[union-attr]
 
-    def _text(self, seq: Sequence, new_tokens: list[int], ended_by_token: bool = True) -> int:
+    def _text(self, seq: Sequence, new_tokens: list[int]) -> int:
         """Detokenize the new tokens one by one and apply stop strings (the stop string itself is not
         emitted, nor the text of an EOS or stop token that ended the sequence, unless
         include_stop_str_in_output). Tokens after a stop string (possible when several arrive at once) are dropped.
@@ -163,7 +163,8 @@ class OutputProcessor:
             return len(new_tokens)
         p = seq.params
         last = len(new_tokens) - 1
-        ender = last if ended_by_token else -1  # the token that ended the sequence, if one of these did
+        refused = seq.grammar is not None and seq.grammar.failed  # (then none of these ended it: all text)
+        ender = -1 if refused else last  # the token that ended the sequence, if one of these did
         for i, tok in enumerate(new_tokens):
             before = len(out.text)
             if i == ender and seq.finish_reason == "stop" and not p.include_stop_str_in_output:
