@@ -165,7 +165,7 @@ class GrammarState:
 
 def _any_set(row: torch.Tensor, ids: list[int]) -> bool:
     """Whether a bitmask row (W,) int32 allows any of the token ids."""
-    t = torch.tensor(ids)  # (K,)
+    t = torch.tensor(ids, dtype=torch.long)  # (K,)
     return bool(((row[t // 32] >> (t % 32)) & 1).any())
 
 
@@ -347,8 +347,8 @@ class StructuredOutputs:
     def fill(self, rows: list[tuple[Sequence, list[int]]]) -> dict[Sequence, torch.Tensor]:
         """For each (sequence, drafts): len(drafts) + 1 bitmask rows (W,) int32: the tokens allowed next,
         then after each draft in turn (a draft the grammar refuses leaves the rows after it all ones:
-        verification rejects it first). A row no token can pass (the grammar's, or it and
-        allowed_token_ids together) is the sequence's `dead` row: a token drawn there ends it with the
+        verification rejects it first). A row no token can pass (the grammar's, or it with
+        allowed_token_ids or bad_words) is the sequence's `dead` row: a token drawn there ends it with the
         reason (advance). The matcher is rolled back to where it was."""
         out: dict[Sequence, torch.Tensor] = {}
         for seq, drafts in rows:
@@ -360,7 +360,7 @@ class StructuredOutputs:
                 if m.is_terminated():
                     break
                 m.fill_next_token_bitmask(mask, i)
-                why = self._dead(mask[i], seq.params.allowed_token_ids)
+                why = self._dead(seq, mask[i], seq.num_output_tokens - len(drafts) + i)
                 if why is not None:  # (every logit there is masked: whatever came out would be neither's)
                     g.dead = (i, why)
                     break
@@ -373,13 +373,21 @@ class StructuredOutputs:
         return out
 
     @staticmethod
-    def _dead(row: torch.Tensor, allowed: list[int] | None) -> str | None:
-        """Why no token can pass a bitmask row (W,) int32 (with allowed_token_ids), or None."""
+    def _dead(seq: Sequence, row: torch.Tensor, before: int) -> str | None:
+        """Why no token can pass a bitmask row (W,) int32 with allowed_token_ids and bad_words (the
+        sampler's rule, after the output's first `before` tokens), or None."""
         if not row.any():  # the vocabulary cannot write what the grammar needs (SmolLM2 has no byte 0xF1)
             return ("structured output: no token of the model's vocabulary can continue the constraint "
                     "(it needs a character the tokenizer cannot write)")
-        if allowed and not _any_set(row, allowed):
-            return "allowed_token_ids: none of them can continue the structured output"
+        p, out = seq.params, seq.output_token_ids[:before]
+        banned = {w[-1] for w in p.bad_words_token_ids or () if len(w) == 1 or out[-(len(w) - 1):] == w[:-1]}
+        if p.allowed_token_ids and not _any_set(row, [t for t in p.allowed_token_ids if t not in banned]):
+            return "allowed_token_ids: none of them can continue the structured output (bad_words aside)"
+        if banned and not p.allowed_token_ids:
+            bits = ((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(-1)  # (32 W,)
+            bits[sorted(banned)] = False
+            if not bits.any():
+                return "bad_words: they are all the structured output allows next"
         return None
 
     def fill_async(self, rows: list[tuple[Sequence, list[int]]]) -> Future:

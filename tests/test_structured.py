@@ -383,6 +383,28 @@ def test_allowed_tokens_that_cannot_continue_a_constraint_fail_the_request(smol)
     assert o.text == ""
 
 
+def test_bad_words_that_leave_a_constraint_nothing_fail_the_request_with_a_400():  # type: ignore[no-untyped-def]
+    """bad_words the grammar needs: every digit banned where the grammar wants one, or the word "123"
+    where the grammar wants its last token after "12" (found at that position inside an n-gram draft
+    window too). The request ends with a 400 naming bad_words, the tokens before kept (before, the
+    sampler drew from an all -inf row and the grammar's refusal was a 500)."""
+    from lmserve import LLM
+    for spec in (False, True):
+        llm = LLM(quantization="none", kv_cache_memory="256MiB",
+                  **({"speculative_method": "ngram", "num_speculative_tokens": 4} if spec else {}))
+        every, word = llm.generate(["Numbers: 12", "123123123123123123123123"], [
+            SamplingParams(max_tokens=6, temperature=0, bad_words=[str(d) for d in range(10)],
+                           structured_outputs=StructuredOutputsParams(regex="[0-9]{2}")),
+            SamplingParams(max_tokens=6, temperature=0, bad_words=["123"],
+                           structured_outputs=StructuredOutputsParams(regex="123"))], use_tqdm=False)
+        for o, text in ((every.outputs[0], ""), (word.outputs[0], "12")):
+            assert o.finish_reason == "error" and o.error_status == 400 and "bad_words" in o.error, (spec, o)
+            assert o.text == text, (spec, o)
+        if spec:
+            assert llm.stats().spec["proposed"] > 0
+        del llm
+
+
 def test_children_reuse_the_requests_compiled_grammar(smol):  # type: ignore[no-untyped-def]
     """n = 3: the request's grammar is compiled once, when it is validated; the children forked on the
     engine's thread take it from the request, never compile again (a compile there, slow or failing,
