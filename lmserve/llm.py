@@ -90,12 +90,20 @@ class LLM:
                 raise
             return self._run(ids, use_tqdm)
 
-    def embed(self, prompts: Any, pooling_params: PoolingParams | list[PoolingParams] | None = None,
-              use_tqdm: bool = True, lora_request: Any = None) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts: Any,
+              pooling_params: PoolingParams | list[PoolingParams] | tuple[PoolingParams, ...] | None = None,
+              use_tqdm: bool = True, lora_request: Any = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """An embedding per prompt (vLLM's LLM.embed): the final hidden states pooled (PoolingParams: the last
-        token's by default, or the mean), cut to `dimensions`, L2-normalised; prompts as generate() takes them."""
+        token's by default, or the mean), cut to `dimensions`, L2-normalised; prompts as generate() takes them
+        (truncate_prompt_tokens: each prompt's last k tokens, as PoolingParams' field)."""
         n = len(prompt_list(prompts))
-        pp = pooling_params if isinstance(pooling_params, list) else [pooling_params or PoolingParams()] * n
+        one = pooling_params if pooling_params is not None else PoolingParams()
+        pp = list(pooling_params) if isinstance(pooling_params, (list, tuple)) else [one] * n
+        if len(pp) != n or not all(isinstance(p, PoolingParams) for p in pp):
+            raise ValueError(f"pooling_params: one PoolingParams, or one per prompt ({n}), got {pooling_params!r}")
+        if truncate_prompt_tokens is not None:
+            pp = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pp]
         outs = self.generate(prompts, pp, use_tqdm=use_tqdm, lora_request=lora_request)  # type: ignore[arg-type]
         for o in outs:
             if o.embedding is None:  # (a failed step: its error)
@@ -167,7 +175,10 @@ class LLM:
         """Logits (T, V) float32 at every position of the prompt (or (1, V) for the last), teacher-
         forced through the paged cache: one prefill, or with decode_from=P a prefill of P tokens and
         one decode step per later token (with a LoRARequest: its adapter's). For checks against a
-        reference and the no-cache baseline."""
+        reference and the no-cache baseline. (Not vLLM's LLM.score, which pairs texts: the server's /score.)"""
+        if not isinstance(last_only, bool):  # (vLLM's score(text, [texts]) put its texts here)
+            raise TypeError(f"last_only: must be a bool, got {type(last_only).__name__}; LLM.score gives a prompt's "
+                            f"logits: to score texts against each other, compare LLM.embed vectors (or POST /score)")
         ids = self.engine.tokenize_prompt(prompt)
         if len(ids) > self.engine.max_model_len:  # (past the rotary table: an IndexError, on CUDA a device assert)
             raise ValueError(f"prompt: {len(ids)} tokens, past max_model_len ({self.engine.max_model_len})")

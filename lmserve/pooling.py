@@ -23,7 +23,7 @@ class PoolingParams:
     """How a request's prompt becomes one vector (vLLM's PoolingParams, embed task)."""
 
     pooling_type: str = "last"
-    normalize: bool = True
+    normalize: bool | None = True  # None: the default (True)
     dimensions: int | None = None  # keep the first this many (Matryoshka models), before normalising
     truncate_prompt_tokens: int | None = None  # run the prompt's last k tokens (as SamplingParams': -1 the context)
 
@@ -31,8 +31,10 @@ class PoolingParams:
         """ValueError naming the field."""
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type: must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.normalize is None:  # vLLM's None: the model's default (normalised)
+            self.normalize = True
         if not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize: must be true or false, got {self.normalize!r}")
+            raise ValueError(f"normalize: must be true, false or None, got {self.normalize!r}")
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= hidden_size):
             raise ValueError(f"dimensions: must be an integer in [1, {hidden_size}] (the model's hidden size), got {d!r}")

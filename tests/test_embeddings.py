@@ -157,6 +157,53 @@ def test_server_embeddings_route(tiny_models, tmp_path):  # type: ignore[no-unty
         assert llm.stats().used_blocks == 0
 
 
+def test_pooling_routes_name_the_field_and_count_as_vllm(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """Found by the pooling hunt (each failed before): --max-prompts counts a rerank's documents (a query
+    with 4 documents was refused at 4) and names input / documents / text_2 (it said prompt); a text past
+    the context, or empty, is named by its own field (text_1's was text_2, a query's documents); a
+    mixed-type input is `input` (it was input.str); normalize null is the default; usage counts each
+    pair's tokens, /score and /rerank alike (vLLM's count; they disagreed). The library: pooling params as
+    a tuple, truncate_prompt_tokens as embed's keyword, SamplingParams refused naming pooling_params, and
+    vLLM's score(text, texts) a TypeError instead of a prompt's logits."""
+    from starlette.testclient import TestClient
+
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    from lmserve.server.limits import ServerLimits
+    from tests.conftest import char_tokenizer_model
+    llm = LLM(str(char_tokenizer_model(tiny_models["llama"][0], tmp_path / "m")), kv_cache_memory="64MiB",
+              max_model_len=64)
+    long = "w" * 80
+    with TestClient(build_app(AsyncEngine(llm.engine), "tiny", limits=ServerLimits(max_prompts=4))) as c:
+        assert c.post("/rerank", json={"query": "q", "documents": ["a", "b", "c", "d"]}).status_code == 200
+        for path, body, field in (
+                ("/v1/embeddings", {"input": ["a", "b", "c", "d", "e"]}, "input"),
+                ("/rerank", {"query": "q", "documents": ["a", "b", "c", "d", "e"]}, "documents"),
+                ("/score", {"text_1": "q", "text_2": ["a", "b", "c", "d", "e"]}, "text_2"),
+                ("/score", {"text_1": "a", "text_2": [long]}, "text_2"), ("/score", {"text_1": long, "text_2": "a"}, "text_1"),
+                ("/rerank", {"query": long, "documents": ["a"]}, "query"),
+                ("/rerank", {"query": "a", "documents": ["b", long]}, "documents"),
+                ("/score", {"text_1": "", "text_2": "b"}, "text_1"), ("/score", {"text_1": ["a", ""], "text_2": ["b", "c"]}, "text_1"),
+                ("/v1/embeddings", {"input": [1, "a"]}, "input"), ("/v1/embeddings", {"input": [True]}, "input")):
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, body, r.text)
+        plain = c.post("/v1/embeddings", json={"input": "ab"}).json()["data"][0]["embedding"]
+        assert c.post("/v1/embeddings", json={"input": "ab", "normalize": None}).json()["data"][0]["embedding"] == plain
+        score = c.post("/score", json={"text_1": "ab", "text_2": ["abc", "abc"]}).json()["usage"]
+        rerank = c.post("/rerank", json={"query": "ab", "documents": ["abc", "abc"]}).json()["usage"]
+        assert score["prompt_tokens"] == score["total_tokens"] == rerank["total_tokens"] == 2 * (2 + 3)
+    ref = llm.embed(["ab", "c"], use_tqdm=False)
+    got = llm.embed(["ab", "c"], (PoolingParams(), PoolingParams(normalize=None)), use_tqdm=False)
+    assert [o.outputs.embedding for o in got] == [o.outputs.embedding for o in ref]
+    assert len(llm.embed(["abcdef"], truncate_prompt_tokens=2, use_tqdm=False)[0].prompt_token_ids) == 2
+    for bad in (SamplingParams(max_tokens=2), [PoolingParams()]):
+        with pytest.raises(ValueError, match="^pooling_params"):
+            llm.embed(["a", "b"], bad, use_tqdm=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^last_only"):
+        llm.score("What is it?", ["a text"])  # type: ignore[arg-type]
+    assert llm.stats().used_blocks == 0
+
+
 def test_mean_pooling_through_preemption(tiny_models):  # type: ignore[no-untyped-def]
     """A tight pool (40 blocks of 4) preempts an embedding request mid-prompt and recomputes it: its mean
     pooling still counts each position once (HF's in float64)."""

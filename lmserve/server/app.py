@@ -29,7 +29,7 @@ from lmserve.sequence import Request as EngineRequest
 from lmserve.server import anthropic_api, disagg, embeddings_api, lora_api, ops, responses_api, sagemaker, openapi as oa
 from lmserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.server.cors import Cors
-from lmserve.server.errors import ApiError, invalid_request
+from lmserve.server.errors import ApiError, field_path, invalid_request
 from lmserve.server.gate import Gate
 from lmserve.server.limits import ServerLimits
 from lmserve.server.lora_api import LoRAModules, model_card
@@ -82,7 +82,7 @@ class OpenAIServer:
             body = model.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or None
+            loc = field_path(err["loc"])
             raise ApiError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param=loc) from None
         if body.model is not None and body.model not in self.model_names():
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "

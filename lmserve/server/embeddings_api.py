@@ -42,7 +42,7 @@ class EmbeddingRequest(TemplateArgs):
     user: str | None = None
     truncate_prompt_tokens: Int | None = None
     add_special_tokens: StrictBool | None = None  # None: true for input, false for messages (the template's own)
-    normalize: StrictBool = True
+    normalize: StrictBool | None = True  # (null: the default, as vLLM reads it)
     pooling_type: Literal["last", "mean"] = "last"
     priority: Int = 0
 
@@ -136,9 +136,11 @@ class ScoreRequest(BaseRequest):
         return list(zip(a, b))
 
     def check(self) -> None:
-        pairs = self.pairs()
-        if not pairs or any(not t for pair in pairs for t in pair):
-            raise ValueError("text_2: must not be empty (nor any text)")
+        for name in ("text_1", "text_2"):
+            texts = getattr(self, name)
+            if not texts or any(not t for t in ([texts] if isinstance(texts, str) else texts)):
+                raise ValueError(f"{name}: must not be empty (nor any text)")
+        self.pairs()
         super().check()
 
 
@@ -157,24 +159,27 @@ class RerankRequest(BaseRequest):
 
 
 async def embed_all(srv: Any, request: Request, prompts: list[Any], body: Any, rid: str,
-                    pooling: PoolingParams | None = None, field: str = "input") -> tuple[list[list[float]], int]:
-    """The prompts' embeddings (run together as engine requests) and their prompt tokens; 4xx on bad input,
-    a bad prompt's named as `field` (the body's name for its texts)."""
-    renames = (("prompt_token_ids", field), ("prompt", field))
-    with invalid_request():
-        srv.limits.check_prompts(len(prompts))
+                    pooling: PoolingParams | None = None, fields: str | list[str] = "input",
+                    count: tuple[int, str] | None = None) -> tuple[list[list[float]], list[int]]:
+    """The prompts' embeddings (run together as engine requests) and each one's prompt tokens; 4xx on bad
+    input, a bad prompt's named as its field (`fields`: the body's name for each, or for all). `count`:
+    the texts the request sent as its batch (--max-prompts), and their field; all the prompts unless given."""
+    names = [fields] * len(prompts) if isinstance(fields, str) else fields
+    n, name = count or (len(prompts), names[0])
+    with invalid_request((("prompt", name),)):
+        srv.limits.check_prompts(n)
 
-    def prepare(prompt: str | list[int]) -> Any:
-        with invalid_request(renames):
+    def prepare(prompt: str | list[int], field: str) -> Any:
+        with invalid_request((("prompt_token_ids", field), ("prompt", field))):
             ids = srv.ae.tokenize(prompt, getattr(body, "add_special_tokens", None) is not False)
             ids = srv.ae.truncate(prompt, ids, body.truncate_prompt_tokens, fill=True)
             req = srv.ae.process_request(with_salt(ids, body.cache_salt), pooling or PoolingParams(),
                                          srv.adapter(body.model))
             return dataclasses.replace(req, priority=body.priority)
-    jobs = [(f"{rid}-{i}", await asyncio.to_thread(prepare, p)) for i, p in enumerate(prompts)]
+    jobs = [(f"{rid}-{i}", await asyncio.to_thread(prepare, p, f)) for i, (p, f) in enumerate(zip(prompts, names))]
     srv.first_check(jobs)
     outs = await srv.run_all(request, jobs)
-    return [o.embedding for o in outs], sum(len(o.prompt_token_ids) for o in outs)
+    return [o.embedding for o in outs], [len(o.prompt_token_ids) for o in outs]
 
 
 def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
@@ -184,11 +189,14 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
     async def create(request: Request) -> Response:
         body = await srv.parse(request, EmbeddingRequest)
         rid = f"embd-{uuid.uuid4().hex}"
-        pooling = PoolingParams(pooling_type=body.pooling_type, normalize=body.normalize, dimensions=body.dimensions)
+        pooling = PoolingParams(pooling_type=body.pooling_type, normalize=body.normalize is not False,
+                                dimensions=body.dimensions)
         prompts = body.prompts() or [await asyncio.to_thread(  # a conversation: the rendered template's token ids
             srv.chat_ids, body.messages, body.add_generation_prompt, body.template_kwargs(), body.chat_template,
             bool(body.add_special_tokens))]
-        vectors, used = await embed_all(srv, request, prompts, body, rid, pooling, "input" if body.input else "messages")
+        vectors, counts = await embed_all(srv, request, prompts, body, rid, pooling,
+                                          "input" if body.input else "messages")
+        used = sum(counts)
 
         def encode(v: list[float]) -> list[float] | str:
             return v if body.encoding_format == "float" else base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
@@ -200,10 +208,15 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
     async def score(request: Request) -> Response:
         body = await srv.parse(request, ScoreRequest)
         pairs = body.pairs()
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
+        named = dict.fromkeys((t, f) for pair in pairs for t, f in zip(pair, ("text_1", "text_2")))
+        texts = list(dict.fromkeys(t for t, _ in named))  # each distinct text embedded once
+        field = {t: f for t, f in reversed(named)}  # (its first field)
         rid = f"score-{uuid.uuid4().hex}"
-        vectors, used = await embed_all(srv, request, texts, body, rid, field="text_1")
+        vectors, counts = await embed_all(srv, request, texts, body, rid, fields=[field[t] for t in texts],
+                                          count=(len(pairs), "text_2"))
         at = {t: np.asarray(v, dtype=np.float64) for t, v in zip(texts, vectors)}
+        tokens = dict(zip(texts, counts))
+        used = sum(tokens[a] + tokens[b] for a, b in pairs)  # each pair's, as vLLM counts (a text per pair)
         return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": srv.response_model(body),
                              "data": [{"index": i, "object": "score", "score": float(at[a] @ at[b])}
                                       for i, (a, b) in enumerate(pairs)],
@@ -212,7 +225,10 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
     async def rerank(request: Request) -> Response:
         body = await srv.parse(request, RerankRequest)
         rid = f"rerank-{uuid.uuid4().hex}"
-        vectors, used = await embed_all(srv, request, [body.query, *body.documents], body, rid, field="documents")
+        vectors, counts = await embed_all(srv, request, [body.query, *body.documents], body, rid,
+                                          fields=["query"] + ["documents"] * len(body.documents),
+                                          count=(len(body.documents), "documents"))
+        used = sum(counts[0] + n for n in counts[1:])  # each (query, document) pair's, as vLLM counts
         q = np.asarray(vectors[0], dtype=np.float64)
         scores = [float(q @ np.asarray(v, dtype=np.float64)) for v in vectors[1:]]
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or len(scores)]

@@ -60,6 +60,15 @@ class ApiError(Exception):
 Renames = tuple[tuple[str, str], ...]  # (a field's name in the chat body, its name in another API's body)
 
 
+UNION_TAG = re.compile(r".*[\[\-].*|str|int|float|bool|bytes|dict|list|none|any|constrained-\w+")
+
+
+def field_path(loc: tuple[Any, ...]) -> str | None:
+    """A pydantic error's location as the body's field ('messages.content'), without list indices or the
+    union member pydantic tried ('input.str', 'prompt.list[int]' name `input`, `prompt`)."""
+    return ".".join(str(p) for p in loc if not isinstance(p, int) and not UNION_TAG.fullmatch(str(p))) or None
+
+
 def renamed(message: str, renames: Renames) -> str:
     """A 'field: ...' message with the field named as renames say (whole names or path segments:
     ("max_tokens", "max_output_tokens"), (".function", "")); the text after the field is kept."""
