@@ -375,3 +375,32 @@ def test_a_killed_front_takes_its_replicas_along(tiny_models):  # type: ignore[n
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_what_a_replica_answers_the_router_answers_too(replicas, smol):  # type: ignore[no-untyped-def]
+    """Found by the router hunt (each failed before): a prompt with a lone surrogate under the prefix
+    policy is the replica's 400 (the router's hash raised: a 500); a header value outside ASCII goes
+    through as sent (httpx refused to encode it: a 500); a replica whose engine died says Retry-After,
+    so the router takes the request elsewhere (its 503 reached the client while the other replica was
+    healthy); `serve` takes no abbreviated flag (`--pol` went on to the replicas, which refused it)."""
+    from starlette.testclient import TestClient
+
+    from lmserve.cli import build_parser
+    from lmserve.router.app import build_router_app, refused
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    router = Router([Replica(u) for u in replicas], "prefix")
+    body = {"prompt": "\ud800" + "a" * (2 * CHUNK), "max_tokens": 2}
+    with serving(build_router_app(router, health_interval=0.2)) as (url, _):
+        direct = httpx.post(replicas[0] + "/v1/completions", content=json.dumps(body), headers={
+            **AUTH, "content-type": "application/json"}, timeout=30)
+        routed = httpx.post(url + "/v1/completions", content=json.dumps(body), headers={
+            **AUTH, "content-type": "application/json"}, timeout=30)
+        assert routed.status_code == direct.status_code == 400 and routed.json() == direct.json()
+        r = httpx.get(url + "/v1/models", headers={**AUTH, "x-note": "caf\xe9".encode("latin-1")}, timeout=30)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "smollm2-135m", r.text
+    with TestClient(build_app(AsyncEngine(smol.engine), "m", manage_engine=False)) as c:  # its loop never ran
+        dead = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert dead.status_code == 503 and refused(dead)  # (the router's test: not run here, try another)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--pol", "round-robin"])

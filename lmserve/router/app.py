@@ -202,7 +202,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
         except (ValueError, RecursionError):
             parsed = None  # the replica will say what is wrong with it
         text = routing_text("/" + path, parsed)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FROM_CLIENTS]
+        headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in NOT_FROM_CLIENTS]
         raw = request.scope.get("raw_path") or where.encode()  # as sent: %3F stays %3F (decoded, it was a query)
         url = quote(raw, safe="/%!$&'()*+,;=:@-._~") + (f"?{request.url.query}" if request.url.query else "")
         t0, first = time.monotonic(), None
@@ -224,7 +224,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
         decode.in_flight += 1  # it will take this request: the next pick must see that
         try:
             r = await state[rep.url].post(rep.url + url, content=body, headers=[
-                *((k, v) for k, v in headers if k.lower() != "content-type"), ("content-type", "application/json"),
+                *((k, v) for k, v in headers if k.lower() != b"content-type"), (b"content-type", b"application/json"),
                 (PUSH_HEADER, decode.url)])
             ok = r.status_code == 200
             if r.status_code in (403, 502) and (rep.url, r.status_code) not in warned:  # its --kv-peer / secret

@@ -62,7 +62,8 @@ def chain(text: str) -> list[bytes]:
     """Hashes of the text's whole CHUNK-character blocks, each over its parent's hash and its characters."""
     out: list[bytes] = []
     for i in range(len(text) // CHUNK):
-        out.append(hashlib.sha256((out[-1] if out else b"") + text[i * CHUNK:(i + 1) * CHUNK].encode()).digest())
+        out.append(hashlib.sha256((out[-1] if out else b"") + text[i * CHUNK:(i + 1) * CHUNK].encode(
+            "utf-8", "surrogatepass")).digest())  # (a lone surrogate: the replica's 400, not a router 500)
     return out
 
 

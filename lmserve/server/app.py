@@ -203,7 +203,7 @@ class OpenAIServer:
     def first_check(self, jobs: list[Job]) -> None:
         """Refuse at once (before streaming starts) when the engine is dead or the queue is full."""
         if not self.ae.alive:
-            raise ApiError(503, "the engine loop is not running", type_="server_error")
+            raise ApiError(503, "the engine loop is not running", type_="server_error", headers={"Retry-After": "1"})
         if not self.ae.has_room(len(jobs)):
             raise ApiError(429, f"too many requests waiting (limit {self.ae.max_queue})", type_="rate_limit_error",
                            headers={"Retry-After": "1"})

@@ -17,7 +17,8 @@ from lmserve.utils import above, at_least, given_flags
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)  # (--data-parallel
+    # passes the flags on to its replicas but the router's, which it knows by their whole names)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LMSERVE_API_KEY"),
