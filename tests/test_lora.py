@@ -479,3 +479,49 @@ def test_lora_requests_info_metric(adapters, llm, served):  # type: ignore[no-un
             for _ in range(5):
                 next(lines)
     assert any('running_lora_adapters="a"' in x and 'waiting_lora_adapters=""' in x for x in seen), seen[-1]
+
+
+def test_runtime_adapters_reach_every_replica_behind_the_router(adapters, tmp_path):  # type: ignore[no-untyped-def]
+    """Two replicas behind a round-robin router (found by the router hunt: a load went to one replica, so
+    every other request for the adapter was a 404): a load through the router reaches every replica, one
+    that was down at the time gets it when it comes back, every request gets the adapter's tokens, and an
+    unload reaches them all."""
+    pytest.importorskip("fastapi")
+    import time
+
+    import httpx
+
+    from lmserve.router.app import build_router_app
+    from lmserve.router.policy import Replica, Router
+    from lmserve.server.app import build_app
+    from lmserve.server.async_engine import AsyncEngine
+    from tests.conftest import char_tokenizer_model
+    from tests.test_server import serving
+    rb, pb = adapters["b"]
+    model = char_tokenizer_model(adapters["model"], tmp_path / "m")
+    apps = [build_app(AsyncEngine(LLM(str(model), kv_cache_memory="32MiB", enable_lora=True).engine), "tiny",
+                      allow_runtime_lora=True) for _ in range(2)]
+    with serving(apps[0]) as (a, _), serving(apps[1]) as (b, _):
+        router = Router([Replica(a), Replica(b)], "round-robin")
+        with serving(build_router_app(router, health_interval=0.3)) as (url, _):
+            names = lambda base: {m["id"] for m in httpx.get(base + "/v1/models").json()["data"]}  # noqa: E731
+            for _ in range(100):
+                if all(r.healthy for r in router.replicas):
+                    break
+                time.sleep(0.05)
+            router.replicas[1].healthy = False  # as if down: the load reaches the other alone
+            r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": rb.lora_path}, timeout=60)
+            assert r.status_code == 200, r.text
+            for _ in range(100):  # its next health check brings it back, with the adapter
+                if router.replicas[1].healthy:
+                    break
+                time.sleep(0.05)
+            assert "b" in names(a) and "b" in names(b)
+            ids = [ord(c) for c in "Hello"]
+            want = peft_greedy(pb, ids, 6)
+            for _ in range(4):  # round-robin: twice to each
+                r = httpx.post(url + "/v1/completions", json={"model": "b", "prompt": ids, "max_tokens": 6,
+                                                              "temperature": 0, "return_token_ids": True}, timeout=60)
+                assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, r.text
+            assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60).status_code == 200
+            assert "b" not in names(a) and "b" not in names(b)

@@ -47,6 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 
 from lmserve.router.errors import error, stream_error
+from lmserve.router.health import LORA_ROUTES, Adapters, check
 from lmserve.router.policy import Replica, Router, routing_text
 
 GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
@@ -103,34 +104,6 @@ class _Metrics:
                                 "looked up (policy prefix)", value=self.router.prefix_hit_rate)
 
 
-def parse_load(metrics_text: str) -> int:
-    """running + waiting from a replica's Prometheus text: lmserve's series, else vLLM's (a vLLM server, or
-    one engine of it: its gauges carry labels; summed over them)."""
-    ours, vllm = 0.0, 0.0
-    seen = False
-    for line in metrics_text.splitlines():
-        series, _, value = line.rpartition(" ")
-        name = series.partition("{")[0]
-        if name in ("lmserve_num_requests_running", "lmserve_num_requests_waiting"):
-            ours, seen = ours + float(value), True
-        elif name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-            vllm += float(value)
-    return int(ours if seen else vllm)
-
-
-async def check(client: httpx.AsyncClient, rep: Replica) -> None:
-    """One health check: /health 200 -> up (and its load from /metrics); anything else -> down. A request
-    that failed on the replica while the check ran wins (the check's 200 may predate the failure)."""
-    failures = rep.failures
-    try:
-        ok = (await client.get(rep.url + "/health", timeout=2.0)).status_code == 200
-        if ok:
-            rep.reported = parse_load((await client.get(rep.url + "/metrics", timeout=2.0)).text)
-    except (httpx.HTTPError, ValueError):
-        ok = False
-    rep.healthy = ok and rep.failures == failures
-
-
 def build_router_app(router: Router, health_interval: float = 1.0, max_body_bytes: int = 4 << 20,
                      timeout: float | None = 600.0, prefill: Router | None = None,
                      max_connections: int = 1024) -> FastAPI:
@@ -142,10 +115,11 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
     state: dict[str, Any] = {}
     everyone = router.replicas + (prefill.replicas if prefill is not None else [])
     warned: set[tuple[str, int]] = set()  # (prefill instance, status) whose failed pushes were logged
+    adapters = Adapters()  # runtime LoRA loads: on every replica alike
 
     async def health_loop() -> None:
         while True:
-            await asyncio.gather(*(check(state["health"], r) for r in everyone))
+            await asyncio.gather(*(adapters.checked(state["health"], state, r) for r in everyone))
             await asyncio.sleep(health_interval)
 
     @contextlib.asynccontextmanager
@@ -205,6 +179,8 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
         headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in NOT_FROM_CLIENTS]
         raw = request.scope.get("raw_path") or where.encode()  # as sent: %3F stays %3F (decoded, it was a query)
         url = quote(raw, safe="/%!$&'()*+,;=:@-._~") + (f"?{request.url.query}" if request.url.query else "")
+        if request.method == "POST" and where in LORA_ROUTES:  # every replica's, not one's
+            return await adapters.update(state, everyone, where, headers, body)
         t0, first = time.monotonic(), None
         if prefill is not None and request.method == "POST" and "/" + path in GENERATING and isinstance(parsed, dict):
             first = router.pick(text)  # the decode replica, told to the prefill instance
