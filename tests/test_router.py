@@ -144,7 +144,11 @@ def test_the_router_refuses_what_it_cannot_forward_and_keeps_going(front):
     bad_key = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer no"})
     assert bad_key.status_code == 401 and bad_key.json()["error"]["code"] == "invalid_api_key"
     huge = httpx.post(url + "/v1/completions", content=b"x" * (5 << 20), headers=AUTH, timeout=30)
-    assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"  # (the replicas' code)
+    for method, path in (("OPTIONS", "/v1/completions"), ("OPTIONS", "/v1/messages"), ("GET", "/v1/completions")):
+        direct = httpx.request(method, router.replicas[0].url + path, headers=AUTH)
+        routed = httpx.request(method, url + path, headers=AUTH)
+        assert routed.status_code == direct.status_code == 405 and routed.json() == direct.json(), routed.text
     assert httpx.get(url + "/v1/nope", headers=AUTH).status_code == 404  # the replica's 404
     before = sum(r.requests for r in router.replicas)
     internal = httpx.post(url + "/v1/internal/kv", content=b"LMKV", headers=AUTH)  # never from a client

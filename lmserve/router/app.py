@@ -43,6 +43,7 @@ from urllib.parse import quote
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -140,6 +141,10 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
 
     app = FastAPI(title="lmserve router", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:  # a 405: the replicas' body
+        return error(e.status_code, str(e.detail), None, getattr(e, "headers", None), path=request.scope["path"])
+
     @app.exception_handler(Exception)
     async def failed(request: Request, e: Exception) -> Response:  # a router bug: still a JSON error
         return error(500, f"router error: {type(e).__name__}", "router_error", path=request.url.path)
@@ -163,12 +168,14 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
             return error(404, "Not Found", "not_found", path=where)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return error(413, f"request body over {max_body_bytes} bytes", "body_too_large", path=where)
+            return error(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}", "request_too_large",
+                         path=where)  # (the replicas' words)
         parts, total = [], 0
         async for chunk in request.stream():  # bounded as it arrives (a chunked body has no length)
             total += len(chunk)
             if total > max_body_bytes:
-                return error(413, f"request body over {max_body_bytes} bytes", "body_too_large", path=where)
+                return error(413, f"request body exceeds the limit of {max_body_bytes} bytes", "request_too_large",
+                             path=where)
             parts.append(chunk)
         body = b"".join(parts)
         try:

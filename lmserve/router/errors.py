@@ -18,7 +18,7 @@ def is_anthropic(path: str) -> bool:
     return path == ANTHROPIC or path.startswith(ANTHROPIC + "/")
 
 
-def error(status: int, message: str, code: str, headers: dict[str, str] | None = None,
+def error(status: int, message: str, code: str | None, headers: dict[str, str] | None = None,
           path: str = "") -> JSONResponse:
     """The error body the replicas answer for this path: Anthropic's on /v1/messages, else OpenAI's."""
     if is_anthropic(path):
