@@ -260,14 +260,16 @@ class StructuredOutputs:
             return len(self._stragglers)
 
     def _run_compile(self, job: Future, compiler: Any, kind: str, text: str) -> None:
+        """A compile's thread: it stops counting as in flight before its waiters hear (a waiter's next
+        compile found it still counted, and under load MAX_COMPILING finished ones refused it as busy)."""
         try:
-            job.set_result(self._compile(compiler, kind, text))
+            result, error = self._compile(compiler, kind, text), None
         except BaseException as e:  # noqa: BLE001 - handed to every waiter
-            job.set_exception(e)
-        finally:
-            with self._lock:
-                self._inflight.pop((kind, text), None)
-                self._stragglers.discard((kind, text))
+            result, error = None, e
+        with self._lock:
+            self._inflight.pop((kind, text), None)
+            self._stragglers.discard((kind, text))
+        job.set_exception(error) if error is not None else job.set_result(result)
 
     def _compile(self, compiler: Any, kind: str, text: str) -> Any:
         problem = unenforced_schema(json.loads(text)) if kind == "json" else \

@@ -218,7 +218,7 @@ def test_metrics_under_vllms_names(client, server):  # type: ignore[no-untyped-d
     takes a vLLM server's series (labelled, per engine) and does not count ours twice."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from lmserve.router.app import parse_load
+    from lmserve.router.health import parse_load
     from lmserve.server.metrics import VLLM_NAMES
     client.completions.create(model="smollm2-135m", prompt="Once", max_tokens=3)
     text = httpx.get(server["url"] + "/metrics").text

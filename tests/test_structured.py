@@ -522,6 +522,30 @@ def test_compiles_in_flight_are_capped(smol, monkeypatch):  # type: ignore[no-un
     assert len(results) == 2 and s.compile(StructuredOutputsParams(regex="other[0-9]")) is not None
 
 
+def test_a_finished_compile_no_longer_counts_as_compiling(smol, monkeypatch):  # type: ignore[no-untyped-def]
+    """When a compile's waiters hear its outcome (a grammar, or a refusal), it is already out of the
+    in-flight count (before, the thread left it there a moment longer: a waiter's next compiles found
+    finished ones counted, and in a loaded CI run eight of them refused a compile as busy)."""
+    from lmserve import structured as st_mod
+    s = smol.engine.structured
+    seen: list[int] = []
+
+    class Watched(st_mod.Future):  # type: ignore[misc,name-defined]
+        def set_result(self, result):  # type: ignore[no-untyped-def]
+            seen.append(len(s._inflight))
+            super().set_result(result)
+
+        def set_exception(self, exception):  # type: ignore[no-untyped-def]
+            seen.append(len(s._inflight))
+            super().set_exception(exception)
+
+    monkeypatch.setattr(st_mod, "Future", Watched)
+    assert s.compile(StructuredOutputsParams(regex="finished[0-9]{4}")) is not None
+    with pytest.raises(ValueError, match="uniqueItems"):
+        s.compile(StructuredOutputsParams(json={"type": "array", "uniqueItems": True, "items": {"type": "integer"}}))
+    assert seen == [0, 0]
+
+
 UNENFORCED_SCHEMAS = [  # (schema, the keyword named, a document xgrammar's grammar takes that breaks it)
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "[1, 1]"),
     ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "contains", "[1]"),
