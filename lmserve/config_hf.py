@@ -40,7 +40,19 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig(**model_fields(cfg)) for an HF config.json dict."""
+    """ModelConfig(**model_fields(cfg)) for an HF config.json dict; a config without a field the model's
+    shapes need, or not an object, is a ValueError saying so (it was a KeyError / AttributeError)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config.json: must be a JSON object, got {type(cfg).__name__}")
+    try:
+        return _model_fields(cfg)
+    except KeyError as e:
+        raise ValueError(f"config.json: has no {e.args[0]!r}, which the model's shapes need") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"config.json: a field of the wrong type ({e})") from None
+
+
+def _model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     defaults = CLASS_DEFAULTS.get(arch, {})
     cfg = {**{k: v for k, v in defaults.items() if k != "rope_theta"}, **cfg}  # (an explicit null stays null)

@@ -101,6 +101,15 @@ def at_least(lo: float, kind: type = int, finite: bool = False) -> Any:
     return parse
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0..65535 (0: any free one), else the flag's usage error (70000 was
+    bound as 70000 - 65536 by the server, and raised OverflowError in the router)."""
+    v = int(text)  # not a number: argparse's "invalid port_number value"
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535, got {text}")
+    return v
+
+
 def above(lo: float, hi: float | None = None, finite: bool = False) -> Any:
     """An argparse type: a float > lo (and <= hi when given; finite when asked: inf may mean "no limit")."""
     def parse(text: str) -> float:

@@ -177,6 +177,7 @@ def test_one_operation_cannot_build_a_huge_value_in_a_template():
     (["serve", "--max-queue", "-5"], "--max-queue"), (["serve", "--request-timeout", "-1"], "--request-timeout"),
     (["router", "--replica", "http://x", "--health-interval", "0"], "--health-interval"),
     (["router", "--replica", "http://x", "--balance", "-1"], "--balance"),
+    (["serve", "--port", "70000"], "--port"), (["router", "--replica", "http://x", "--port", "70000"], "--port"),
 ])
 def test_a_flag_out_of_range_is_a_usage_error(argv, flag, capsys):  # type: ignore[no-untyped-def]
     """Each was taken (0 silently became the default: --stride 0 -> 16, --num-requests 0 -> the preset's;
@@ -191,6 +192,7 @@ def test_a_flag_out_of_range_is_a_usage_error(argv, flag, capsys):  # type: igno
     (["serve", "--kv-peer", "http://127.0.0.1:1"], "kv_peer"),
     (["bench", "spec", "--spec-max-batch", "1"], "spec_max_batch"),
     (["bench", "spec", "--speculative-method", "ngram"], "speculative_method"),
+    (["bench", "spec", "--speculative-config", '{"method": "ngram"}'], "speculative_config"),
 ])
 def test_a_flag_the_command_would_ignore_is_refused(argv, field, capsys):  # type: ignore[no-untyped-def]
     """Router flags without --data-parallel, --kv-peer without --role prefill, and the two flags bench spec
@@ -206,3 +208,40 @@ def test_plan_under_torchrun_runs_on_rank_0_and_is_refused_elsewhere(monkeypatch
     assert main(["plan", "--model", "llama-3.1-8b"]) == 2 and "loads no model" in capsys.readouterr().err
     monkeypatch.setenv("RANK", "0")
     assert main(["plan", "--model", "llama-3.1-8b"]) == 0
+
+
+def test_cli_hunt_findings(tmp_path, capsys, tiny_models):  # type: ignore[no-untyped-def]
+    """Found by the CLI hunt (each failed before): the byte-size flags take a plain number of bytes, 0
+    included, as README says (they were "cannot parse '0'"); timeouts take fractions of a second; a
+    config.json without a field the shapes need, or not an object, is one error line (a KeyError /
+    AttributeError traceback); --device cuda without CUDA says so (torch's AssertionError); eval's float
+    reference does not take the model's --quantization-group-size (it was refused, always)."""
+    args = build_parser().parse_args(["generate", "hi", "--swap-space", "0", "--kv-offloading-size", "0",
+                                      "--kv-cache-memory", "268435456"])
+    cfg = EngineConfig(**engine_kwargs(args))
+    assert (cfg.swap_space, cfg.kv_offloading_size, cfg.kv_cache_memory) == (0, 0, 268435456)
+    assert EngineConfig(**engine_kwargs(build_parser().parse_args(["generate", "hi", "--kv-cache-memory", "2GiB"]))
+                        ).kv_cache_memory == 2 << 30
+    assert build_parser().parse_args(["serve", "--shutdown-timeout", "2.5"]).shutdown_timeout == 2.5
+    assert build_parser().parse_args(["router", "--replica", "http://x", "--upstream-timeout", "0.5"]
+                                     ).upstream_timeout == 0.5
+    for name, text in (("empty", "{}"), ("list", "[1, 2]")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+        assert main(["plan", "--model", str(folder / "config.json")]) == 2
+        assert main(["generate", "hi", "--model", str(folder)]) == 2
+        err = capsys.readouterr().err
+        why = "has no 'num_attention_heads'" if name == "empty" else "must be a JSON object"
+        assert err.count(why) == 2 and err.count("error: ") == 2 and "Traceback" not in err, err
+    import torch
+    if not torch.cuda.is_available():
+        assert main(["generate", "hi", "--model", str(tiny_models["llama"][0]), "--device", "cuda"]) == 2
+        assert "error: device: 'cuda'" in capsys.readouterr().err
+    from tests.conftest import char_tokenizer_model
+    model = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "chars")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    assert main(["eval", "perplexity", "--model", str(model), "--text", str(text), "--quantization", "int8",
+                 "--quantization-group-size", "32", "--window", "32", "--stride", "16",
+                 "--kv-cache-memory", "16MiB"]) == 0, capsys.readouterr().err

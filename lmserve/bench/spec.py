@@ -118,7 +118,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
     from lmserve.bench.common import run_metadata, write_json
     rows: list[dict[str, Any]] = []
     given = given_flags(getattr(a, "argv", []))
-    for flag in ("--speculative-method", "--spec-max-batch"):  # each row sets them: refused, not ignored
+    for flag in ("--speculative-method", "--speculative-config", "--spec-max-batch"):  # each row sets them
         if flag in given:
             raise ValueError(f"{flag.lstrip('-').replace('-', '_')}: bench spec sets it for each row "
                              f"(--methods, --batch-sizes)")

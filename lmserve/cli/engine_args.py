@@ -82,7 +82,18 @@ def _parse_options(hint: Any) -> dict[str, Any]:
         return {"action": argparse.BooleanOptionalAction}
     if len(kinds) == 1 and typing.get_origin(kinds[0]) is list:
         return {"nargs": "+", "type": typing.get_args(kinds[0])[0]}
-    return {"type": kinds[0] if len(kinds) == 1 else str}
+    return {"type": kinds[0] if len(kinds) == 1 else number_or_text}
+
+
+def number_or_text(text: str) -> int | float | str:
+    """A flag of several types (int | float | str: a byte count): a number as a number ('0', '268435456',
+    '2e9' are bytes, as the library reads numbers), anything else the text as given ('2GiB')."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

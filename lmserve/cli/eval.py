@@ -89,6 +89,8 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     kw = engine_kwargs(a)
     ref_kw = {**kw, "quantization": None if a.reference_quantization == "none" else a.reference_quantization,
               "kv_cache_dtype": a.reference_kv_cache_dtype, "dtype": a.reference_dtype or kw["dtype"]}
+    if a.reference_quantization not in ("int8", "int4"):  # (the model's group size is no float reference's)
+        ref_kw["quantization_group_size"] = None
     ref_model = a.reference_model or a.model
     from lmserve.config import resolve_dtype
     from lmserve.models.loader import resolve_model, resolve_quantization

@@ -176,6 +176,8 @@ def load_model(config: EngineConfig, num_layers: int | None = None, shard: Any =
     copy, the honest baseline draft model for speculative decoding on a CPU. shard(model, cfg): cuts
     the loaded model to one tensor-parallel rank's part (parallel/shard.py) before it moves to its device.
     """
+    if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():  # (torch's own: an assert)
+        raise ValueError(f"device: {config.device!r}, but this torch sees no CUDA device (a CPU build, or none lent)")
     src = resolve_model(config.model)
     backend = get_backend(config.attention_backend, config.device, config.deterministic)
     tokenizer: Tokenizer | None = None

@@ -15,7 +15,7 @@ from typing import Any
 from lmserve.router.policy import POLICIES
 from lmserve.server.cors import FLAGS as CORS_FLAGS, add_cors_args, cors_from_args
 from lmserve.server.tls import FLAGS as TLS_FLAGS, add_tls_args, scheme, tls_from_args
-from lmserve.utils import above, at_least
+from lmserve.utils import above, at_least, port_number
 
 
 def add_parser(sub: Any) -> None:
@@ -26,10 +26,10 @@ def add_parser(sub: Any) -> None:
                    help="a prefill instance's base URL (lmserve serve --role prefill --kv-peer <each replica>)")
     add_router_args(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--max-body-bytes", type=at_least(1), default=4 << 20, help="request bodies above this get 413 "
                    "(default 4 MiB, as a replica's)")
-    p.add_argument("--shutdown-timeout", type=at_least(0), default=30.0,
+    p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="on SIGTERM, seconds the replicas' drain may take (the router waits 10 s more for their "
                         "last bytes, then cuts what is open)")
     p.add_argument("--log-level", default="info")
@@ -51,7 +51,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="prefix: requests of extra load a prefix match may cost")
     p.add_argument("--health-interval", type=above(0), default=ROUTER_DEFAULTS["health_interval"],
                    help="seconds between health checks")
-    p.add_argument("--upstream-timeout", type=at_least(0), default=ROUTER_DEFAULTS["upstream_timeout"],
+    p.add_argument("--upstream-timeout", type=at_least(0, float), default=ROUTER_DEFAULTS["upstream_timeout"],
                    help="seconds a replica may send nothing (an unstreamed reply: all of its generation) before "
                         "the client gets a 504; 0: no limit (default 600)")
     p.add_argument("--max-connections", type=at_least(1), default=ROUTER_DEFAULTS["max_connections"],

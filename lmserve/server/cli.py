@@ -13,14 +13,14 @@ from typing import Any
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.server.cors import cors_from_args
 from lmserve.server.tls import scheme, tls_from_args
-from lmserve.utils import above, at_least, given_flags
+from lmserve.utils import above, at_least, given_flags, port_number
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)  # (--data-parallel
     # passes the flags on to its replicas but the router's, which it knows by their whole names)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LMSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version, /metrics, "
                         "the API documents and the console's page (or set LMSERVE_API_KEY)")
@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage carries prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
     p.add_argument("--request-timeout", type=above(0), default=None, help="abort requests running longer (s)")
-    p.add_argument("--shutdown-timeout", type=at_least(0), default=30.0,
+    p.add_argument("--shutdown-timeout", type=at_least(0, float), default=30.0,
                    help="on SIGTERM / SIGINT, seconds requests in flight get to finish; then they end with an "
                         "error (a stream's error event, a JSON 503) and the process exits (default 30)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
