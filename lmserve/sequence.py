@@ -366,3 +366,9 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+def bad_words_next(params: SamplingParams, output: list[int]) -> list[int]:
+    """The tokens bad_words bans after `output` (vLLM's rule): each word's last token, where the output ends
+    in the rest of the word (the sampler's mask, and a grammar's dead-row check, read it here)."""
+    return [w[-1] for w in params.bad_words_token_ids or () if len(w) == 1 or output[-(len(w) - 1):] == w[:-1]]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from lmserve.layers import cpu_native
-from lmserve.sequence import Sequence, StructuredOutputsParams
+from lmserve.sequence import Sequence, StructuredOutputsParams, bad_words_next
 from lmserve.tokenizer import Tokenizer
 
 log = logging.getLogger("lmserve")
@@ -141,9 +141,14 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         cpu_native.lib().lm_apply_bitmask(logits.data_ptr(), b, v, mask.data_ptr(), mask.shape[1],
                                            torch.get_num_threads())
         return logits
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # (32,)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(b, -1)[:, :v]  # (B, V)
+    allowed = unpack_bitmask(bitmask)[:, :v]  # (B, V)
     return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+
+
+def unpack_bitmask(bitmask: torch.Tensor) -> torch.Tensor:
+    """A bitmask (..., W) int32 as a bool per token id (..., 32 W): whether it is allowed."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # (32,)
+    return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(*bitmask.shape[:-1], -1)
 
 
 class GrammarState:
@@ -161,12 +166,6 @@ class GrammarState:
     def terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted: nothing may follow."""
         return self.matcher.is_terminated()
-
-
-def _any_set(row: torch.Tensor, ids: list[int]) -> bool:
-    """Whether a bitmask row (W,) int32 allows any of the token ids."""
-    t = torch.tensor(ids, dtype=torch.long)  # (K,)
-    return bool(((row[t // 32] >> (t % 32)) & 1).any())
 
 
 class StructuredOutputs:
@@ -381,16 +380,15 @@ class StructuredOutputs:
         if not row.any():  # the vocabulary cannot write what the grammar needs (SmolLM2 has no byte 0xF1)
             return ("structured output: no token of the model's vocabulary can continue the constraint "
                     "(it needs a character the tokenizer cannot write)")
-        p, out = seq.params, seq.output_token_ids[:before]
-        banned = {w[-1] for w in p.bad_words_token_ids or () if len(w) == 1 or out[-(len(w) - 1):] == w[:-1]}
-        if p.allowed_token_ids and not _any_set(row, [t for t in p.allowed_token_ids if t not in banned]):
-            return "allowed_token_ids: none of them can continue the structured output (bad_words aside)"
-        if banned and not p.allowed_token_ids:
-            bits = ((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(-1)  # (32 W,)
-            bits[sorted(banned)] = False
-            if not bits.any():
-                return "bad_words: they are all the structured output allows next"
-        return None
+        allowed, banned = seq.params.allowed_token_ids, bad_words_next(seq.params, seq.output_token_ids[:before])
+        if not allowed and not banned:
+            return None
+        bits = unpack_bitmask(row)  # (32 W,)
+        bits[banned] = False
+        if allowed:
+            return None if bits[allowed].any() else \
+                "allowed_token_ids: none of them can continue the structured output (bad_words aside)"
+        return None if bits.any() else "bad_words: they are all the structured output allows next"
 
     def fill_async(self, rows: list[tuple[Sequence, list[int]]]) -> Future:
         """fill() on the worker thread (overlapping the model's forward); the Future's result is

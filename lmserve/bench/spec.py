@@ -31,7 +31,6 @@ TEXTS = [
 ]
 
 
-
 def by_position(before: dict, after: dict) -> list[float] | None:
     """Acceptance at each draft position between two SpecStats.as_dict snapshots (this row's runs alone;
     None when nothing was drafted)."""
@@ -39,6 +38,7 @@ def by_position(before: dict, after: dict) -> list[float] | None:
         a, b = after.get(key, []), before.get(key, [])
         return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
     return [acc / prop for acc, prop in zip(delta("accepted_at"), delta("proposed_at")) if prop] or None
+
 
 def task_prompts(tokenizer: Any, n: int, task: str = "copy") -> list[list[int]]:
     out = []

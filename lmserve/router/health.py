@@ -68,8 +68,10 @@ class Adapters:
             except httpx.HTTPError as e:
                 return e
         answers = await asyncio.gather(*(post(r) for r in up))
-        ok = [a for a in answers if isinstance(a, httpx.Response) and a.status_code < 400]
-        failed = [a for a in answers if not any(a is o for o in ok)]
+        ok: list[httpx.Response | Exception] = []
+        failed: list[httpx.Response | Exception] = []
+        for a in answers:
+            (ok if isinstance(a, httpx.Response) and a.status_code < 400 else failed).append(a)
         try:
             name = json.loads(body).get("lora_name")
         except (ValueError, AttributeError, RecursionError):

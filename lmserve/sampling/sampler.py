@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from lmserve.layers.linear import row_blocks
-from lmserve.sequence import Logprob, SamplingParams, Sequence
+from lmserve.sequence import Logprob, SamplingParams, Sequence, bad_words_next
 from lmserve.structured import apply_bitmask
 from lmserve.utils import to_device, triton_available
 
@@ -61,9 +61,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: 
         p = s.params
         if p.allowed_token_ids:
             allow.append((i, p.allowed_token_ids))
-        for word in p.bad_words_token_ids or ():  # its last token, where the output ends in the rest of it
-            if len(word) == 1 or s.output_token_ids[-(len(word) - 1):] == word[:-1]:
-                never[0].append(i), never[1].append(word[-1])
+        for tok in bad_words_next(p, s.output_token_ids):
+            never[0].append(i), never[1].append(tok)
         if p.logit_bias:
             bias[0].extend([i] * len(p.logit_bias))
             bias[1].extend(p.logit_bias)

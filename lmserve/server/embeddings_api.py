@@ -208,9 +208,10 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
     async def score(request: Request) -> Response:
         body = await srv.parse(request, ScoreRequest)
         pairs = body.pairs()
-        named = dict.fromkeys((t, f) for pair in pairs for t, f in zip(pair, ("text_1", "text_2")))
-        texts = list(dict.fromkeys(t for t, _ in named))  # each distinct text embedded once
-        field = {t: f for t, f in reversed(named)}  # (its first field)
+        field: dict[str, str] = {}  # each distinct text, embedded once, and the field it first came in
+        for a, b in pairs:
+            field.setdefault(a, "text_1"), field.setdefault(b, "text_2")
+        texts = list(field)
         rid = f"score-{uuid.uuid4().hex}"
         vectors, counts = await embed_all(srv, request, texts, body, rid, fields=[field[t] for t in texts],
                                           count=(len(pairs), "text_2"))
