@@ -12,7 +12,7 @@ margin-aware argmax gate), host overhead (host work per decode step at batch 256
 (against the `lmserve plan` bound, with and without CUDA graphs), quant matmul (the Triton
 dequantize-in-matmul kernels against float64, and batch-1 decode's linears of a Llama-3.1-8B shape
 with bf16 / int8 / int4 / fp8 weights), throughput (the 256-request workload), hf baseline (HF
-transformers on the same workload and at batch 1), deterministic (the batch-invariant attention
+transformers at batch 1, and beside lmserve on a 64-request slice of the workload), deterministic (the batch-invariant attention
 kernels, and the needle test: a prompt alone against the same among 64 others, bit for bit), swap
 and offload (preempted KV to pinned host memory and back; the prefix cache's offload tier against a
 pool hit).
@@ -1069,6 +1069,7 @@ def part_hf(p: Part, s: dict) -> None:
     from dataclasses import replace
 
     from lmserve import LLM
+    from lmserve.bench.common import random_workload
     from lmserve.bench.hf import hf_generate, hf_latency, load_hf_model
     from lmserve.bench.offline import run_throughput
     from lmserve.config import EngineConfig
@@ -1088,9 +1089,12 @@ def part_hf(p: Part, s: dict) -> None:
     del hf
     _free(s["device"])
     llm = LLM(s["model"], **_engine_opts(s, kv_cache_memory=s["kv_big"]))
-    run_throughput(llm, reqs[:8], progress=False)  # warm-up: prefills and decodes of several batch sizes
+    warm = random_workload(num_requests=8, input_len=(4, 200), output_len=(4, 24), vocab_size=vocab, seed=1)
+    run_throughput(llm, warm, progress=False)  # warm-up: other prompts (the slice's own would be cached)
     ours = run_throughput(llm, reqs, progress=False)
     p.put(lmserve_throughput_same_slice=ours)
+    if ours["prefix_cache_hit_rate"]:
+        p.fail(f"lmserve's slice hit the prefix cache ({ours['prefix_cache_hit_rate']:.1%}): not HF's work")
     p.row(f"slice of the workload: {n} requests, max_tokens <= {cap}, output tok/s",
           f"HF generate (one batch) {hft['output_tokens_per_s']:.1f}; lmserve {ours['output_tokens_per_s']:.1f}; "
           f"lmserve / HF = {ours['output_tokens_per_s'] / hft['output_tokens_per_s']:.2f}x")
