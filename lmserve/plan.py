@@ -19,7 +19,7 @@ All figures are lower bounds from first principles:
                        layer (MLA decode, absorbed: over the latent + rope and the latent; prefill: causal pairs)
   ridge point        = peak FLOP/s / bandwidth  (a kernel below it is memory-bound)
   tensor parallel N  = weights / N per rank (vocab, heads and MLP channels split), KV heads / N per rank (at
-                       least one: replicated when fewer than N); per decode step 2 x layers + 1 all-reduces of
+                       least one: replicated when fewer than N; MLA's latent whole on every rank); per decode step 2 x layers + 1 all-reduces of
                        batch x hidden x activation bytes (fp32 on a CPU, else 2) (after attention and the MLP, the embedding), each moving
                        2 (N - 1) / N of it over a rank's link (ring), + the logits gather to rank 0; step time
                        >= the per-rank roofline + collectives x (latency + bytes / link bandwidth)
@@ -27,12 +27,10 @@ All figures are lower bounds from first principles:
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from lmserve.utils import above, at_least
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "fp8": 1, "int8": 1, "int4": 0.5}
@@ -143,27 +141,6 @@ class PlanModel:
     def kept_layer_tokens(self, seq_len: int) -> int:
         """Sum over layers of the tokens of a seq_len-token sequence each layer keeps in its cache."""
         return sum(seq_len if w is None else min(seq_len, w) for w in (self.windows or (None,) * self.layers))
-
-
-SHAPE_FLAGS = ("heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "params")
-
-
-def model_from_args(a: argparse.Namespace) -> PlanModel:
-    if a.layers:
-        need = ["kv_heads", "head_dim"]
-        missing = [n for n in need if getattr(a, n) is None]
-        if missing:
-            raise ValueError(f"plan: with --layers also give --{', --'.join(m.replace('_', '-') for m in missing)}")
-        heads = a.heads or a.kv_heads
-        if heads % a.kv_heads:
-            raise ValueError(f"--heads: {heads} query heads must be a multiple of the {a.kv_heads} KV heads")
-        hidden = a.hidden or heads * a.head_dim
-        return PlanModel("custom", a.layers, heads, a.kv_heads, a.head_dim, hidden,
-                         a.intermediate or 4 * hidden, a.vocab or 32000, params=a.params, split_embedding=a.params is None)
-    given = [n for n in SHAPE_FLAGS if getattr(a, n) is not None]
-    if given:  # a flag the plan would ignore is refused
-        raise ValueError(f"--{given[0].replace('_', '-')}: describes an explicit shape: give it with --layers")
-    return model_from_name(a.model)
 
 
 def model_from_name(name: str) -> PlanModel:
@@ -280,8 +257,12 @@ def tensor_parallel(m: PlanModel, tp: int, wb: float, kv_tok: float, kv_seq: flo
                     link: tuple[float, float], batch: int, seq_len: int, act_bytes: int) -> dict[str, Any]:
     """Per-rank memory and the decode step bound over `tp` ranks (see the module docstring). kv_seq: one
     sequence's KV bytes (sliding-window layers keep their window), as the one-process bound reads them."""
-    kv_heads = max(1, -(-m.kv_heads // tp))  # the most any rank holds; one replicated when fewer than ranks
-    kv_rank_tok = kv_tok * kv_heads / m.kv_heads
+    if m.mla_latent is not None:  # one latent per token, not per head: every rank caches all of it (vLLM's TP)
+        kv_heads, share = m.kv_heads, 1.0
+    else:
+        kv_heads = max(1, -(-m.kv_heads // tp))  # the most any rank holds; one replicated when fewer than ranks
+        share = kv_heads / m.kv_heads
+    kv_rank_tok = kv_tok * share
     link_bw, latency = link[0] * 1e9, link[1] * 1e-6
     msg = batch * m.hidden * act_bytes  # one all-reduce's activations
     reduces = 2 * m.layers + 1
@@ -290,11 +271,12 @@ def tensor_parallel(m: PlanModel, tp: int, wb: float, kv_tok: float, kv_seq: flo
     t_comm = reduces * (latency + ring / link_bw) + latency + gather / link_bw
 
     def bound(ranks: int) -> float:
-        moved = m.step_params * wb / ranks + batch * kv_seq * (kv_heads / m.kv_heads if ranks > 1 else 1)
+        moved = m.step_params * wb / ranks + batch * kv_seq * (share if ranks > 1 else 1)
         return max(moved / bw, m.decode_flops(batch, seq_len) / ranks / peak)
 
     t1, tn = bound(1), bound(tp) + t_comm
-    return {"size": tp, "weight_bytes_per_rank": m.params * wb / tp, "kv_heads_per_rank": kv_heads, "kv_replicated": m.kv_heads < tp,
+    return {"size": tp, "weight_bytes_per_rank": m.params * wb / tp, "kv_heads_per_rank": kv_heads,
+            "kv_replicated": m.kv_heads < tp or m.mla_latent is not None,
             "kv_bytes_per_token_per_rank": kv_rank_tok, "all_reduces_per_step": reduces,
             "all_reduce_bytes": msg, "link_bytes_per_step": reduces * ring + gather,
             "link_gbs": link[0], "collective_latency_us": link[1], "comm_ms": t_comm * 1e3,
@@ -343,8 +325,9 @@ def render(r: dict[str, Any]) -> str:
     t = r["tensor_parallel"]
     if t:
         lines += ["", f"tensor parallel over {t['size']} ranks: weights {_fmt_bytes(t['weight_bytes_per_rank'])} per rank; "
-                  f"KV {t['kv_bytes_per_token_per_rank']:,.0f} bytes/token per rank ({t['kv_heads_per_rank']} KV heads"
-                  f"{', each replicated' if t['kv_replicated'] else ''})",
+                  f"KV {t['kv_bytes_per_token_per_rank']:,.0f} bytes/token per rank ("
+                  + ("MLA's latent: all of it on every rank" if r["attention_kind"] == "MLA" else
+                     f"{t['kv_heads_per_rank']} KV heads{', each replicated' if t['kv_replicated'] else ''}") + ")",
                   f"  per decode step at batch {r['decode']['batch']}: {t['all_reduces_per_step']} all-reduces of "
                   f"{_fmt_bytes(t['all_reduce_bytes'])} + the logits gather = {_fmt_bytes(t['link_bytes_per_step'])} "
                   f"over each link; at {t['link_gbs']} GB/s and {t['collective_latency_us']} us a collective: "
@@ -352,49 +335,3 @@ def render(r: dict[str, Any]) -> str:
                   f"  batch-{r['decode']['batch']} step bound: {t['step_ms']:.3f} ms over {t['size']} ranks against "
                   f"{t['step_ms_tp1']:.3f} ms on one ({t['speedup']:.2f}x)"]
     return "\n".join(lines)
-
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="KV-memory and roofline planner")
-    add_arguments(p)
-    p.set_defaults(func=cmd_plan)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The planner's options: a model (a name or an explicit shape), a device, dtypes, batch and length."""
-    p.add_argument("--model", default="smollm2-135m",
-                   help="a known shape (e.g. qwen3-0.6b, llama-3.1-8b, deepseek-v3), config.json, GGUF or HF folder")
-    for name in ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab"):
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=at_least(1), default=None)
-    p.add_argument("--params", type=above(0, finite=True), default=None, help="parameter count (with explicit shape)")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--kv-dtype", default=None, choices=sorted(KV_DTYPES),
-                   help="the KV cache's (default: the weights' dtype; a quantized model's cache is bf16, fp32 on cpu)")
-    p.add_argument("--device", default="h100", choices=sorted(DEVICES))
-    p.add_argument("--mem-gb", type=above(0, finite=True), default=None)
-    p.add_argument("--bandwidth-tbs", type=above(0, finite=True), default=None)
-    p.add_argument("--tflops", type=above(0, finite=True), default=None)
-    p.add_argument("--gpu-memory-utilization", type=above(0, 1), default=0.9)
-    p.add_argument("--batch", type=at_least(1), default=1)
-    p.add_argument("--seq-len", type=at_least(1), default=1024)
-    p.add_argument("--tensor-parallel-size", type=at_least(1), default=1, help="ranks sharing every layer")
-    p.add_argument("--link-gbs", type=above(0, finite=True), default=None, help="link GB/s between ranks (default: by device)")
-    p.add_argument("--link-latency-us", type=at_least(0, float, finite=True), default=None,
-                   help="us per small collective (default: by device)")
-    p.add_argument("--json", action="store_true")
-
-
-def cmd_plan(a: argparse.Namespace) -> int:
-    base = DEVICES[a.device]
-    dev = (a.mem_gb or base[0], a.bandwidth_tbs or base[1], a.tflops or base[2])
-    if a.tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {a.tensor_parallel_size}")
-    if a.tensor_parallel_size == 1 and (a.link_gbs is not None or a.link_latency_us is not None):
-        raise ValueError(f"--{'link-gbs' if a.link_gbs is not None else 'link-latency-us'}: the link between "
-                         f"ranks counts only with --tensor-parallel-size > 1")
-    link = (a.link_gbs or LINKS[a.device][0], LINKS[a.device][1] if a.link_latency_us is None else a.link_latency_us)
-    r = plan(model_from_args(a), dev, a.dtype, a.kv_dtype, a.batch, a.seq_len, a.gpu_memory_utilization,
-             tp=a.tensor_parallel_size, link=link, act_bytes=4 if a.device == "cpu" else None)
-    print(json.dumps(r, indent=2) if a.json else render(r))
-    return 0
-

@@ -225,6 +225,34 @@ def test_bench_serve_says_why_its_server_did_not_start(capsys):  # type: ignore[
     assert "launch_args" in err and "exited with status 2" in err and "--bogus-flag" in err
 
 
+def test_bench_serve_launch_args_split_as_a_shell_does(monkeypatch):  # type: ignore[no-untyped-def]
+    """--launch-args was split on spaces: a quoted value (a chat template, a path with a space) reached
+    the server in pieces. Unbalanced quotes are an error naming the flag."""
+    from lmserve.bench import serve as bench_serve
+    seen = []
+
+    class Exited:  # a server that exits at once: launch_server raises, after the command is made
+        returncode = 2
+
+        def __init__(self, cmd, **kw):  # type: ignore[no-untyped-def]
+            seen.append(cmd)
+
+        def poll(self):  # type: ignore[no-untyped-def]
+            return 2
+
+        def kill(self):  # type: ignore[no-untyped-def]
+            pass
+
+        def wait(self):  # type: ignore[no-untyped-def]
+            return 2
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", Exited)
+    with pytest.raises(ValueError, match="exited with status 2"):
+        bench_serve.launch_server("m", "--chat-template '{{ a }} {{ b }}' --max-num-seqs 4")
+    assert seen[0][-4:] == ["--chat-template", "{{ a }} {{ b }}", "--max-num-seqs", "4"]
+    with pytest.raises(ValueError, match="launch_args: No closing quotation"):
+        bench_serve.launch_server("m", "--chat-template '{{ a }}")
+
+
 def test_a_benchmark_whose_requests_fail_raises(tiny_models):  # type: ignore[no-untyped-def]
     """A step that raises ends its requests with finish_reason 'error' and generate returns normally: the
     throughput and latency runs counted them (a tiny or zero tok/s reported as a result; latency died

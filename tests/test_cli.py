@@ -15,6 +15,7 @@ import pytest
 
 from lmserve.cli import build_parser, main
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
+from lmserve.cli.sampling_args import sampling_params
 from lmserve.config import EngineConfig
 
 
@@ -85,8 +86,57 @@ def test_every_model_command_takes_the_engine_flags(argv):  # type: ignore[no-un
 
 
 def test_chat_defaults_differ_from_generate():
-    gen, chat = build_parser().parse_args(["generate", "hi"]), build_parser().parse_args(["chat"])
+    gen = sampling_params(build_parser().parse_args(["generate", "hi"]))
+    chat = sampling_params(build_parser().parse_args(["chat"]))
     assert (gen.max_tokens, gen.temperature) == (64, 0.0) and (chat.max_tokens, chat.temperature) == (256, 0.7)
+    given = sampling_params(build_parser().parse_args(["chat", "--temperature", "0"]), {"temperature": 0.3})
+    assert (given.max_tokens, given.temperature) == (256, 0.0)  # a flag given is not the model's to change
+
+
+def test_ctrl_c_in_chat_stops_a_reply_or_leaves_without_a_traceback(tiny_models, tmp_path, capsys, monkeypatch):  # type: ignore[no-untyped-def]
+    """Ctrl-C at the chat prompt ended in a KeyboardInterrupt traceback, and during a reply it ended the
+    whole chat. Now during a reply it stops that reply (the message that asked for it leaves the history)
+    and at the prompt it leaves with status 130."""
+    from lmserve.engine import Engine
+    from tests.conftest import char_tokenizer_model
+    model = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "llama")
+    lines = iter(["hi", "again"])
+
+    def typed(prompt: str = "") -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+    monkeypatch.setattr("builtins.input", typed)
+    prompts, steps = [], []
+    real_add, real_step = Engine.add_request, Engine.step
+
+    def add(self, rid, ids, *a, **kw):  # type: ignore[no-untyped-def]
+        prompts.append("".join(map(chr, ids)))
+        return real_add(self, rid, ids, *a, **kw)
+
+    def step(self):  # type: ignore[no-untyped-def]
+        steps.append(1)
+        if len(steps) == 2:  # Ctrl-C in the first reply
+            raise KeyboardInterrupt
+        return real_step(self)
+    monkeypatch.setattr(Engine, "add_request", add)
+    monkeypatch.setattr(Engine, "step", step)
+    tpl = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<a>"
+    assert main(["chat", "--model", str(model), "--kv-cache-memory", "64MiB", "--chat-template", tpl,
+                 "--max-tokens", "3", "--ignore-eos"]) == 130
+    err = capsys.readouterr().err
+    assert "[stopped]" in err and "Traceback" not in err
+    assert prompts == ["<user>hi<a>", "<user>again<a>"]  # the stopped turn left the history
+    assert len(steps) >= 2 + 3  # the second reply ran to its 3 tokens
+
+
+def test_generate_chat_without_a_template_is_an_error(tiny_models, capsys):  # type: ignore[no-untyped-def]
+    """`generate --chat` on a model without a chat template (here: without a tokenizer) raised
+    AttributeError: 'NoneType' object has no attribute 'encode'."""
+    assert main(["generate", "hi", "--chat", "--model", str(tiny_models["llama"][0]),
+                 "--kv-cache-memory", "64MiB"]) == 2
+    assert "error: --chat: this model has no chat template" in capsys.readouterr().err
 
 
 def test_readme_flag_table_names_every_engine_flag():
@@ -193,10 +243,15 @@ def test_a_flag_out_of_range_is_a_usage_error(argv, flag, capsys):  # type: igno
     (["bench", "spec", "--spec-max-batch", "1"], "spec_max_batch"),
     (["bench", "spec", "--speculative-method", "ngram"], "speculative_method"),
     (["bench", "spec", "--speculative-config", '{"method": "ngram"}'], "speculative_config"),
+    (["generate", "hi", "--num-speculative-tokens", "3"], "num_speculative_tokens"),
+    (["chat", "--draft-model", "smollm2-135m"], "draft_model"), (["serve", "--spec-policy", "goodput"], "spec_policy"),
+    (["serve", "--data-parallel", "2", "--ngram-max=4"], "ngram_max"),
+    (["serve", "--chat-template-max-seconds", "0", "--model", "/nowhere"], "template_max_seconds"),
 ])
 def test_a_flag_the_command_would_ignore_is_refused(argv, field, capsys):  # type: ignore[no-untyped-def]
-    """Router flags without --data-parallel, --kv-peer without --role prefill, and the two flags bench spec
-    sets for each row were accepted and ignored (no model is loaded before the refusal)."""
+    """Router flags without --data-parallel, --kv-peer without --role prefill, the two flags bench spec
+    sets for each row, and speculation flags without a speculative method were accepted and ignored (no
+    model is loaded before the refusal); serve's limits were checked only after the model loaded."""
     assert main(argv) == 2
     assert f"error: {field}" in capsys.readouterr().err
 

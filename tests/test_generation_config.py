@@ -174,3 +174,32 @@ def test_max_tokens_none_is_what_the_context_leaves(tiny_models):  # type: ignor
     assert [len(c.token_ids) for c in beams.outputs] == [36, 36]
     with pytest.raises(ValueError, match="^max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_generate_and_chat_take_them_under_their_flags(folder, capsys, monkeypatch):  # type: ignore[no-untyped-def]
+    """`lmserve generate` / `chat` built their SamplingParams from the flags alone: the model's generation
+    config, --generation-config and --override-generation-config were accepted and ignored there. Now a
+    flag given wins, then the model's config, then the command's default."""
+    from lmserve.cli import main
+    base = ["generate", "abc", "--model", str(folder), "--kv-cache-memory", "64MiB", "--ignore-eos", "--json"]
+
+    def length(*extra: str) -> int:
+        assert main([*base, *extra]) == 0
+        return len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"])
+    assert length() == 5  # the model's max_new_tokens
+    assert length("--max-tokens", "7") == 7  # the flag given
+    assert length("--override-generation-config", '{"max_new_tokens": 3}') == 3
+    assert length("--generation-config", "vllm") == 64  # generate's own default
+    made = []
+    real = SamplingParams.__init__
+
+    def spy(self, *a, **kw):  # type: ignore[no-untyped-def]
+        real(self, *a, **kw)
+        made.append(self)
+    monkeypatch.setattr(SamplingParams, "__init__", spy)
+    lines = iter(["x", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--model", str(folder), "--kv-cache-memory", "64MiB", "--chat-template", TPL,
+                 "--top-k", "3"]) == 0
+    p = made[-1]
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.95, 3, 5)  # the model's, and the flag

@@ -229,3 +229,30 @@ def test_a_byte_level_gguf_matches_its_user_defined_tokens_whole():
     nl = tok.encode("\n\n", add_special_tokens=False)
     assert got == [ids[0], *nl, ids[1], *nl, ids[2]]
     assert tok.decode(got) == text  # not special: kept by skip_special_tokens
+
+
+def test_the_tokenizer_option_is_used_for_every_kind_of_model(tmp_path):  # type: ignore[no-untyped-def]
+    """`tokenizer=` (--tokenizer) was read for HF folders only: a GGUF kept its own vocabulary and a
+    shape model had none, the option silently ignored. Now the folder named is the tokenizer for any
+    model; one that holds no tokenizer, or one with more tokens than the model, is refused by name."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import models
+
+    from tests.conftest import char_tokenizer_model
+    (tmp_path / "empty").mkdir()
+    chars = char_tokenizer_model(tmp_path / "empty", tmp_path / "chars")  # a tokenizer alone: ids = ASCII codes
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, _tiny_llama(None), {})
+    assert LLM(str(path), kv_cache_memory="64MiB").tokenizer.encode("ab", add_special_tokens=False) != [97, 98]
+    own = LLM(str(path), kv_cache_memory="64MiB", tokenizer=str(chars))
+    assert own.tokenizer.encode("ab", add_special_tokens=False) == [97, 98]
+    assert own.generate("ab", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].prompt_token_ids == [97, 98]
+    shape = LLM("shape:debug-tiny", kv_cache_memory="64MiB", tokenizer=str(chars))
+    assert shape.tokenizer is not None and shape.tokenizer.encode("ab", add_special_tokens=False) == [97, 98]
+    with pytest.raises(ValueError, match="tokenizer: .* is not a folder holding tokenizer.json"):
+        LLM("shape:debug-tiny", kv_cache_memory="64MiB", tokenizer=str(tmp_path))
+    big = tmp_path / "big"
+    big.mkdir()
+    Raw(models.WordLevel({f"t{i}": i for i in range(600)}, unk_token="t0")).save(str(big / "tokenizer.json"))
+    with pytest.raises(ValueError, match="tokenizer: .* has 600 tokens, more than the model's 512"):
+        LLM("shape:debug-tiny", kv_cache_memory="64MiB", tokenizer=str(big))

@@ -236,7 +236,9 @@ def test_plan_flags_it_would_ignore_or_misread_are_refused(capsys):  # type: ign
                       (["--heads", "4"], "--heads"), (["--params", "1e12"], "--params"), (["--vocab", "7"], "--vocab"),
                       (["--link-gbs", "1"], "--link-gbs"), (["--link-latency-us", "5000"], "--link-latency-us"),
                       (["--model", "nosuch"], "--model: 'nosuch' is not a planner shape (debug-tiny, deepseek-v2-lite"),
-                      (["--model", "deepseek-v3", "--kv-dtype", "int8"], "kv_dtype")):
+                      (["--model", "deepseek-v3", "--kv-dtype", "int8"], "kv_dtype"),
+                      (["--model", "llama-3.1-8b", "--layers", "2", "--kv-heads", "1", "--head-dim", "64"],
+                       "--model: an explicit shape")):  # (the model was dropped for the shape, unsaid)
         assert main(["plan", *bad]) == 2
         err = capsys.readouterr().err
         assert said in err, (bad, err)
@@ -246,8 +248,20 @@ def test_an_explicit_parameter_count_is_read_whole():  # type: ignore[no-untyped
     """--params counts what the user says: a decode step reads all of it (the input embedding of the
     shape's vocabulary was taken off it: 1e6 parameters with a 32,000 x 128 table planned negative bytes)."""
     import argparse
-    from lmserve.plan import model_from_args
+    from lmserve.cli.plan import model_from_args
     a = argparse.Namespace(layers=2, heads=None, kv_heads=1, head_dim=64, hidden=None, intermediate=None, vocab=None,
                            params=1e6, model="smollm2-135m")
     r = plan(model_from_args(a), DEVICES["h100"], "bf16", seq_len=16)
     assert math.isclose(r["decode"]["bytes_moved_gb"] * 1e9, 1e6 * 2 + r["kv_bytes_per_seq"]) and r["decode"]["step_ms"] > 0
+
+
+def test_mla_keeps_its_whole_latent_on_every_tensor_parallel_rank(capsys):  # type: ignore[no-untyped-def]
+    """The per-rank KV of an MLA model was divided by its query heads (deepseek-v3 over 8 ranks: 8,784
+    bytes/token per rank); the latent is one per token, not per head, and every rank caches all of it."""
+    one = plan(model_from_name("deepseek-v3"), DEVICES["h200"], "bf16")
+    r = plan(model_from_name("deepseek-v3"), DEVICES["h200"], "bf16", tp=8)
+    t = r["tensor_parallel"]
+    assert t["kv_bytes_per_token_per_rank"] == one["kv_bytes_per_token"] == 61 * 576 * 2 and t["kv_replicated"]
+    assert "MLA's latent: all of it on every rank" in render(r)
+    gqa = plan(model_from_name("llama-3.1-8b"), DEVICES["h200"], "bf16", tp=8)["tensor_parallel"]
+    assert gqa["kv_bytes_per_token_per_rank"] == 2 * 32 * 1 * 128 * 2 and not gqa["kv_replicated"]  # 8 KV heads / 8

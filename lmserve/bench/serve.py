@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -222,7 +223,11 @@ def launch_server(model: str, extra: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--model", model, "--port", str(port), *extra.split()]
+    try:
+        args = shlex.split(extra)  # as a shell splits: a quoted value keeps its spaces
+    except ValueError as e:
+        raise ValueError(f"launch_args: {e} in {extra!r}") from None
+    cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--model", model, "--port", str(port), *args]
     log = tempfile.TemporaryFile()  # the server's stderr: its reason, should it not come up
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"

@@ -128,7 +128,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
         raise ValueError(f"batch_sizes: a comma-separated list of integers, got {a.batch_sizes!r}") from None
     if min(sizes) < 1:
         raise ValueError(f"batch_sizes: every size must be >= 1, got {a.batch_sizes!r}")
-    base = engine_kwargs(a)
+    base = engine_kwargs(a, method_per_run=True)
     for method in a.methods.split(","):
         kw = dict(base)
         kw["speculative_method"] = None if method == "none" else method

@@ -1,8 +1,8 @@
 """Command line: `lmserve generate | chat | serve | router | bench | plan | quantize | eval | train-draft | distill`. A thin layer over the library.
 
 This is the front door: it builds the parser from each command's `add_parser` and runs the chosen
-command. Below it, the commands (lmserve.cli.generate and .chat, lmserve.server.cli, lmserve.bench.cli,
-lmserve.plan) take their shared flags from lmserve.cli.engine_args and .sampling_args, and none of them
+command. Below it, the commands (lmserve.cli.generate, .chat and .plan, lmserve.server.cli, lmserve.bench.cli)
+take their shared flags from lmserve.cli.engine_args and .sampling_args, and none of them
 imports this module.
 """
 
@@ -18,9 +18,8 @@ from pathlib import Path
 def build_parser() -> argparse.ArgumentParser:
     """The `lmserve` parser: one subcommand per command module. They are imported here, not at the top,
     because a command importing lmserve.cli.engine_args runs this file first: it must not need them."""
-    from lmserve import plan
     from lmserve.bench import cli as bench_cli
-    from lmserve.cli import chat, distill, generate, quantize, train_draft
+    from lmserve.cli import chat, distill, generate, plan, quantize, train_draft
     from lmserve.cli import eval as eval_cli
     from lmserve.router import cli as router_cli
     from lmserve.server import cli as server_cli
@@ -55,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # OSError: a file that is missing, exists, or cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: stopped, as a shell command is (130), without a traceback
+        print(file=sys.stderr)
+        return 130
 
 
 def unwritable(path: Path, folder: bool, name: str) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.cli.sampling_args import add_sampling_args, sampling_params
 from lmserve.engine import Engine
+from lmserve.generation_config import sampling_defaults
 from lmserve.llm import LLM
 
 
@@ -17,24 +18,29 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--system", default=None, help="system message")
     add_engine_args(c)
     add_sampling_args(c)
-    c.set_defaults(func=cmd_chat, max_tokens=256, temperature=0.7)
+    c.set_defaults(func=cmd_chat, sampling_defaults={"max_tokens": 256, "temperature": 0.7})
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
+    sampling_params(a)  # bad flags (a schema file that does not parse) fail before the model loads
     llm = LLM(a.model, **engine_kwargs(a))
     if llm.tokenizer is None or not llm.tokenizer.has_chat_template:
         print("error: this model has no chat template", file=sys.stderr)
         return 2
-    params = sampling_params(a)
+    params = sampling_params(a, sampling_defaults(llm.engine.config))
     history: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
     turn = 0
-    print("lmserve chat: type a message, /reset to clear history, /exit or Ctrl-D to quit.", file=sys.stderr)
+    print("lmserve chat: type a message, /reset to clear history, /exit or Ctrl-D to quit; "
+          "Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
             print()
             return 0
+        except KeyboardInterrupt:  # at the prompt: leave, as a shell would, without a traceback
+            print()
+            return 130
         if line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip() == "/reset":
@@ -52,7 +58,14 @@ def cmd_chat(a: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             history.pop()
             continue
-        history.append({"role": "assistant", "content": _stream_reply(llm.engine)})
+        try:
+            history.append({"role": "assistant", "content": _stream_reply(llm.engine)})
+        except KeyboardInterrupt:  # during a reply: it is dropped, with the message that asked for it
+            llm.engine.abort_request(rid)
+            while llm.engine.has_unfinished_requests():  # the abort lands at the next step
+                llm.engine.step()
+            history.pop()
+            print("\n[stopped]", file=sys.stderr)
 
 
 def _stream_reply(eng: Engine) -> str:

@@ -15,10 +15,12 @@ import typing
 from typing import Any
 
 from lmserve.config import EngineConfig
+from lmserve.utils import given_flags
 
 _OVERRIDES: dict[str, dict[str, Any]] = {
     "model": {"help": "HF folder, .gguf file, or a known name (default %(default)s)"},
-    "tokenizer": {"help": "tokenizer folder, if not beside the model"},
+    "tokenizer": {"help": "a tokenizer folder (tokenizer.json / tokenizer_config.json) instead of the model's own, "
+                          "for any model (HF folder, GGUF, shape:)"},
     "max_num_seqs": {"help": "default 64 on CPU, 256 on CUDA"},
     "max_num_batched_tokens": {"help": "default 512 on CPU, 8192 on CUDA"},
     "kv_cache_memory": {"help": "KV cache budget, e.g. 2GiB, 512MiB (default: 1GiB on CPU; on CUDA what "
@@ -105,6 +107,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                        **(_parse_options(hints[f.name]) | _OVERRIDES.get(f.name, {})))
 
 
-def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig's options from parsed engine flags, all but the model (callers pass it first)."""
+# flags that do something only when a speculative method is on
+SPECULATION_FLAGS = ("--num-speculative-tokens", "--draft-model", "--draft-num-layers", "--ngram-min", "--ngram-max",
+                     "--spec-max-batch", "--spec-min-acceptance", "--spec-policy", "--spec-min-draft-prob")
+
+
+def engine_kwargs(a: argparse.Namespace, method_per_run: bool = False) -> dict[str, Any]:
+    """EngineConfig's options from parsed engine flags, all but the model (callers pass it first).
+    ValueError naming the field for a speculation flag given without a method (it would do nothing),
+    unless the command sets the method itself for each run (method_per_run: bench spec)."""
+    if not method_per_run and a.speculative_method is None and a.speculative_config is None:
+        for flag in sorted(set(SPECULATION_FLAGS) & given_flags(getattr(a, "argv", []))):
+            raise ValueError(f"{flag[2:].replace('-', '_')}: {flag} does nothing without --speculative-method "
+                             "(or --speculative-config)")
     return {f.name: getattr(a, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}

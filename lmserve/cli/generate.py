@@ -10,6 +10,7 @@ from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.cli.sampling_args import add_sampling_args, sampling_params
+from lmserve.generation_config import sampling_defaults
 from lmserve.llm import LLM
 from lmserve.outputs import RequestOutput
 
@@ -43,6 +44,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(a.model, **engine_kwargs(a))
     load = time.perf_counter() - t0
+    if a.chat and (llm.tokenizer is None or not llm.tokenizer.has_chat_template):
+        print("error: --chat: this model has no chat template", file=sys.stderr)
+        return 2
+    params = sampling_params(a, sampling_defaults(llm.engine.config))  # the model's generation config under the flags
     if a.chat:
         ids = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                                     add_special_tokens=False) for p in prompts]

@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import argparse
-
 from pathlib import Path
+from typing import Any
 
 from lmserve.sequence import SamplingParams, StructuredOutputsParams
 from lmserve.utils import at_least
 
 
+# what a command uses for a flag not given, unless the model recommends otherwise (its
+# generation_config.json, --generation-config, --override-generation-config); a command's own set
+# (chat's, its `sampling_defaults`) goes over these
+DEFAULTS = dict(max_tokens=64, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """The "sampling" argument group: one request's sampling options."""
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=at_least(1), default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    """The "sampling" argument group: one request's sampling options. The ones DEFAULTS names are None
+    when not given: flag, then the model's generation config, then the command's default."""
+    g = p.add_argument_group("sampling", "a flag not given: the model's generation config "
+                                         "(--generation-config), else the value shown")
+    g.add_argument("--max-tokens", type=at_least(1), default=None, help="default 64 (chat: 256)")
+    g.add_argument("--temperature", type=float, default=None, help="default 0: greedy (chat: 0.7)")
+    g.add_argument("--top-p", type=float, default=None, help="default 1.0")
+    g.add_argument("--top-k", type=int, default=None, help="default -1: off")
+    g.add_argument("--min-p", type=float, default=None, help="default 0.0")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0")
     g.add_argument("--sampling-seed", "--request-seed", dest="request_seed", type=int, default=None,
                    help="per-request seed (same text whatever else runs)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -47,8 +55,10 @@ def structured_outputs(a: argparse.Namespace) -> StructuredOutputsParams | None:
                                    grammar=grammar)
 
 
-def sampling_params(a: argparse.Namespace) -> SamplingParams:
-    """SamplingParams from parsed sampling flags."""
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                          min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.request_seed,
-                          stop=a.stop, ignore_eos=a.ignore_eos, structured_outputs=structured_outputs(a))
+def sampling_params(a: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams from parsed sampling flags: each flag given, else `model_defaults` (the model's
+    generation config: generation_config.sampling_defaults), else the command's default."""
+    given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k, None) is not None}
+    fields = {**DEFAULTS, **getattr(a, "sampling_defaults", {}), **(model_defaults or {}), **given}
+    return SamplingParams(**fields, seed=a.request_seed, stop=a.stop, ignore_eos=a.ignore_eos,
+                          structured_outputs=structured_outputs(a))

@@ -187,12 +187,21 @@ def load_model(config: EngineConfig, num_layers: int | None = None, shard: Any =
         cfg = shape_config(config.model.removeprefix("shape:"))
     elif g is not None:
         cfg = g.config()
-        tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
+        if not config.tokenizer:
+            tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
     else:
         cfg = hf_config(src.path)
-        tok_dir = config.tokenizer or src.path
-        if any((src.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) or config.tokenizer:
-            tokenizer = Tokenizer.from_hf_dir(tok_dir, cfg.eos_token_ids)
+        if any((src.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) and not config.tokenizer:
+            tokenizer = Tokenizer.from_hf_dir(src.path, cfg.eos_token_ids)
+    if config.tokenizer:  # the one named, whatever the model's kind (a GGUF's own, or none, otherwise)
+        tok_dir = Path(config.tokenizer)
+        if not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"tokenizer: {config.tokenizer} is not a folder holding tokenizer.json or "
+                             "tokenizer_config.json")
+        tokenizer = Tokenizer.from_hf_dir(tok_dir, cfg.eos_token_ids)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer: {config.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
+                             f"model's {cfg.vocab_size}")
     if config.chat_template is not None:
         if tokenizer is None:
             raise ValueError("chat_template: this model has no tokenizer to render chats with")

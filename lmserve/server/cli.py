@@ -70,6 +70,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     tls = tls_from_args(a)  # (a missing or mismatched certificate is said before anything starts)
+    kw = engine_kwargs(a)  # (an engine flag that would do nothing, too)
     if a.data_parallel > 1:
         from lmserve.router.cli import run_data_parallel
         return run_data_parallel(a, a.argv)
@@ -93,14 +94,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from lmserve.server.limits import ServerLimits
 
     logging.getLogger("lmserve").setLevel(a.log_level.upper())
+    limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)})  # (before the model)
     sock = listen_socket(a.host, a.port)  # a port in use is said before the model loads, not after
     lora_on = {"enable_lora": True} if loras or a.allow_runtime_lora_updating else {}
-    engine = Engine(EngineConfig(model=a.model, **{**engine_kwargs(a), **lora_on}))
+    engine = Engine(EngineConfig(model=a.model, **{**kw, **lora_on}))
     ae = AsyncEngine(engine, max_queue=a.max_queue)
     ae.on_fatal = exit_soon
     if hasattr(engine.model, "on_lost"):  # tensor parallel: a rank lost while idle is fatal too
         engine.model.on_lost = ae.die
-    limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)})
     names = a.served_model_name or [a.model]
     app = build_app(ae, names, a.api_key, request_timeout=a.request_timeout,
                     tool_call_parser=a.tool_call_parser, limits=limits, cors=cors,
