@@ -77,6 +77,10 @@ class ModelConfig:
     topk_group: int = 1
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
+    # trained for Matryoshka embeddings (config.json's is_matryoshka / matryoshka_dimensions, as vLLM reads
+    # them): an embedding may be cut to its first `dimensions` (to one of matryoshka_dimensions when given)
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

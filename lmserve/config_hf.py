@@ -123,6 +123,8 @@ def _model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma3TextConfig ties by default
         qkv_bias=qkv_bias,
         qk_norm=arch.startswith(("Qwen3", "Gemma3")),
+        is_matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
+        matryoshka_dimensions=tuple(int(d) for d in cfg.get("matryoshka_dimensions") or ()),
         sliding_window=window,
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),

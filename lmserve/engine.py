@@ -99,7 +99,7 @@ class Engine:
         self.spec = None if not c.speculative_method else SpecPolicy(
             build_proposer(c, cfg, draft_budget, draft, self.model, self.max_model_len), c, self.max_model_len)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, c.max_num_seqs,
-                                     self.block_manager, self.structured, c.max_logprobs, self.lora, cfg.hidden_size)
+                                     self.block_manager, self.structured, c.max_logprobs, self.lora, cfg)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
         # not a bound method: an engine <-> fan-out cycle would keep a dropped engine's KV cache until a GC pass
         self._init_seq = functools.partial(init_sequence, random.Random(c.seed), self.output, self.structured)

@@ -10,6 +10,7 @@ import hashlib
 import random
 from typing import Any
 
+from lmserve.config import ModelConfig
 from lmserve.kv.block_manager import BlockManager
 from lmserve.lora import LoRAAdapter, LoRARegistry
 from lmserve.outputs import OutputProcessor
@@ -25,9 +26,11 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
                  block_manager: BlockManager, structured: StructuredOutputs | None = None, max_logprobs: int = 20,
-                 lora: LoRARegistry | None = None, hidden_size: int = 0) -> None:
+                 lora: LoRARegistry | None = None, model: ModelConfig | None = None) -> None:
         self.tokenizer = tokenizer
-        self.hidden_size = hidden_size  # an embedding's length (PoolingParams.dimensions at most)
+        # an embedding's length, and whether (and to what) it may be cut: PoolingParams.validate's arguments
+        self.embedding_shape = (model.hidden_size, model.is_matryoshka, model.matryoshka_dimensions) if model \
+            else (0, False, ())
         self.lora = lora  # the engine's adapters (enable_lora), loaded here on a request's first use
         # the most logprobs / prompt_logprobs a request may ask (EngineConfig.max_logprobs; -1: all)
         self.max_logprobs = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
@@ -47,7 +50,7 @@ class InputProcessor:
         adapter = self.adapter(lora_request)
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:  # an embedding: the prompt runs, then one throw-away step ends it
-            pooling.validate(self.hidden_size)
+            pooling.validate(*self.embedding_shape)
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                     truncate_prompt_tokens=pooling.truncate_prompt_tokens)
         params = params or SamplingParams()

@@ -27,8 +27,10 @@ class PoolingParams:
     dimensions: int | None = None  # keep the first this many (Matryoshka models), before normalising
     truncate_prompt_tokens: int | None = None  # run the prompt's last k tokens (as SamplingParams': -1 the context)
 
-    def validate(self, hidden_size: int) -> None:
-        """ValueError naming the field."""
+    def validate(self, hidden_size: int, matryoshka: bool = True, sizes: tuple[int, ...] = ()) -> None:
+        """ValueError naming the field. matryoshka: the model was trained so that its embeddings may be
+        cut (else `dimensions` is refused, as vLLM does: a cut vector would be a poor one); sizes: the
+        cuts it was trained for (any, when empty)."""
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type: must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
         if self.normalize is None:  # vLLM's None: the model's default (normalised)
@@ -38,6 +40,12 @@ class PoolingParams:
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= hidden_size):
             raise ValueError(f"dimensions: must be an integer in [1, {hidden_size}] (the model's hidden size), got {d!r}")
+        if d is not None and not matryoshka:
+            raise ValueError("dimensions: this model does not support Matryoshka embeddings (its config.json has no "
+                             "is_matryoshka or matryoshka_dimensions): a cut embedding would be a poor one")
+        if d is not None and sizes and d not in sizes:
+            raise ValueError(f"dimensions: this model's embeddings may be cut to {', '.join(map(str, sizes))} only, "
+                             f"got {d}")
 
 
 class PoolingState:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import base64
+import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,11 +26,21 @@ def unit(v: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(v, dim=0)
 
 
+def matryoshka(src: Path, dst: Path, **fields) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of a model folder whose config.json says it was trained for Matryoshka embeddings (vLLM's
+    is_matryoshka, or the fields given: matryoshka_dimensions=[...])."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(cfg | (fields or {"is_matryoshka": True})))
+    return dst
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "llama_mqa"])
-def test_embeddings_match_hf_hidden_states(tiny_models, family):  # type: ignore[no-untyped-def]
+def test_embeddings_match_hf_hidden_states(tiny_models, family, tmp_path):  # type: ignore[no-untyped-def]
     """Last-token and mean pooling, normalised or not, cut to `dimensions`, equal HF's final hidden states
     pooled in float64; prompts prefilled in chunks of 8 tokens, the last two sharing a cached prefix."""
     path, hf = tiny_models[family]
+    path = matryoshka(path, tmp_path / family)
     llm = LLM(str(path), kv_cache_memory="64MiB", max_num_batched_tokens=8, block_size=4)
     cases = [PoolingParams(), PoolingParams(pooling_type="mean"), PoolingParams(normalize=False),
              PoolingParams(pooling_type="mean", dimensions=20, normalize=False), PoolingParams(dimensions=16)]
@@ -86,8 +99,8 @@ def test_an_adapters_embedding_is_the_adapted_models(tiny_models, tmp_path):  # 
     assert peft is not None
 
 
-def test_bad_pooling_params_are_refused_naming_the_field(tiny_models):  # type: ignore[no-untyped-def]
-    llm = LLM(str(tiny_models["llama"][0]), kv_cache_memory="64MiB")
+def test_bad_pooling_params_are_refused_naming_the_field(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    llm = LLM(str(matryoshka(tiny_models["llama"][0], tmp_path / "m")), kv_cache_memory="64MiB")
     for pp, field in ((PoolingParams(dimensions=65), "dimensions"), (PoolingParams(dimensions=0), "dimensions"),
                       (PoolingParams(pooling_type="cls"), "pooling_type"), (PoolingParams(normalize=1), "normalize"),
                       (PoolingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens")):
@@ -95,6 +108,22 @@ def test_bad_pooling_params_are_refused_naming_the_field(tiny_models):  # type: 
             llm.embed([PROMPTS[0]], pp)
     assert len(llm.embed([[1] * 30], PoolingParams(truncate_prompt_tokens=5), use_tqdm=False)[0].prompt_token_ids) == 5
     assert llm.stats().used_blocks == 0
+
+
+def test_dimensions_only_for_a_model_trained_for_them(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    """`dimensions` cut any model's embedding; vLLM refuses it unless the model's config says it was trained
+    for Matryoshka cuts (is_matryoshka), and keeps it to matryoshka_dimensions when that lists them."""
+    plain = LLM(str(tiny_models["llama"][0]), kv_cache_memory="64MiB")
+    with pytest.raises(ValueError, match="^dimensions: this model does not support Matryoshka"):
+        plain.embed([PROMPTS[0]], PoolingParams(dimensions=16))
+    assert len(plain.embed([PROMPTS[0]], use_tqdm=False)[0].outputs.embedding) == 64  # whole: still served
+    listed = LLM(str(matryoshka(tiny_models["llama"][0], tmp_path / "m", matryoshka_dimensions=[16, 32])),
+                 kv_cache_memory="64MiB")
+    with pytest.raises(ValueError, match="^dimensions: this model's embeddings may be cut to 16, 32 only, got 20"):
+        listed.embed([PROMPTS[0]], PoolingParams(dimensions=20))
+    whole = listed.embed([PROMPTS[0]], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
+    assert listed.embed([PROMPTS[0]], PoolingParams(dimensions=16, normalize=False), use_tqdm=False)[0] \
+        .outputs.embedding == pytest.approx(whole[:16], abs=1e-6)
 
 
 def test_server_embeddings_route(tiny_models, tmp_path):  # type: ignore[no-untyped-def]
@@ -108,7 +137,7 @@ def test_server_embeddings_route(tiny_models, tmp_path):  # type: ignore[no-unty
     from lmserve.server.async_engine import AsyncEngine
     from tests.conftest import char_tokenizer_model
     from tests.test_server import serving
-    model = char_tokenizer_model(tiny_models["llama"][0], tmp_path / "m")
+    model = char_tokenizer_model(matryoshka(tiny_models["llama"][0], tmp_path / "mat"), tmp_path / "m")
     llm = LLM(str(model), kv_cache_memory="64MiB")
     texts = ["Hello there", "general Kenobi", "x"]
     ref = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
