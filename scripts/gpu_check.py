@@ -15,7 +15,8 @@ with bf16 / int8 / int4 / fp8 weights), throughput (the 256-request workload), h
 transformers at batch 1, and beside lmserve on a 64-request slice of the workload), deterministic (the batch-invariant attention
 kernels, and the needle test: a prompt alone against the same among 64 others, bit for bit), swap
 and offload (preempted KV to pinned host memory and back; the prefix cache's offload tier against a
-pool hit).
+pool hit), quant sweep (the GEMV kernel's block choices for batch-1 decode: each checked against
+float64 on one layer, then timed on the quant matmul part's Llama-3.1-8B step).
 
 Each part runs in its own process (forked from a server that imported torch once), so a crash or a
 sticky CUDA error ends that part only; it writes $OUT/parts/<part>.json after every result, so a
@@ -652,6 +653,37 @@ def part_quant_matmul(p: Part, s: dict) -> None:
             p.row(f"  {scheme}: CUDA graph capture failed, eager time above", r["graph_error"])
 
 
+GEMV_SWEEP = [dict(block_k=k, block_n=n, num_warps=w) for k in (256, 512, 1024) for n in (None, 32) for w in (4, 8)]
+
+
+def part_quant_sweep(p: Part, s: dict) -> None:
+    """The GEMV kernel's block choices for batch-1 decode, measured (the first H200 run found int8 at 0.99x
+    and int4 at 0.72x bf16 with the defaults, at half the card's bandwidth: too few bytes in flight is the
+    suspect): the quant matmul part's Llama-3.1-8B step for int8 / int4 / fp8 with each of GEMV_SWEEP
+    (block_k per tile: int4's doubled, the same bytes; block_n None: the default by SM count; num_warps),
+    beside the defaults and bf16; the best per scheme, so that triton_quant's defaults follow a measure."""
+    cuda = s["device"].startswith("cuda")
+    shape = "debug-tiny" if s["small"] else "llama-3.1-8b"
+    sweep = GEMV_SWEEP[:2] if s["small"] else GEMV_SWEEP
+    t = quant_decode_timing(s["device"], shape, num_layers=1 if s["small"] else None, reps=2 if s["small"] else 20,
+                            sweep=sweep)
+    p.put(quant_sweep=t)
+    base = t["bf16"]["ms"]
+    for scheme in ("int8", "int4", "fp8"):
+        wrong = [k for k, r in t.items() if k.startswith(scheme + " k") and "ms" in r
+                 and not (isinstance(r.get("rel_err"), float) and r["rel_err"] < 1e-2)]
+        if wrong:
+            p.fail(f"{scheme} blocks computing a wrong result: {', '.join(wrong)}")
+        rows = {k: r for k, r in t.items() if (k == scheme or k.startswith(scheme + " k")) and "ms" in r
+                and k not in wrong}
+        failed = [k for k, r in t.items() if k.startswith(scheme + " k") and "error" in r]
+        best = min(rows, key=lambda k: rows[k]["ms"])
+        p.row(f"{scheme}: default blocks / best of {len(rows) - 1}" + (f" ({len(failed)} failed)" if failed else ""),
+              f"{rows[scheme]['ms']:.3f} / {rows[best]['ms']:.3f} ms ({best}); best {base / rows[best]['ms']:.2f}x bf16, "
+              f"{rows[best]['gb'] / rows[best]['ms'] * 1e3:.0f} GB/s" if cuda else
+              f"{len(rows)} variants ran (CPU interpreter: exercises the code, not a speed)")
+
+
 def quant_matmul_check(device: str, dtype: Any, small: bool = False, full: bool = True) -> list[dict]:
     """layers/triton_quant.py's GEMV and tiled kernels on `device` against float64 over each layer's
     dequantize(): int8 per channel and per group of 128, int4 groups of 32 and 128, fp8; 300 outputs (no
@@ -689,7 +721,9 @@ def quant_matmul_check(device: str, dtype: Any, small: bool = False, full: bool 
     return rows
 
 
-def quant_decode_timing(device: str, shape: str, num_layers: int | None = None, reps: int = 20) -> dict:
+def quant_decode_timing(device: str, shape: str, num_layers: int | None = None, reps: int = 20,
+                        schemes: tuple[str, ...] = ("bf16", "int8", "int4", "fp8"), sweep: list[dict] | None = None
+                        ) -> dict:
     """ms per token of the linears of one batch-1 decode step: per layer qkv, o, gate_up, down, then the
     LM head, for a model of `shape` (num_layers: fewer layers). bf16 weights through F.linear; int8 (per
     channel), int4 (groups as quantize_model picks them) and fp8 through triton_quant.quant_matmul, fp8
@@ -698,14 +732,17 @@ def quant_decode_timing(device: str, shape: str, num_layers: int | None = None, 
     layers distinct (every step streams every weight from memory, as decode does); scales and mins in
     bf16, as a bf16 model holds them. CUDA: each step captured in a CUDA graph (ms: replays, after a
     warm-up that compiles every kernel variant; eager_ms beside it); the CPU (float32, interpreter): one
-    eager step. Returns {scheme: {"ms", "eager_ms", "gb" (weight bytes read, 1e9)}, "config": {...}}."""
+    eager step. sweep: GEMV block choices to time beside the defaults ({"block_k" (int4: doubled, the same
+    bytes a tile), "block_n", "num_warps"} each; rows "SCHEME k.. n.. w.."): every linear of the step and
+    the head through triton_quant.gemv with them. Returns {scheme: {"ms", "eager_ms", "gb" (weight bytes
+    read, 1e9)}, "config": {...}}."""
     import gc
 
     import torch
     import torch.nn.functional as F
 
     from lmserve.layers.quant import Fp8Linear, Int4Linear, Int8Linear
-    from lmserve.layers.triton_quant import quant_matmul
+    from lmserve.layers.triton_quant import dequantized, gemv, packed_weight, quant_matmul
     from lmserve.models.registry import default_group_size
     from lmserve.models.shapes import shape_config
     cfg = shape_config(shape)
@@ -779,7 +816,8 @@ def quant_decode_timing(device: str, shape: str, num_layers: int | None = None, 
 
     res: dict[str, Any] = {"config": {"shape": shape, "layers": n_layers, "dims": dims, "vocab": cfg.vocab_size,
                                       "reps": reps, "dtype": str(dt)}}
-    for scheme in ("bf16", "int8", "int4", "fp8"):
+    errs: dict[str, Any] = {}  # swept blocks: relative error of one layer against float64
+    for scheme in schemes:
         stack = [[make(scheme, o, i) for o, i in dims] for _ in range(n_layers)]
         head = make("bf16" if scheme == "bf16" else "int8", cfg.vocab_size, h)
         gb = (sum(nbytes(m) for layer in stack for m in layer) + nbytes(head)) / 1e9
@@ -787,13 +825,32 @@ def quant_decode_timing(device: str, shape: str, num_layers: int | None = None, 
         if scheme == "fp8" and cuda:
             ways.append(("fp8 scaled_mm", lambda w, x: w(x)))
         head_mm = (lambda w, x: F.linear(x, w)) if scheme == "bf16" else (lambda w, x: quant_matmul(x, w))
-        for label, mm in ways:
-            def step(mm: Any = mm, stack: list = stack, head: Any = head, head_mm: Any = head_mm) -> None:
+        heads = [head_mm] * len(ways)
+        for blocks in (sweep or []) if scheme != "bf16" else []:
+            kw = {**blocks, "block_k": blocks["block_k"] * (2 if scheme == "int4" else 1)}
+            label = f"{scheme} k{blocks['block_k']} n{blocks['block_n'] or 'auto'} w{blocks['num_warps']}"
+            ways.append((label, lambda w, x, kw=kw: gemv(x, packed_weight(w), **kw)))
+            try:  # the blocks compute the layer: one qkv against float64 over its dequantized weight
+                w0, x0 = packed_weight(stack[0][0]), xs[dims[0][1]]
+                ref = x0.double() @ dequantized(w0).double().T  # (1, out)
+                errs[label] = ((gemv(x0, w0, **kw).double() - ref).norm() / ref.norm()).item()
+            except Exception as e:  # noqa: BLE001 - said in its row (timed below: it fails there too)
+                errs[label] = f"{type(e).__name__}: {e}"[:300]
+            heads.append(lambda w, x, kw=blocks: gemv(x, packed_weight(w), **kw))  # (the int8 head, same blocks)
+        for (label, mm), hmm in zip(ways, heads):
+            def step(mm: Any = mm, stack: list = stack, head: Any = head, head_mm: Any = hmm) -> None:
                 for layer in stack:
                     for w, (_, i) in zip(layer, dims):
                         mm(w, xs[i])
                 head_mm(head, xs[h])
-            res[label] = {**timed(step), "gb": gb}
+            try:
+                res[label] = {**timed(step), "gb": gb, **({"rel_err": errs[label]} if label in errs else {})}
+            except Exception as e:  # noqa: BLE001 - a swept block choice that fails (resources) is a row, not the end
+                if label in (scheme, "fp8 scaled_mm"):
+                    raise
+                res[label] = {"error": f"{type(e).__name__}: {e}"[:300], "gb": gb}
+                if cuda:
+                    torch.cuda.synchronize()
             del step
         del stack, head
         gc.collect()
@@ -1120,8 +1177,9 @@ PARTS: list[tuple[str, float, float, PartFn]] = [
     ("host overhead", 40, 6, part_host),
     ("quant matmul", 90, 8, part_quant_matmul),
     ("deterministic", 60, 50, part_deterministic),  # #18's CUDA half; a cut first run: --parts deterministic
+    ("quant sweep", 150, 10, part_quant_sweep),  # the GEMV blocks for batch-1 decode (after the first H200 run)
 ]
-NEEDS_TRITON = {"fusions", "kernels", "correctness", "deterministic", "quant matmul"}
+NEEDS_TRITON = {"fusions", "kernels", "correctness", "deterministic", "quant matmul", "quant sweep"}
 
 
 def skip_without_triton(name: str, settings: dict) -> str | None:
