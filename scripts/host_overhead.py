@@ -31,26 +31,39 @@ def main() -> None:
                            vocab_size=llm.engine.vocab_size, seed=0)
     params = [SamplingParams(temperature=0.6, max_tokens=r.max_tokens, ignore_eos=True, seed=i)
               for i, r in enumerate(reqs)]
-    runner = llm.engine.runner
-    spent = {"forward": 0.0, "sampler": 0.0, "steps": 0}
-    forward, sampler = runner.forward, runner.sampler.__call__
+    eng, runner = llm.engine, llm.engine.runner
+    spent = {"schedule": 0.0, "forward": 0.0, "sampler": 0.0, "update": 0.0, "step": 0.0}
+    steps = [0]
 
-    def timed_forward(out):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        h = forward(out)
-        spent["forward"] += time.perf_counter() - t
-        spent["steps"] += 1
-        return h
-
-    class TimedSampler(type(runner.sampler)):  # type: ignore[misc]
-        def __call__(self, logits, seqs):  # type: ignore[no-untyped-def]
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        def run(*args, **kw):  # type: ignore[no-untyped-def]
             t = time.perf_counter()
-            o = sampler(logits, seqs)
-            spent["sampler"] += time.perf_counter() - t
-            return o
+            r = fn(*args, **kw)
+            spent[name] += time.perf_counter() - t
+            return r
+        return run
 
-    runner.forward = timed_forward  # type: ignore[method-assign]
-    runner.sampler.__class__ = TimedSampler
+    class Sampler:  # the runner calls self.sampler(logits, sampling inputs, bitmask)
+        def __init__(self, real) -> None:  # type: ignore[no-untyped-def]
+            self.real, self.call = real, timed("sampler", real)
+
+        def __call__(self, *args, **kw):  # type: ignore[no-untyped-def]
+            return self.call(*args, **kw)
+
+        def __getattr__(self, k: str):  # type: ignore[no-untyped-def]
+            return getattr(self.real, k)
+
+    step = eng.step
+
+    def stepped():  # type: ignore[no-untyped-def]
+        steps[0] += 1
+        return timed("step", step)()
+
+    eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)  # type: ignore[method-assign]
+    eng.scheduler.update_from_output = timed("update", eng.scheduler.update_from_output)  # type: ignore[method-assign]
+    runner.forward = timed("forward", runner.forward)  # type: ignore[method-assign]
+    runner.sampler = Sampler(runner.sampler)  # type: ignore[assignment]
+    eng.step = stepped  # type: ignore[method-assign]
     prof = cProfile.Profile() if a.profile else None
     t0 = time.perf_counter()
     if prof:
@@ -60,11 +73,13 @@ def main() -> None:
         prof.disable()
     wall = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = spent["steps"]
-    other = wall - spent["forward"] - spent["sampler"]
-    print(f"{a.requests} requests, {n} output tokens, {steps} steps, {wall:.2f} s ({n / wall:.0f} tok/s)")
-    print(f"per step: forward {spent['forward'] / steps * 1e3:.2f} ms, sampler {spent['sampler'] / steps * 1e3:.2f} ms,"
-          f" everything else (scheduling, output processing) {other / steps * 1e3:.2f} ms")
+    ms = {k: v / steps[0] * 1e3 for k, v in spent.items()}
+    rest = ms["step"] - ms["schedule"] - ms["forward"] - ms["sampler"] - ms["update"]
+    print(f"{a.requests} requests, {n} output tokens, {steps[0]} steps, {wall:.2f} s ({n / wall:.0f} tok/s)")
+    print(f"per step: forward {ms['forward']:.2f} ms (incl. building its inputs), sampler {ms['sampler']:.2f} ms; "
+          f"host work around them {ms['step'] - ms['forward'] - ms['sampler']:.2f} ms = schedule "
+          f"{ms['schedule']:.2f} + update {ms['update']:.2f} + rest of the step {rest:.2f} (outputs, "
+          f"detokenizing, ...); outside Engine.step (adding the requests, generate's loop) {(wall - spent['step']) / steps[0] * 1e3:.2f} ms")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 

@@ -265,3 +265,19 @@ def test_tier_hits_take_fresh_blocks_and_are_asked_only_where_needed():
     u: Tables = []
     before = (bm.num_free_blocks, list(bm.ref_count))
     assert not bm.allocate(u, 44, prefix) and u == [] and (bm.num_free_blocks, bm.ref_count) == before
+
+
+def test_a_decode_token_copies_only_a_block_someone_else_holds():
+    """reserve() for one new token of a one-group model (every decode step: its fast path) writes in place
+    only into a block the sequence holds alone (a pin is no holder); a block a fork shares is copied."""
+    bm = BlockManager(16, 4)
+    a: Tables = []
+    assert bm.allocate(a, 6)  # blocks for tokens 0..5: the second one half full
+    b = bm.fork(a)
+    shared = a[0][1]
+    (src, dst), = bm.reserve(a, 6, 7)  # token 6 lands in the shared block: a takes a copy
+    assert src == shared and a[0][1] == dst != shared and bm.ref_count[shared] == 1
+    assert bm.reserve(b, 6, 7) == [] and b[0][1] == shared  # b now holds it alone: in place
+    bm.pin([shared])  # the copy's source, still read this step
+    assert bm.reserve(b, 7, 8) == [] and b[0][1] == shared  # a pin is no other holder
+    assert bm.reserve(b, 8, 9) == [] and len(b[0]) == 3  # past the last block: one more (the general path)

@@ -195,6 +195,10 @@ class BlockManager:
         blocks no step from `keep_from` (default: `start`) on reads: a caller that may roll back
         below `start` (a draft model's speculative steps) passes the position it may roll back to."""
         bs = self.block_size
+        if end - start == 1 and self.windows == (None,) and len(tables) == 1:  # a decode token, one full-attention
+            i = start // bs  # group (every step of most sequences: kept lean): its block is there, held alone
+            if i < len(tables[0]) and self.ref_count[b := tables[0][i]] - self.pins.get(b, 0) <= 1:
+                return []
         horizon = start if keep_from is None else min(start, keep_from)
         if not tables:  # holds nothing yet (a draft model's new mirror): empty tables to grow
             tables.extend([] for _ in self.windows)
