@@ -49,6 +49,26 @@ def test_latency_with_naive_curve(tiny_models, tmp_path):  # type: ignore[no-unt
     assert out.with_name(out.stem + "-naive.png").is_file()
 
 
+def test_figures_are_printed_before_their_file_is_written(tiny_models, tmp_path, monkeypatch, capsys):  # type: ignore[no-untyped-def]
+    """bench and eval printed their figures only after writing the JSON: a file that could not be written
+    lost a whole run's figures; the default folder (bench_out/) was never checked before the run."""
+    from lmserve.bench import common
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench_out").write_text("a file where the folder would be")
+    for argv in (["bench", "latency"], ["bench", "throughput"], ["eval", "perplexity", "--text", "x"]):
+        assert main(argv) == 2, argv  # before any model loads
+        assert "output_json (default bench_out/): bench_out is a file" in capsys.readouterr().err
+    (tmp_path / "bench_out").unlink()
+
+    def full_disk(path, payload):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(common, "write_json", full_disk)
+    assert main(["bench", "latency", "--model", str(tiny_models["llama"][0]), "--batch-size", "1", "--input-len", "4",
+                 "--output-len", "3", "--repeats", "1", "--no-progress", "--kv-cache-memory", "64MiB"]) == 2
+    out, err = capsys.readouterr()
+    assert "TPOT p50" in out and "No space left on device" in err
+
+
 def test_hf_latency_times_the_first_token_inside_the_run(monkeypatch):  # type: ignore[no-untyped-def]
     """TTFT comes from the measured generate() itself (a streamer at each token), so a slow separate
     1-token run cannot make TTFT exceed the whole run and TPOT negative (seen: TPOT -65 ms for a 1,024-

@@ -178,13 +178,13 @@ def cmd_throughput(a: argparse.Namespace) -> int:
         lines.append(f"{_llamacpp_line(x, a)}: {x['output_tokens_per_s']:,.1f} output tok/s, "
                      f"{x['total_tokens_per_s']:,.1f} total tok/s -> lmserve is {x['lmserve_speedup']:.2f}x")
     res["meta"] = run_metadata(vars(a) | {"func": None})
+    print("\n".join(lines))  # (first: a file that cannot be written does not lose them)
     path = write_json(_out_path(a, "throughput"), res)
     if a.plot:
         from lmserve.bench.plots import bars
         vals = {"lmserve": ours} | {label: res["baselines"][k]["output_tokens_per_s"] for k, label in
                                     (("hf", "HF generate"), ("llamacpp", "llama.cpp")) if k in res["baselines"]}
         bars(f"Output tokens/s ({a.model}, {a.device})", vals, "output tokens / s", path.with_suffix(".png"))
-    print("\n".join(lines))
     print(f"[figures written to {path}]", file=sys.stderr)
     return 0
 
@@ -233,6 +233,7 @@ def cmd_latency(a: argparse.Namespace) -> int:
             f"{L}: {x * 1e3:.1f} | {y * 1e3:.1f}" for L, x, y in
             zip(n["lengths"], n["naive_s_per_token"], n["cached_s_per_token"])))
     res["meta"] = run_metadata(vars(a) | {"func": None})
+    print("\n".join(lines))  # (first: a file that cannot be written does not lose them)
     path = write_json(_out_path(a, "latency"), res)
     if a.plot:
         from lmserve.bench.plots import bars, naive_curve
@@ -242,6 +243,5 @@ def cmd_latency(a: argparse.Namespace) -> int:
                                                  (("hf", "HF generate"), ("llamacpp", "llama.cpp"))
                                                  if k in res["baselines"]}
         bars(f"Batch-{a.batch_size} tokens/s ({a.model}, {a.device})", vals, "tokens / s", path.with_suffix(".png"))
-    print("\n".join(lines))
     print(f"[figures written to {path}]", file=sys.stderr)
     return 0

@@ -270,13 +270,6 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
             proc.wait(60)
     res = {"bench": "serve", "url": url, "request_rate": a.request_rate, "results": summary,
            "meta": run_metadata(vars(a) | {"func": None})}
-    from pathlib import Path
-    path = write_json(Path(a.output_json or f"bench_out/serve-{time.strftime('%Y%m%d-%H%M%S')}.json"), res)
-    if a.plot:
-        from lmserve.bench.plots import cdfs
-        ok = [r for r in results if r.ok]
-        cdfs({"TTFT (s)": [r.ttft for r in ok], "e2e (s)": [r.e2e for r in ok],
-              "TPOT (s)": [r.tpot for r in ok if r.tpot is not None]}, "seconds", path.with_suffix(".png"))
     s = summary
     print(f"{s['completed']}/{s['num_requests']} ok in {s['wall_s']:.1f} s: {s['output_tokens_per_s']:.1f} output tok/s, "
           f"{s['requests_per_s']:.2f} req/s (goodput {s['goodput_requests_per_s']:.2f}); "
@@ -284,5 +277,12 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
           f"{s['ttft_s'].get('p99', 0) * 1e3:.0f} ms; TPOT p50 {s['tpot_s'].get('p50', 0) * 1e3:.1f} ms; "
           f"ITL p50 {s['itl_s'].get('p50', 0) * 1e3:.1f} ms; e2e p50 {s['e2e_s'].get('p50', 0):.2f} s; "
           f"prefix-cache hit rate {s['prefix_cache_hit_rate']}")
+    from pathlib import Path
+    path = write_json(Path(a.output_json or f"bench_out/serve-{time.strftime('%Y%m%d-%H%M%S')}.json"), res)
+    if a.plot:
+        from lmserve.bench.plots import cdfs
+        ok = [r for r in results if r.ok]
+        cdfs({"TTFT (s)": [r.ttft for r in ok], "e2e (s)": [r.e2e for r in ok],
+              "TPOT (s)": [r.tpot for r in ok if r.tpot is not None]}, "seconds", path.with_suffix(".png"))
     print(f"[figures written to {path}]", file=sys.stderr)
     return 0 if s["failed"] == 0 else 1

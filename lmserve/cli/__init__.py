@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         for flag in ("out", "output_json"):  # an output path that cannot be written: refused before any work
             if getattr(args, flag, None):
                 unwritable(Path(getattr(args, flag)), folder=flag == "out", name=flag)
+            elif flag == "output_json" and hasattr(args, flag):  # the default: a new file in bench_out/
+                unwritable(Path("bench_out", "figures.json"), folder=False, name="output_json (default bench_out/)")
         return int(args.func(args) or 0)
     except (ValueError, OSError) as e:  # OSError: a file that is missing, exists, or cannot be written
         print(f"error: {e}", file=sys.stderr)
@@ -68,6 +70,8 @@ def unwritable(path: Path, folder: bool, name: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"{name}: {parent} is a file, so {path} cannot be written")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}: {parent} is not writable, so {path} cannot be written")
 
 
 def torchrun_rank(args: argparse.Namespace) -> int:

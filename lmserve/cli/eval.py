@@ -160,7 +160,6 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
                     "tokens": len(ids)},
            "load_s": round(load_s, 2), "results": rows,
            "meta": run_metadata(vars(a) | {"func": None})}
-    out = write_json(a.output_json or f"bench_out/eval-perplexity-{time.strftime('%Y%m%d-%H%M%S')}.json", res)
     if a.json:
         import json
         print(json.dumps(res, indent=2, default=str))
@@ -172,5 +171,6 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['name']:<{width}}  {r['perplexity']:>10.4f}  {r['mean_nll']:>8.4f}  "
                   f"{r['top1_agreement']:>11.2%}  {r['score_s']:>7.2f}")
-    print(f"[figures written to {out}]", file=sys.stderr)
+    out = write_json(a.output_json or f"bench_out/eval-perplexity-{time.strftime('%Y%m%d-%H%M%S')}.json", res)
+    print(f"[figures written to {out}]", file=sys.stderr)  # (after them: a file that cannot be written loses none)
     return 0
