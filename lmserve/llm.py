@@ -41,6 +41,12 @@ class LLM:
         self._lock = threading.Lock()  # held by the generate() / score() running (_alone)
         self._owner: int | None = None  # the thread holding it
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's recommended sampling (generation_config.json, --override-generation-config), only
+        the fields it sets: what a request's unset fields take (max_tokens: a cap, as on the server)."""
+        return dict(self._defaults)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without SamplingParams: the model's recommended sampling
         (its generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty and

@@ -1161,22 +1161,23 @@ HF_REQUESTS = 64  # the slice of the throughput workload HF runs (one static bat
 HF_MAX_TOKENS = 256
 
 
-# name, estimated seconds on CUDA (qwen3-0.6b; process start included), on the CPU with --small, function
+# name, estimated seconds on CUDA (qwen3-0.6b; process start included: the first H200 run's, 2026-12-04, with
+# some room; quant sweep's unmeasured), on the CPU with --small, function
 PARTS: list[tuple[str, float, float, PartFn]] = [
     # what the README names first (kernel checks, fast path vs reference, batch 1 vs the bound, the
     # 256-request workload beside HF), so that a slow start leaves the rest to a rerun with --parts
-    ("preflight", 25, 5, part_preflight),
-    ("kernels", 95, 15, part_kernels),
-    ("correctness", 50, 18, part_correctness),
-    ("batch-1 decode", 45, 5, part_batch1),
-    ("throughput", 90, 6, part_throughput),
-    ("hf baseline", 110, 15, part_hf),
-    ("fusions", 25, 4, part_fusions),
-    ("swap", 30, 6, part_swap),
-    ("offload", 25, 10, part_offload),
-    ("host overhead", 40, 6, part_host),
-    ("quant matmul", 90, 8, part_quant_matmul),
-    ("deterministic", 60, 50, part_deterministic),  # #18's CUDA half; a cut first run: --parts deterministic
+    ("preflight", 15, 5, part_preflight),
+    ("kernels", 130, 15, part_kernels),
+    ("correctness", 40, 18, part_correctness),
+    ("batch-1 decode", 60, 5, part_batch1),
+    ("throughput", 50, 6, part_throughput),
+    ("hf baseline", 80, 15, part_hf),
+    ("fusions", 15, 4, part_fusions),
+    ("swap", 20, 6, part_swap),
+    ("offload", 20, 10, part_offload),
+    ("host overhead", 15, 6, part_host),
+    ("quant matmul", 30, 8, part_quant_matmul),
+    ("deterministic", 55, 50, part_deterministic),  # #18's CUDA half; a cut first run: --parts deterministic
     ("quant sweep", 150, 10, part_quant_sweep),  # the GEMV blocks for batch-1 decode (after the first H200 run)
 ]
 NEEDS_TRITON = {"fusions", "kernels", "correctness", "deterministic", "quant matmul", "quant sweep"}

@@ -187,8 +187,9 @@ def test_generate_and_chat_take_them_under_their_flags(folder, capsys, monkeypat
         assert main([*base, *extra]) == 0
         return len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"])
     assert length() == 5  # the model's max_new_tokens
-    assert length("--max-tokens", "7") == 7  # the flag given
-    assert length("--override-generation-config", '{"max_new_tokens": 3}') == 3
+    assert length("--max-tokens", "3") == 3  # the flag given
+    assert length("--max-tokens", "7") == 5  # capped by the model's max_new_tokens, as on the server
+    assert length("--override-generation-config", '{"max_new_tokens": 2}') == 2
     assert length("--generation-config", "vllm") == 64  # generate's own default
     made = []
     real = SamplingParams.__init__

@@ -249,7 +249,7 @@ def test_the_tokenizer_option_is_used_for_every_kind_of_model(tmp_path):  # type
     assert own.generate("ab", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].prompt_token_ids == [97, 98]
     shape = LLM("shape:debug-tiny", kv_cache_memory="64MiB", tokenizer=str(chars))
     assert shape.tokenizer is not None and shape.tokenizer.encode("ab", add_special_tokens=False) == [97, 98]
-    with pytest.raises(ValueError, match="tokenizer: .* is not a folder holding tokenizer.json"):
+    with pytest.raises(ValueError, match="tokenizer: .* is not a folder holding a tokenizer"):
         LLM("shape:debug-tiny", kv_cache_memory="64MiB", tokenizer=str(tmp_path))
     big = tmp_path / "big"
     big.mkdir()

@@ -84,5 +84,6 @@ def torchrun_rank(args: argparse.Namespace) -> int:
     if not hasattr(args, "kv_cache_memory"):  # (plan has --tensor-parallel-size, and loads no model)
         print(f"error: `lmserve {args.cmd}` loads no model: run it without torchrun", file=sys.stderr)
         return 2
-    kw = {**engine_kwargs(args), "tensor_parallel_size": int(os.environ["WORLD_SIZE"])}
+    kw = {**engine_kwargs(args, method_per_run=True),  # (rank 0 checked the flags)
+          "tensor_parallel_size": int(os.environ["WORLD_SIZE"])}
     return run(EngineConfig(model=args.model, **kw), int(os.environ["RANK"]), "env://")

@@ -9,7 +9,6 @@ from typing import Any
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.cli.sampling_args import add_sampling_args, sampling_params
 from lmserve.engine import Engine
-from lmserve.generation_config import sampling_defaults
 from lmserve.llm import LLM
 
 
@@ -18,7 +17,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--system", default=None, help="system message")
     add_engine_args(c)
     add_sampling_args(c)
-    c.set_defaults(func=cmd_chat, sampling_defaults={"max_tokens": 256, "temperature": 0.7})
+    c.set_defaults(func=cmd_chat, command_sampling={"max_tokens": 256, "temperature": 0.7})
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -27,7 +26,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     if llm.tokenizer is None or not llm.tokenizer.has_chat_template:
         print("error: this model has no chat template", file=sys.stderr)
         return 2
-    params = sampling_params(a, sampling_defaults(llm.engine.config))
+    params = sampling_params(a, llm.sampling_defaults)
     history: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
     turn = 0
     print("lmserve chat: type a message, /reset to clear history, /exit or Ctrl-D to quit; "

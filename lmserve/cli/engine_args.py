@@ -115,7 +115,8 @@ SPECULATION_FLAGS = ("--num-speculative-tokens", "--draft-model", "--draft-num-l
 def engine_kwargs(a: argparse.Namespace, method_per_run: bool = False) -> dict[str, Any]:
     """EngineConfig's options from parsed engine flags, all but the model (callers pass it first).
     ValueError naming the field for a speculation flag given without a method (it would do nothing),
-    unless the command sets the method itself for each run (method_per_run: bench spec)."""
+    unless the command sets the method itself for each run (method_per_run: bench spec; and a torchrun
+    follower rank, whose rank 0 checked)."""
     if not method_per_run and a.speculative_method is None and a.speculative_config is None:
         for flag in sorted(set(SPECULATION_FLAGS) & given_flags(getattr(a, "argv", []))):
             raise ValueError(f"{flag[2:].replace('-', '_')}: {flag} does nothing without --speculative-method "

@@ -10,7 +10,6 @@ from typing import Any
 
 from lmserve.cli.engine_args import add_engine_args, engine_kwargs
 from lmserve.cli.sampling_args import add_sampling_args, sampling_params
-from lmserve.generation_config import sampling_defaults
 from lmserve.llm import LLM
 from lmserve.outputs import RequestOutput
 
@@ -47,7 +46,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.chat and (llm.tokenizer is None or not llm.tokenizer.has_chat_template):
         print("error: --chat: this model has no chat template", file=sys.stderr)
         return 2
-    params = sampling_params(a, sampling_defaults(llm.engine.config))  # the model's generation config under the flags
+    params = sampling_params(a, llm.sampling_defaults)  # the model's generation config under the flags
     if a.chat:
         ids = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                                     add_special_tokens=False) for p in prompts]

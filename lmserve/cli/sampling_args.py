@@ -12,7 +12,7 @@ from lmserve.utils import at_least
 
 # what a command uses for a flag not given, unless the model recommends otherwise (its
 # generation_config.json, --generation-config, --override-generation-config); a command's own set
-# (chat's, its `sampling_defaults`) goes over these
+# (chat's `command_sampling`) goes over these
 DEFAULTS = dict(max_tokens=64, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
 
 
@@ -57,8 +57,11 @@ def structured_outputs(a: argparse.Namespace) -> StructuredOutputsParams | None:
 
 def sampling_params(a: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
     """SamplingParams from parsed sampling flags: each flag given, else `model_defaults` (the model's
-    generation config: generation_config.sampling_defaults), else the command's default."""
+    generation config: LLM.sampling_defaults), else the command's default; the model's max_new_tokens
+    caps max_tokens, as on the server (and in vLLM)."""
     given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k, None) is not None}
-    fields = {**DEFAULTS, **getattr(a, "sampling_defaults", {}), **(model_defaults or {}), **given}
+    model_defaults = model_defaults or {}
+    fields = {**DEFAULTS, **getattr(a, "command_sampling", {}), **model_defaults, **given}
+    fields["max_tokens"] = min(fields["max_tokens"], model_defaults.get("max_tokens", fields["max_tokens"]))
     return SamplingParams(**fields, seed=a.request_seed, stop=a.stop, ignore_eos=a.ignore_eos,
                           structured_outputs=structured_outputs(a))

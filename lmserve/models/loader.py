@@ -167,6 +167,14 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> Iterator[tuple[str, torch
         yield "lm_head.weight", mat(cfg.vocab_size, h)
 
 
+# what a tokenizer folder may hold (the slow-tokenizer files go through transformers' conversion)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _has_tokenizer(path: Path, files: tuple[str, ...]) -> bool:
+    return any((path / f).is_file() for f in files)
+
+
 def load_model(config: EngineConfig, num_layers: int | None = None, shard: Any = None
                ) -> tuple[ModelConfig, torch.nn.Module, Tokenizer | None]:
     """Resolve config.model on disk, build our model (its linears quantized as config.quantization
@@ -191,14 +199,13 @@ def load_model(config: EngineConfig, num_layers: int | None = None, shard: Any =
             tokenizer = Tokenizer.from_gguf(g, cfg.eos_token_ids)
     else:
         cfg = hf_config(src.path)
-        if any((src.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) and not config.tokenizer:
+        if _has_tokenizer(src.path, ("tokenizer.json", "tokenizer_config.json")) and not config.tokenizer:
             tokenizer = Tokenizer.from_hf_dir(src.path, cfg.eos_token_ids)
     if config.tokenizer:  # the one named, whatever the model's kind (a GGUF's own, or none, otherwise)
-        tok_dir = Path(config.tokenizer)
-        if not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            raise ValueError(f"tokenizer: {config.tokenizer} is not a folder holding tokenizer.json or "
-                             "tokenizer_config.json")
-        tokenizer = Tokenizer.from_hf_dir(tok_dir, cfg.eos_token_ids)
+        if not _has_tokenizer(Path(config.tokenizer), TOKENIZER_FILES):
+            raise ValueError(f"tokenizer: {config.tokenizer} is not a folder holding a tokenizer "
+                             f"({', '.join(TOKENIZER_FILES)})")
+        tokenizer = Tokenizer.from_hf_dir(Path(config.tokenizer), cfg.eos_token_ids)
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer: {config.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
                              f"model's {cfg.vocab_size}")
