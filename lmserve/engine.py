@@ -203,7 +203,8 @@ class Engine:
             if seq.grammar is not None:  # tokens past a complete grammar, or from a refused one, go
                 new = self.structured.keep(seq, new, self.scheduler.finish)
             self.output.process(seq, new, res.logprobs.get(seq, []))  # (a refused grammar: it fails it)
-            self.scheduler.took_back(counted - seq.num_output_tokens)  # cut by a stop string or a grammar
+            if counted != seq.num_output_tokens:  # cut by a stop string or a grammar
+                self.scheduler.took_back(counted - seq.num_output_tokens)
         self.fanout.after_step(out, res.beam, self.requests)
         if self.spec is not None:  # sequences that ended this step (stopped, pruned) let their draft state go
             self.spec.release(seq for seq, _ in out.scheduled)
@@ -227,7 +228,7 @@ class Engine:
             seqs = self.requests.get(rid)
             if seqs is None:
                 continue
-            finished = all(s.is_finished for s in seqs)
+            finished = seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
             if finished or rid not in self.final_only:
                 outputs.append(self.output.make(rid, seqs, self.fanout.beams.get(rid)))
             if finished:

@@ -309,24 +309,28 @@ class Scheduler:
         now = time.time()
         received: dict[Sequence, list[int]] = {}
         restored = {seq for seq, _ in out.swap_in}  # fresh blocks, their hashes registered again
+        stats, append = self.stats, self._append  # (every sequence, every step: kept lean)
+        observe = stats.inter_token_latency.observe
         for seq, n in out.scheduled:
             before = seq.num_computed_tokens
-            wrong = rejected.get(seq, 0)
+            wrong = rejected.get(seq, 0) if rejected else 0
             seq.num_computed_tokens += n - wrong
             if wrong:
                 self.bm.shrink(seq.block_tables, seq.num_computed_tokens)
             stop = None
-            if seq in sampled:
+            tokens = sampled.get(seq)
+            if tokens is not None:
                 if seq.first_token_time is None and seq.index == 0:  # the request's prompt, counted once
-                    self.stats.prompt_tokens += seq.num_prompt_tokens
+                    stats.prompt_tokens += seq.num_prompt_tokens
                 if seq.last_token_time is not None:
-                    self.stats.inter_token_latency.observe(now - seq.last_token_time)
+                    observe(now - seq.last_token_time)
                 seq.last_token_time = now
-                got, stop = self._append(seq, sampled[seq], now)
-                self.stats.generation_tokens += len(got) if seq.pooled is None else 0  # (an embedding's token: none)
+                got, stop = append(seq, tokens, now)
+                if seq.pooled is None:  # (an embedding's token: none)
+                    stats.generation_tokens += len(got)
                 received[seq] = got
-            filled = min(seq.num_computed_tokens, seq.num_tokens)  # tokens whose KV is in the blocks
-            first = 0 if seq in restored else before // bs
+            filled = min(seq.num_computed_tokens, len(seq.token_ids))  # tokens whose KV is in the blocks
+            first = 0 if restored and seq in restored else before // bs
             if filled // bs > first:  # a block filled up this step (or came back from the host)
                 self.bm.cache_full_blocks(seq.block_tables, seq.token_ids, filled, seq.block_hashes, first, seq.cache_salt)
             if stop is not None:
