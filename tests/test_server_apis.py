@@ -312,6 +312,29 @@ def test_auto_tool_calls_in_both_apis(client, claude, server, steered):  # type:
     assert_idle(server)
 
 
+def test_a_cut_response_marks_only_its_last_item_incomplete(client, server, steered):  # type: ignore[no-untyped-def]
+    """Cut by max_output_tokens after a whole call: the whole response marked every item incomplete, the
+    finished call too, where the stream (and OpenAI) mark only the item that was cut; and its usage lacked
+    input_tokens_details.cache_write_tokens, which the SDK's Response model requires."""
+    from openai.types.responses import Response
+    kw = dict(model=MODEL, input="Weather and time in Paris?", temperature=0,
+              tools=[WEATHER_FN, {"type": "function", "name": "get_time", "parameters": TIME_SCHEMA}])
+    whole = client.responses.with_raw_response.create(max_output_tokens=200, **kw).http_response.json()
+    Response.model_validate(whole)  # every field the SDK requires
+    t = whole["usage"]["output_tokens"]
+    seen = set()
+    for n in sorted({t - 1, t - 4, (2 * t) // 3, t // 2}):
+        r = client.responses.create(max_output_tokens=n, **kw)
+        got = [(o.type, o.status) for o in r.output]
+        assert r.status == "incomplete" and all(st == "completed" for _, st in got[:-1]) and \
+            got[-1][1] == "incomplete", (n, got)
+        events = list(client.responses.create(stream=True, max_output_tokens=n, **kw))
+        assert [(e.item.type, e.item.status) for e in events if e.type == "response.output_item.done"] == got, n
+        seen.add(len(got))
+    assert max(seen) >= 2  # some cut came after a whole item
+    assert_idle(server)
+
+
 def test_whole_responses_keep_the_models_order(client, claude, server, steered, monkeypatch):  # type: ignore[no-untyped-def]
     """Text after a call: the whole response lists the call, then the text, as the stream sends them (the
     whole response put one text item first, whatever the order); parallel calls off keeps the first call."""

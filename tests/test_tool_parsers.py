@@ -142,12 +142,26 @@ def test_hermes_malformed_body_is_content(body: str) -> None:
 
 
 def test_hermes_unclosed_call_is_content() -> None:
-    text = f"Sure. <tool_call>\n{WEATHER}"  # cut off by max_tokens
+    text = f"Sure. <tool_call>\n{WEATHER[:-9]}"  # cut off by max_tokens inside the call
     assert hermes().extract(text) == ExtractedToolCalls(text, [])
     s = hermes().streaming()
     assert collect(s.feed(text))[0] == "Sure. "  # held until decided...
-    assert collect(s.finish())[0] == f"<tool_call>\n{WEATHER}"  # ...then released as content
+    assert collect(s.finish())[0] == f"<tool_call>\n{WEATHER[:-9]}"  # ...then released as content
     assert s.calls == []
+
+
+def test_hermes_whole_call_without_its_closing_tag_at_the_end_is_a_call() -> None:
+    """A model that stops after the call's JSON without writing </tool_call> (Qwen / Hermes models do):
+    the call was lost, its markup returned as content; vLLM's parser reads it as a call, streamed too."""
+    for tail in ("", "\n", " \n"):
+        text = f"Sure. <tool_call>\n{WEATHER}{tail}"
+        r = hermes().extract(text)
+        assert r.content == "Sure. " and calls_of(r) == [("get_weather", {"city": "Paris", "unit": "celsius"})], tail
+        for a in range(len(text) + 1):
+            assert_stream_matches(HermesToolParser, text, [text[:a], text[a:]])
+    text = f"<tool_call>\n{WEATHER}\n</tool_call><tool_call>\n{WEATHER}"  # a closed call, then an unclosed one
+    assert calls_of(hermes().extract(text)) == [("get_weather", {"city": "Paris", "unit": "celsius"})] * 2
+    assert hermes().extract(f"<tool_call>\n{WEATHER} and more").calls == []  # text after it: no call
 
 
 def test_hermes_repeated_opening_tag() -> None:

@@ -225,7 +225,8 @@ class ResponsesFormatter(Formatter):
         usage = None
         if out is not None:
             n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-            usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens},
+            usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens,
+                                                                    "cache_write_tokens": 0},  # (the SDK requires it)
                      "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": n_in + n_out}
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": None,
@@ -259,9 +260,10 @@ class ResponsesFormatter(Formatter):
         status = self.status(out.outputs[0].finish_reason)
         c = out.outputs[0]
         lps = self.chat.logprobs(c.token_ids, c.logprobs or [])["content"] if self.body.logprobs else None
-        items = [self.message_item(p, status, logprobs=lps) if isinstance(p, str)
-                 else self.call_item(p.id, p.name, p.arguments, status)
-                 for p in self.chat.segments(out.outputs[0].text)]  # in the model's order, as the stream has them
+        parts = self.chat.segments(out.outputs[0].text)  # in the model's order, as the stream has them; each
+        items = [self.message_item(p, st, logprobs=lps) if isinstance(p, str)  # done but the last, which takes
+                 else self.call_item(p.id, p.name, p.arguments, st)  # the response's status (the stream's too)
+                 for k, p in enumerate(parts) for st in [status if k == len(parts) - 1 else "completed"]]
         return self.envelope(status, items or [self.message_item("", status, logprobs=lps)], out)
 
     # ------------------------------------------------------------ streaming

@@ -165,7 +165,11 @@ class _HermesScanner(_Scanner):
                 out.append(buf[i:end])
                 return out, end
             k = buf.find(CLOSE, max(j + len(OPEN), seen - len(CLOSE) + 1 if j == 0 else 0))
-            if k < 0:  # a call not closed yet (or never: then it is content)
+            if k < 0:  # a call not closed yet; or never: at the output's end a whole call after the tag is
+                for o in _starts(buf, OPEN, j, len(buf)) if final else ():  # one (vLLM's parser reads it so),
+                    call = self._call(buf[o + len(OPEN):])  # anything else content
+                    if call is not None:
+                        return [*out, buf[i:o], call], len(buf)
                 end = len(buf) if final else j
                 out.append(buf[i:end])
                 self.seen = len(buf) - j
