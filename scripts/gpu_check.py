@@ -653,14 +653,16 @@ def part_quant_matmul(p: Part, s: dict) -> None:
             p.row(f"  {scheme}: CUDA graph capture failed, eager time above", r["graph_error"])
 
 
-GEMV_SWEEP = [dict(block_k=k, block_n=n, num_warps=w) for k in (256, 512, 1024) for n in (None, 32) for w in (4, 8)]
+GEMV_SWEEP = [dict(block_k=k, block_n=n, num_warps=w) for k in (256, 512, 1024) for n in (None, 32) for w in (4, 8)] + \
+    [dict(block_k=k, block_n=None, num_warps=w, reduce_each=True) for k in (1024, 2048) for w in (4, 8)]  # (a tile's sum at once)
 
 
 def part_quant_sweep(p: Part, s: dict) -> None:
     """The GEMV kernel's block choices for batch-1 decode, measured (the first H200 run found int8 at 0.99x
     and int4 at 0.72x bf16 with the defaults, at half the card's bandwidth: too few bytes in flight is the
     suspect): the quant matmul part's Llama-3.1-8B step for int8 / int4 / fp8 with each of GEMV_SWEEP
-    (block_k per tile: int4's doubled, the same bytes; block_n None: the default by SM count; num_warps),
+    (block_k per tile: int4's doubled, the same bytes; block_n None: the default by SM count; num_warps;
+    reduce_each: a tile's products summed at once, registers for larger tiles),
     beside the defaults and bf16; the best per scheme, so that triton_quant's defaults follow a measure."""
     cuda = s["device"].startswith("cuda")
     shape = "debug-tiny" if s["small"] else "llama-3.1-8b"
@@ -828,7 +830,8 @@ def quant_decode_timing(device: str, shape: str, num_layers: int | None = None, 
         heads = [head_mm] * len(ways)
         for blocks in (sweep or []) if scheme != "bf16" else []:
             kw = {**blocks, "block_k": blocks["block_k"] * (2 if scheme == "int4" else 1)}
-            label = f"{scheme} k{blocks['block_k']} n{blocks['block_n'] or 'auto'} w{blocks['num_warps']}"
+            label = (f"{scheme} k{blocks['block_k']} n{blocks['block_n'] or 'auto'} w{blocks['num_warps']}"
+                     + (" sum" if blocks.get("reduce_each") else ""))
             ways.append((label, lambda w, x, kw=kw: gemv(x, packed_weight(w), **kw)))
             try:  # the blocks compute the layer: one qkv against float64 over its dequantized weight
                 w0, x0 = packed_weight(stack[0][0]), xs[dims[0][1]]
@@ -1178,7 +1181,7 @@ PARTS: list[tuple[str, float, float, PartFn]] = [
     ("host overhead", 15, 6, part_host),
     ("quant matmul", 30, 8, part_quant_matmul),
     ("deterministic", 55, 50, part_deterministic),  # #18's CUDA half; a cut first run: --parts deterministic
-    ("quant sweep", 150, 10, part_quant_sweep),  # the GEMV blocks for batch-1 decode (after the first H200 run)
+    ("quant sweep", 180, 10, part_quant_sweep),  # the GEMV blocks for batch-1 decode (after the first H200 run)
 ]
 NEEDS_TRITON = {"fusions", "kernels", "correctness", "deterministic", "quant matmul", "quant sweep"}
 

@@ -103,6 +103,10 @@ def main() -> int:
         ("quantized matmuls", lambda: [gpu_check.quant_matmul_check("cpu", bf16, full=not a.quick)]
          + ([] if a.quick else [gpu_check.quant_matmul_check("cpu", torch.float16)])),
     ]
+    if not a.quick:  # the GEMV block choices gpu_check's quant sweep times (a Llama-3.1-8B layer's width)
+        drivers.append(("quant sweep blocks", lambda: [quant_sweep_launch(triton_quant, kind, blocks)
+                                                       for kind in ("int8", "int4", "fp8")
+                                                       for blocks in gpu_check.GEMV_SWEEP]))
     from lmserve.layers import dispatch
     t0 = time.perf_counter()
     with dispatch.use_fused(True):  # the fused kernels on CPU tensors: the wrappers launch (compile) them
@@ -127,6 +131,19 @@ def main() -> int:
     for f in failures:
         print("FAILED:", f)
     return 1 if failures else 0
+
+
+def quant_sweep_launch(tq, kind: str, blocks: dict) -> None:  # type: ignore[no-untyped-def]
+    """One batch-1 GEMV launch of a 4096 x 4096 layer of `kind` with gpu_check's sweep `blocks`."""
+    import torch
+
+    from lmserve.layers.quant import Fp8Linear, Int4Linear, Int8Linear
+    from lmserve.models.registry import default_group_size
+    layer = Int8Linear(4096, [4096]) if kind == "int8" else Fp8Linear(4096, [4096]) if kind == "fp8" else \
+        Int4Linear(4096, [4096], group_size=default_group_size(4096))
+    layer = layer.to(torch.bfloat16)
+    kw = {**blocks, "block_k": blocks["block_k"] * (2 if kind == "int4" else 1)}
+    tq.gemv(torch.randn(1, 4096, dtype=torch.bfloat16), tq.packed_weight(layer), **kw)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ def test_reference_is_the_layers_dequantize():
 
 # GEMV: defaults (one K tile for these K, one program of 64 outputs off CUDA), and narrow blocks over
 # several K tiles (a partial one last where K is no multiple of 32) split over 2 or 3 programs
-GEMV_CONFIGS = {"default": {}, "tiles": dict(block_n=16, block_k=32, split_k=3)}
+GEMV_CONFIGS = {"default": {}, "tiles": dict(block_n=16, block_k=32, split_k=3),
+                "reduce_each": dict(block_n=16, block_k=32, split_k=3, reduce_each=True)}  # (a tile's sum at once)
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS)
@@ -130,7 +131,8 @@ def test_gemv_kernel(kind, m, config, launches):  # type: ignore[no-untyped-def]
     _check(tq.gemv(x, tq.packed_weight(layer), **GEMV_CONFIGS[config]), _ref(x, layer))
     [(name, grid, kw)] = launches
     assert name == "_gemv_kernel" and kw["BLOCK_M"] == (1 if m == 1 else 4)
-    if config == "tiles":  # 3 output blocks (40 = 16 + 16 + 8) x K splits (K 100: 4 tiles, 2 a split)
+    assert kw["REDUCE_EACH"] == (config == "reduce_each")
+    if config != "default":  # 3 output blocks (40 = 16 + 16 + 8) x K splits (K 100: 4 tiles, 2 a split)
         assert grid == (3, 2 if layer.in_features == 100 else 3) and kw["BLOCK_N"] == 16
         assert kw["BLOCK_K"] == (16 if kind == "int8_g48" else 32)
 

@@ -206,12 +206,13 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, G, stride_xm, strid
                  stride_ys, k_per_split,
                  FMT: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr, SCALE_AFTER: tl.constexpr,
                  HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, FP8_NATIVE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr):
     """y[split] (M, N) = x (M, K) @ w[:, split's K columns].T for a few rows (BLOCK_M >= M), in float32:
     a program owns BLOCK_N output features, program_id(1) is the K split. The products accumulate
     element-wise in (BLOCK_M, BLOCK_N, BLOCK_K) registers (FMAs only in the loop), summed over K once
-    at the end. K: x's columns; for int4 the weight's stored bytes are K / 2 (GS, k_per_split count
-    columns)."""
+    at the end; or, REDUCE_EACH, summed over each tile into (BLOCK_M, BLOCK_N) (registers for larger
+    tiles, at a reduction a tile). K: x's columns; for int4 the weight's stored bytes are K / 2 (GS,
+    k_per_split count columns)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -220,7 +221,9 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, G, stride_xm, strid
     m_ok = mm < M
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if FMT == 1:
+    if REDUCE_EACH:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, 1), tl.float32)
+    elif FMT == 1:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
@@ -232,12 +235,16 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, G, stride_xm, strid
                               SCALE_AFTER, HAS_MIN, EVEN_K, FP8_NATIVE, BLOCK_N, BLOCK_K // 2)
             xe = _x_tile(x_ptr, mm, m_ok, k0, K // 2, stride_xm, 2, EVEN_K, BLOCK_K // 2).to(tl.float32)
             xo = _x_tile(x_ptr, mm, m_ok, k0 + 1, K // 2, stride_xm, 2, EVEN_K, BLOCK_K // 2).to(tl.float32)
-            acc3 += xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :]  # xe, xo (BLOCK_M, BLOCK_K / 2)
+            prod = xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :]  # xe, xo (BLOCK_M, BLOCK_K / 2)
         else:
             w = _weight_tile(q_ptr, s_ptr, m_ptr, n, n_ok, k0, K, G, stride_qn, stride_sn, FMT, GS, NG,
                              SCALE_AFTER, HAS_MIN, EVEN_K, FP8_NATIVE, BLOCK_N, BLOCK_K)  # (BLOCK_N, BLOCK_K)
             x = _x_tile(x_ptr, mm, m_ok, k0, K, stride_xm, 1, EVEN_K, BLOCK_K).to(tl.float32)  # (BLOCK_M, BLOCK_K)
-            acc3 += x[:, None, :] * w[None, :, :]
+            prod = x[:, None, :] * w[None, :, :]  # (BLOCK_M, BLOCK_N, BLOCK_K)
+        if REDUCE_EACH:
+            acc3 += tl.sum(prod, 2, keep_dims=True)  # (BLOCK_M, BLOCK_N, 1)
+        else:
+            acc3 += prod
     acc = tl.sum(acc3, 2)  # (BLOCK_M, BLOCK_N)
     if SCALE_AFTER:  # one scale per output row: applied to the sum
         acc = acc * tl.load(s_ptr + n * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -363,10 +370,11 @@ def _prepare(x: torch.Tensor, w: PackedWeight) -> tuple[torch.Tensor, PackedWeig
 
 
 def gemv(x: torch.Tensor, w: PackedWeight, *, block_n: int | None = None, block_k: int | None = None,
-         split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+         split_k: int | None = None, num_warps: int = 4, reduce_each: bool = False) -> torch.Tensor:
     """x (M, in) @ w.T -> (M, out) with the GEMV kernel (M up to 16 or so; float32 arithmetic). Defaults:
     block_n from GEMV_BLOCK_N by SM count (INTERPRETER_BLOCK_N off CUDA); block_k GEMV_TILE / (BLOCK_M x block_n) within
-    GEMV_BLOCK_K (x 2 for int4); split_k by SM count (1 off CUDA)."""
+    GEMV_BLOCK_K (x 2 for int4); split_k by SM count (1 off CUDA). reduce_each: sum each tile's products at
+    once (the kernel's REDUCE_EACH; scripts/gpu_check.py's quant sweep times it)."""
     x, w = _prepare(x, w)
     m = x.shape[0]
     if m == 0:
@@ -381,7 +389,7 @@ def gemv(x: torch.Tensor, w: PackedWeight, *, block_n: int | None = None, block_
         return F.linear(x, dequantized(w).to(x.dtype))
     block_k, ng = fit
     return _launch(_gemv_kernel, x, w, (triton.cdiv(w.out_features, block_n),), block_k, ng, split_k,
-                   dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
+                   dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, REDUCE_EACH=reduce_each))
 
 
 def tiled(x: torch.Tensor, w: PackedWeight, *, block_m: int | None = None, block_n: int | None = None,
