@@ -190,6 +190,8 @@ def test_bad_adapters_are_refused_naming_the_field(adapters, llm, tmp_path):  # 
                       # (an aLoRA was applied at every position: PEFT applies it from the invocation tokens on)
                       write_adapter(a, tmp_path / "alora", {"alora_invocation_tokens": [70, 71]}),
                       write_adapter(a, tmp_path / "params", {"target_parameters": ["mlp.experts.down_proj"]}),
+                      # (taken before, its deltas on the wrong layers: PEFT stacks copies of the base's layers)
+                      write_adapter(a, tmp_path / "replicated", {"layer_replication": [[0, 1], [0, 1]]}),
                       write_adapter(a, tmp_path / "half", drop="q_proj.lora_B"),
                       write_adapter(a, tmp_path / "head", rename=("layers.0.mlp.down_proj", "lm_head")),
                       write_adapter(a, tmp_path / "deep", raw_config="[" * 100000 + "]" * 100000)],
@@ -430,6 +432,29 @@ def test_server_serves_adapters_by_model_name(adapters, served):  # type: ignore
     assert gone.value.status == 404 and srv.adapter("tiny") is None and srv.adapter("a").lora_name == "a"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="b", prompt=prompt, max_tokens=2)
+
+
+def test_pooling_routes_name_the_adapter_unloaded_while_they_ran(adapters, served, monkeypatch):  # type: ignore[no-untyped-def]
+    """/v1/embeddings, /score and /rerank named their model after the vectors were made: an adapter
+    unloaded meanwhile made them, but the response named the base model (the generating routes fix the
+    name when the request starts, as vLLM does)."""
+    import httpx
+
+    from lmserve.server import embeddings_api
+    url, _, srv = served
+    real = embeddings_api.embed_all
+
+    async def then_unload(*a, **kw):  # type: ignore[no-untyped-def]
+        out = await real(*a, **kw)
+        srv.loras.remove("c")  # the unload lands while the request is finishing
+        return out
+    monkeypatch.setattr(embeddings_api, "embed_all", then_unload)
+    for path, body in (("/v1/embeddings", {"input": "hi"}), ("/score", {"text_1": "a", "text_2": "b"}),
+                       ("/rerank", {"query": "a", "documents": ["b", "c"]})):
+        assert httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path":
+                                                               adapters["a"][0].lora_path}, timeout=60).status_code == 200
+        r = httpx.post(url + path, json={"model": "c", **body}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "c", (path, r.text)
 
 
 def test_lora_modules_flag_forms_and_a_bad_adapter_at_start(adapters):  # type: ignore[no-untyped-def]

@@ -94,7 +94,8 @@ def read_config(folder: Path, max_rank: int) -> tuple[dict[str, Any], int, float
                    "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
                    "fan_in_fan_out": "fan_in_fan_out (Conv1D models)",
                    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens: applied from those tokens on)",
-                   "target_parameters": "LoRA on parameters (target_parameters)", "arrow_config": "Arrow routing"}
+                   "target_parameters": "LoRA on parameters (target_parameters)", "arrow_config": "Arrow routing",
+                   "layer_replication": "layer replication (layer_replication: the base's layers stacked again)"}
     for key, what in unsupported.items():
         if cfg.get(key):
             raise ValueError(f"lora_path: the adapter uses {what}, which is not supported")

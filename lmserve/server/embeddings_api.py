@@ -194,13 +194,14 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
         prompts = body.prompts() or [await asyncio.to_thread(  # a conversation: the rendered template's token ids
             srv.chat_ids, body.messages, body.add_generation_prompt, body.template_kwargs(), body.chat_template,
             bool(body.add_special_tokens))]
+        model = srv.response_model(body)  # (now: an adapter unloaded while the request runs made the vectors)
         vectors, counts = await embed_all(srv, request, prompts, body, rid, pooling,
                                           "input" if body.input else "messages")
         used = sum(counts)
 
         def encode(v: list[float]) -> list[float] | str:
             return v if body.encoding_format == "float" else base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
-        return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": srv.response_model(body),
+        return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": model,
                              "data": [{"object": "embedding", "index": i, "embedding": encode(v)}
                                       for i, v in enumerate(vectors)],
                              "usage": {"prompt_tokens": used, "total_tokens": used}})
@@ -212,20 +213,20 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
         for a, b in pairs:
             field.setdefault(a, "text_1"), field.setdefault(b, "text_2")
         texts = list(field)
-        rid = f"score-{uuid.uuid4().hex}"
+        rid, model = f"score-{uuid.uuid4().hex}", srv.response_model(body)
         vectors, counts = await embed_all(srv, request, texts, body, rid, fields=[field[t] for t in texts],
                                           count=(len(pairs), "text_2"))
         at = {t: np.asarray(v, dtype=np.float64) for t, v in zip(texts, vectors)}
         tokens = dict(zip(texts, counts))
         used = sum(tokens[a] + tokens[b] for a, b in pairs)  # each pair's, as vLLM counts (a text per pair)
-        return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": srv.response_model(body),
+        return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": model,
                              "data": [{"index": i, "object": "score", "score": float(at[a] @ at[b])}
                                       for i, (a, b) in enumerate(pairs)],
                              "usage": {"prompt_tokens": used, "total_tokens": used}})
 
     async def rerank(request: Request) -> Response:
         body = await srv.parse(request, RerankRequest)
-        rid = f"rerank-{uuid.uuid4().hex}"
+        rid, model = f"rerank-{uuid.uuid4().hex}", srv.response_model(body)
         vectors, counts = await embed_all(srv, request, [body.query, *body.documents], body, rid,
                                           fields=["query"] + ["documents"] * len(body.documents),
                                           count=(len(body.documents), "documents"))
@@ -233,7 +234,7 @@ def register(app: FastAPI, srv: Any) -> list[type[BaseRequest]]:
         q = np.asarray(vectors[0], dtype=np.float64)
         scores = [float(q @ np.asarray(v, dtype=np.float64)) for v in vectors[1:]]
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or len(scores)]
-        return JSONResponse({"id": rid, "model": srv.response_model(body), "usage": {"total_tokens": used},
+        return JSONResponse({"id": rid, "model": model, "usage": {"total_tokens": used},
                              "results": [{"index": i, "relevance_score": scores[i],
                                           **({"document": {"text": body.documents[i]}} if body.return_documents else {})}
                                          for i in order]})
