@@ -550,3 +550,22 @@ def test_runtime_adapters_reach_every_replica_behind_the_router(adapters, tmp_pa
                 assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, r.text
             assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60).status_code == 200
             assert "b" not in names(a) and "b" not in names(b)
+            # an unload a replica missed (one failed health check; it kept running): it was never sent, so
+            # that replica served the old adapter, and refused a new one under the name (a defect hunt)
+            ra, pa = adapters["a"]
+            load = lambda r: httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": r.lora_path},  # noqa: E731
+                                        timeout=60)
+            assert load(rb).status_code == 200 and "x" in names(b)
+            router.replicas[1].healthy = False
+            assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=60).status_code == 200
+            for _ in range(100):  # its next health check brings it back, and unloads x there first
+                if router.replicas[1].healthy:
+                    break
+                time.sleep(0.05)
+            assert "x" not in names(a) and "x" not in names(b)
+            assert load(ra).status_code == 200
+            want = peft_greedy(pa, ids, 6)
+            for _ in range(4):
+                r = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": ids, "max_tokens": 6,
+                                                              "temperature": 0, "return_token_ids": True}, timeout=60)
+                assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, r.text

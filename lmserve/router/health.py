@@ -47,11 +47,14 @@ async def check(client: httpx.AsyncClient, rep: Replica) -> None:
 class Adapters:
     """Runtime LoRA updates (`--allow-runtime-lora-updating` on the replicas): a load or an unload goes to
     every healthy replica, as vLLM's data parallelism adds an adapter to every engine (sent to one, the
-    adapter's requests got 404s from the others), and a replica that comes back up (a restart) is given
-    the loads again before it takes requests."""
+    adapter's requests got 404s from the others), and a replica that comes back up (a restart, or a
+    missed health check) is given the unloads it missed, then the loads, before it takes requests."""
 
     def __init__(self) -> None:
         self.loaded: dict[str, tuple[list, bytes]] = {}  # lora_name -> its load's headers and body, as sent
+        # replica url -> {lora_name: the unload's headers and body}: unloads sent while it was down (one that
+        # only missed a health check still holds the adapter: it would serve it, and refuse a new one by its name)
+        self.missed: dict[str, dict[str, tuple[list, bytes]]] = {}
 
     async def update(self, clients: dict[str, Any], replicas: list[Replica], path: str, headers: list,
                      body: bytes) -> Response:
@@ -61,6 +64,10 @@ class Adapters:
         up = [r for r in replicas if r.healthy]
         if not up:
             return error(503, "no replica is healthy", "no_healthy_replica", {"Retry-After": "1"}, path=path)
+        try:
+            name = json.loads(body).get("lora_name")
+        except (ValueError, AttributeError, RecursionError):
+            name = None
 
         async def post(rep: Replica) -> httpx.Response | Exception:
             try:
@@ -72,30 +79,33 @@ class Adapters:
         failed: list[httpx.Response | Exception] = []
         for a in answers:
             (ok if isinstance(a, httpx.Response) and a.status_code < 400 else failed).append(a)
-        try:
-            name = json.loads(body).get("lora_name")
-        except (ValueError, AttributeError, RecursionError):
-            name = None
         if ok and isinstance(name, str):
             if path == LORA_ROUTES[0]:
                 self.loaded[name] = (headers, body)
             else:
                 self.loaded.pop(name, None)
+                for rep in replicas:
+                    if rep not in up:
+                        self.missed.setdefault(rep.url, {})[name] = (headers, body)
         answer = ok[0] if ok and (not failed or path == LORA_ROUTES[1]) else failed[0]
         if isinstance(answer, Exception):
             return error(502, f"a replica failed the update: {type(answer).__name__}", "replica_failed", path=path)
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
     async def checked(self, client: httpx.AsyncClient, clients: dict[str, Any], rep: Replica) -> None:
-        """A health check (check); a replica that was down and is up gets the adapters loaded so far first
-        (one that kept them answers 400 for each: already loaded)."""
+        """A health check (check); a replica that was down and is up gets the unloads it missed (a restarted
+        one answers 404 for each: none loaded), then the adapters loaded so far (one that kept them
+        answers 400 for each: already loaded)."""
         was = rep.healthy
         await check(client, rep)
-        if rep.healthy and not was and self.loaded:
+        missed = self.missed.get(rep.url, {})
+        if rep.healthy and not was and (self.loaded or missed):
             rep.healthy = False  # (no request until it has them)
-            for headers, body in list(self.loaded.values()):
+            for route, sent in [(LORA_ROUTES[1], s) for s in list(missed.values())] + \
+                               [(LORA_ROUTES[0], s) for s in list(self.loaded.values())]:
                 try:
-                    await clients[rep.url].post(rep.url + LORA_ROUTES[0], content=body, headers=headers)
+                    await clients[rep.url].post(rep.url + route, content=sent[1], headers=sent[0])
                 except httpx.HTTPError:
-                    return  # down again: the next check tries
+                    return  # down again: the next check tries (the missed unloads kept)
+            self.missed.pop(rep.url, None)
             rep.healthy = True
