@@ -460,7 +460,18 @@ def test_pooling_routes_name_the_adapter_unloaded_while_they_ran(adapters, serve
 def test_lora_modules_flag_forms_and_a_bad_adapter_at_start(adapters):  # type: ignore[no-untyped-def]
     from lmserve.server.lora_api import parse_lora_modules
     assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y=z", "base_model_name": "m"}']) == \
-        [("a", "/x"), ("b", "/y=z")]
+        [("a", "/x", None), ("b", "/y=z", "m")]  # (base_model_name was dropped: /v1/models's parent, vLLM's)
+    from lmserve.server.lora_api import LoRAModules
+
+    class Engine:  # loads nothing: the names and parents are what is checked
+        load_lora = unload_lora = staticmethod(lambda *a: None)
+    mods = LoRAModules(Engine(), [("a", "/x"), ("b", "/y", "org/base-7b")], ("tiny",))
+    assert {c["id"]: c["parent"] for c in mods.cards("tiny", 64)} == {"a": "tiny", "b": "org/base-7b"}
+    mods.remove("b")
+    mods.add("b", "/z")  # a runtime load under the name: the served model's
+    assert {c["id"]: c["parent"] for c in mods.cards("tiny", 64)} == {"a": "tiny", "b": "tiny"}
+    with pytest.raises(ValueError, match="^lora_modules"):
+        parse_lora_modules(['{"name": "c", "path": "/x", "base_model_name": 7}'])
     for bad in (["a"], ["=x"], ["a=/x", "a=/y"], ['{"name": 1}'], ["{oops"]):
         with pytest.raises(ValueError, match="^lora_modules"):
             parse_lora_modules(bad)

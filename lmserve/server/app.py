@@ -52,7 +52,7 @@ class OpenAIServer:
     def __init__(self, ae: AsyncEngine, served_model: str | Sequence[str], api_key: str | None = None,
                  limits: ServerLimits | None = None, request_timeout: float | None = None,
                  tool_call_parser: str | None = None, auto_tool_choice: bool = True,
-                 lora_modules: list[tuple[str, str]] = ()) -> None:
+                 lora_modules: list[tuple] = ()) -> None:
         self.ae = ae
         self.auto_tool_choice = auto_tool_choice  # off: tool_choice auto is a 400 (vLLM without --enable-auto-tool-choice)
         tok = ae.tokenizer
@@ -335,7 +335,7 @@ class OpenAIServer:
 def build_app(ae: AsyncEngine, served_model: str | Sequence[str], api_key: str | None = None,
               max_body_bytes: int | None = None, request_timeout: float | None = None, manage_engine: bool = True,
               tool_call_parser: str | None = None, limits: ServerLimits | None = None,
-              cors: Cors | None = None, auto_tool_choice: bool = True, lora_modules: list[tuple[str, str]] = (),
+              cors: Cors | None = None, auto_tool_choice: bool = True, lora_modules: list[tuple] = (),
               allow_runtime_lora: bool = False) -> FastAPI:
     """The ASGI app. With manage_engine, the app starts the engine loop on startup and stops it on
     shutdown. limits: the bounds on requests (max_body_bytes, when given, replaces theirs); cors: which

@@ -19,11 +19,12 @@ from lmserve.lora import LoRARequest
 from lmserve.server.errors import ApiError
 
 
-def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
-    """--lora-modules values (NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...}) -> [(name, path)];
-    ValueError naming the flag."""
-    out: list[tuple[str, str]] = []
+def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str, str | None]]:
+    """--lora-modules values (NAME=PATH, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name":
+    ...}) -> [(name, path, base model name or None: the /v1/models parent)]; ValueError naming the flag."""
+    out: list[tuple[str, str, str | None]] = []
     for v in values or []:
+        base = None
         if v.lstrip().startswith("{"):
             try:
                 d = json.loads(v)
@@ -31,14 +32,16 @@ def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
                 raise ValueError(f"lora_modules: {v!r} is not JSON ({e})") from None
             if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
                 raise ValueError(f"lora_modules: {v!r} needs string 'name' and 'path'")
-            name, path = d["name"], d["path"]
+            if not isinstance(d.get("base_model_name"), (str, type(None))):
+                raise ValueError(f"lora_modules: {v!r}: base_model_name must be a string")
+            name, path, base = d["name"], d["path"], d.get("base_model_name") or None
         else:
             name, sep, path = v.partition("=")
             if not sep or not name or not path:
                 raise ValueError(f"lora_modules: {v!r} is not NAME=PATH")
-        if any(name == n for n, _ in out):
+        if any(name == n for n, *_ in out):
             raise ValueError(f"lora_modules: the name {name!r} is given twice")
-        out.append((name, path))
+        out.append((name, path, base))
     return out
 
 
@@ -46,14 +49,17 @@ class LoRAModules:
     """The server's adapters by name, each a LoRARequest with its own id (the engine loads it on use).
     Read by the request handlers; changed only by the runtime routes (under a lock)."""
 
-    def __init__(self, ae: Any, modules: list[tuple[str, str]], base_names: tuple[str, ...]) -> None:
+    def __init__(self, ae: Any, modules: list[tuple], base_names: tuple[str, ...]) -> None:
         self.ae, self.base_names = ae, base_names
         self.requests: dict[str, LoRARequest] = {}
+        self.parents: dict[str, str] = {}  # name -> the base model name --lora-modules gave it (vLLM's)
         self._next_id = 1
         self._loading: set[str] = set()  # names whose files are being read
         self._lock = threading.Lock()
-        for name, path in modules:
+        for name, path, *base in modules:  # (name, path[, base model name])
             self.add(name, path)
+            if base and base[0]:
+                self.parents[name] = base[0]
 
     def add(self, name: str, path: str) -> LoRARequest:
         """Load an adapter under `name` (its files are read now, outside the lock, so a bad one is refused
@@ -78,6 +84,7 @@ class LoRAModules:
             req = self.requests.pop(name, None)
             if req is None:
                 raise ValueError(f"lora_name: no adapter {name!r} is loaded")
+            self.parents.pop(name, None)  # (a runtime load under the name is the served model's)
             self.ae.unload_lora(req.lora_int_id)
             return req
 
@@ -85,8 +92,10 @@ class LoRAModules:
         return self.requests.get(name) if name is not None else None
 
     def cards(self, root_parent: str, max_model_len: int) -> list[dict[str, Any]]:
-        """The adapters' /v1/models entries (vLLM's: root is the adapter's path, parent the base model)."""
-        return [model_card(name, req.lora_path, root_parent, max_model_len) for name, req in list(self.requests.items())]
+        """The adapters' /v1/models entries (vLLM's: root is the adapter's path, parent the base model:
+        the one --lora-modules named, else the served model)."""
+        return [model_card(name, req.lora_path, self.parents.get(name, root_parent), max_model_len)
+                for name, req in list(self.requests.items())]
 
 
 def model_card(name: str, root: str, parent: str | None, max_model_len: int) -> dict[str, Any]:
