@@ -1,21 +1,21 @@
-"""Tool calls in chat completions: finding them in a model's output, whole or as it streams, and
-reading the JSON array of calls that a forced tool_choice produces (the schema that forces it, and
-the checks of a request's tools: server/tool_schema.py).
+"""Tool calls in chat completions: finding them in a model's output, whole or as it streams, and reading the
+JSON array of calls that a forced tool_choice produces (the schema that forces it, and the checks of a
+request's tools: server/tool_schema.py).
 
-A format's parser splits an output into content and calls. `ToolParser.extract` reads a finished
-output; `ToolParser.streaming()` reads one as it grows and says what can be sent, as OpenAI stream
-deltas. Both run one scanner (extract feeds it the whole text at once), and a scanner never takes
-back what it decided, so a stream's content and calls are the finished output's whatever the
-chunking. Text is held until it is decided: the start of what may be a tag, and a call until it is
-complete, since a call whose body turns out malformed is content. So a call's arguments are sent
-whole, in one delta after the call's first (id and name) delta.
+A format's parser splits an output into content and calls. `ToolParser.extract` reads a finished output;
+`ToolParser.streaming()` reads one as it grows and says what can be sent, as OpenAI stream deltas. Both run
+one scanner (extract feeds it the whole text at once), and a scanner never takes back what it decided, so a
+stream's content and calls are the finished output's whatever the chunking. Text is held until it is decided:
+the start of what may be a tag, and a call until it is complete, since a call whose body turns out malformed
+is content. So a call's arguments are sent whole, in one delta after the call's first (id and name) delta.
 
-Content: the text outside the calls, verbatim, except that a stretch of it holding only whitespace
-(before the first call, between two, after the last, or the whole output) is dropped.
+Content: the text outside the calls, verbatim, except that a stretch of it holding only whitespace (before the
+first call, between two, after the last, or the whole output) is dropped.
 
 Formats (`TOOL_PARSERS`):
   hermes       Hermes, Qwen 2 / 2.5 / 3: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`,
-               any number, anywhere. A body that is no such object is content, tags included.
+               any number, anywhere; the last may lack its closing tag at the output's end (as vLLM reads
+               it). A body that is no such object is content, tags included.
   llama3_json  Llama 3.1 / 3.2 / 3.3 JSON tool calling: the output is `{"name": "f", "parameters": {...}}`,
                optionally after `<|python_tag|>`, several separated by `;`. An output that does not
                open with such a call is all content; text after the last call is content.
@@ -34,13 +34,11 @@ from typing import Any
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # hermes
 PYTHON_TAG = "<|python_tag|>"  # llama 3 (a special token: only in text decoded with skip_special_tokens=False)
 ARGUMENT_KEYS = ("arguments", "parameters")
-ID_ALPHABET = string.ascii_letters + string.digits
-ID_LENGTH = 24
 
 
 def call_id(rng: random.Random) -> str:
     """An OpenAI-style tool-call id: "call_" and 24 letters or digits."""
-    return "call_" + "".join(rng.choices(ID_ALPHABET, k=ID_LENGTH))
+    return "call_" + "".join(rng.choices(string.ascii_letters + string.digits, k=24))
 
 
 @dataclass(frozen=True)
@@ -66,7 +64,6 @@ class ContentDelta:
     text: str
 
     def openai(self) -> dict[str, Any]:
-        """A stream chunk's `delta`."""
         return {"content": self.text}
 
 
@@ -80,7 +77,6 @@ class ToolCallDelta:
     arguments: str = ""
 
     def openai(self) -> dict[str, Any]:
-        """A stream chunk's `delta`."""
         call: dict[str, Any] = {"index": self.index}
         if self.id is not None:
             call.update(id=self.id, type="function", function={"name": self.name, "arguments": self.arguments})
@@ -89,7 +85,7 @@ class ToolCallDelta:
         return {"tool_calls": [call]}
 
 
-Delta = ContentDelta | ToolCallDelta
+Delta = ContentDelta | ToolCallDelta  # (.openai(): the delta of a stream chunk)
 
 
 def _reject_constant(name: str) -> None:
@@ -165,11 +161,11 @@ class _HermesScanner(_Scanner):
                 out.append(buf[i:end])
                 return out, end
             k = buf.find(CLOSE, max(j + len(OPEN), seen - len(CLOSE) + 1 if j == 0 else 0))
-            if k < 0:  # a call not closed yet; or never: at the output's end a whole call after the tag is
-                for o in _starts(buf, OPEN, j, len(buf)) if final else ():  # one (vLLM's parser reads it so),
-                    call = self._call(buf[o + len(OPEN):])  # anything else content
-                    if call is not None:
-                        return [*out, buf[i:o], call], len(buf)
+            if k < 0:  # a call not closed yet; or never: at the output's end a whole call after a tag is one (as
+                found = [(o, c) for o in (_starts(buf, OPEN, j, len(buf)) if final else ())  # vLLM's parser reads
+                         if (c := self._call(buf[o + len(OPEN):])) is not None]  # it), anything else content
+                if found:
+                    return [*out, buf[i:found[0][0]], found[0][1]], len(buf)
                 end = len(buf) if final else j
                 out.append(buf[i:end])
                 self.seen = len(buf) - j
