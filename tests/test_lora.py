@@ -420,6 +420,8 @@ def test_server_serves_adapters_by_model_name(adapters, served):  # type: ignore
     r = client.completions.create(model="b", prompt=prompt, max_tokens=8, temperature=0, **tids)
     assert r.choices[0].token_ids == peft_greedy(pb, ids, 8)
     bad = post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "/nonexistent"})
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "lora_path"  # vLLM's "No adapter found"
+    bad = post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["root"])})  # no adapter_config
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
     again = post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": rb.lora_path})
     assert again.status_code == 400 and "already in use" in again.json()["error"]["message"]

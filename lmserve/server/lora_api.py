@@ -10,6 +10,7 @@ import json
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -120,6 +121,8 @@ def register(app: Any, srv: Any) -> None:
     async def load(request: Request) -> Any:
         data = await srv.read_json(request)
         name, path = field(data, "lora_name"), field(data, "lora_path")
+        if not Path(path).is_dir():  # as vLLM answers "No adapter found": a 404 (a bad adapter is a 400)
+            raise ApiError(404, f"lora_path: no adapter found at {path!r}", "NotFoundError", param="lora_path")
         try:
             await asyncio.to_thread(srv.loras.add, name, path)
         except ValueError as e:
