@@ -498,6 +498,20 @@ def test_tokenize_detokenize_models_health(server):  # type: ignore[no-untyped-d
     t = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
     assert t["token_strs"] == ["Hello", "\u0120world"] and len(t["tokens"]) == 2, t
     assert post(server, "/tokenize", {"prompt": "Hi", "return_token_strs": "yes"}).status_code == 400
+    assert post(server, "/tokenize", {"prompt": "Hi", "return_token_strs": None}).status_code == 200  # vLLM's None
+    # messages: add_special_tokens taken (it was dropped), False by default as vLLM's; a request's own
+    # chat_template refused by a server that does not trust them (it was dropped, the model's used)
+    msgs = [{"role": "user", "content": "hi"}]
+    tok = server["llm"].tokenizer
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tok, "add_bos", True)  # (a model whose tokenizer adds a BOS the template does not write:
+        mp.setattr(tok, "bos_token_id", 2)  # SmolLM2's adds none)
+        plain = post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+        assert plain[0] != tok.bos_token_id
+        assert post(server, "/tokenize", {"messages": msgs, "add_special_tokens": True}).json()["tokens"] == \
+            [tok.bos_token_id, *plain]
+    r = post(server, "/tokenize", {"messages": msgs, "chat_template": "X{{ messages[0].content }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
     m = httpx.get(server["url"] + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
     card = m["data"][0]
     assert card["id"] == "smollm2-135m" and card["parent"] is None and card["root"]  # vLLM's ModelCard
@@ -946,6 +960,9 @@ def test_a_request_failed_by_a_failed_step_counts_as_an_error(server, monkeypatc
     r = post(server, "/v1/completions", {"prompt": "Once", "max_tokens": 8, "ignore_eos": True})
     assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
     assert metric(server, name) == before + 1
+    eng.step.calls = 0  # three prompts failed by the same step: three errors, as streamed (it counted one)
+    r = post(server, "/v1/completions", {"prompt": ["Once", "Twice", "Thrice"], "max_tokens": 8, "ignore_eos": True})
+    assert r.status_code == 500 and metric(server, name) == before + 4
     # streamed, an error event (the step loop's failure, or a failed forward's error choice) is followed
     # by [DONE] alone: no usage chunk after it (there was one)
     monkeypatch.undo()

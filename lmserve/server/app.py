@@ -195,10 +195,9 @@ class OpenAIServer:
             return ids, self.engine_request(ids, body)
         return await asyncio.to_thread(work)
 
-    async def chat_ids_async(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """chat_ids on a worker thread (for the routes that only count or return the tokens)."""
-        return await asyncio.to_thread(self.chat_ids, messages, add_generation_prompt, template_kwargs)
+    async def chat_ids_async(self, *args: Any) -> list[int]:
+        """chat_ids(*args) on a worker thread (for the routes that only count or return the tokens)."""
+        return await asyncio.to_thread(self.chat_ids, *args)
 
     def first_check(self, jobs: list[Job]) -> None:
         """Refuse at once (before streaming starts) when the engine is dead or the queue is full."""
@@ -255,8 +254,8 @@ class OpenAIServer:
                 failed = next((t for t in done if t.exception() is not None), None)
                 if failed is not None:
                     exc = failed.exception()
-                    if not isinstance(exc, (ApiError, QueueFullError)):  # (an ApiError was observed in one())
-                        self.metrics.failed()
+                    errs = [t.exception() for t in done if t.exception() is not None]  # each prompt's (an ApiError
+                    self.metrics.failed(sum(not isinstance(e, (ApiError, QueueFullError)) for e in errs))  # in one())
                     self.metrics.aborted(len(running))  # the rest end with it; anything else as an ApiError
                     # (the generic handler's re-raise closed the client's keep-alive connection)
                     raise exc if isinstance(exc, (ApiError, QueueFullError, EngineDeadError)) else ApiError(
@@ -308,9 +307,10 @@ class OpenAIServer:
         """POST /tokenize: a prompt, or messages through the chat template, as token ids."""
         body, tok = await self.parse(request, TokenizeRequest), self.require_tokenizer()
         with invalid_request():
-            ids = (await self.chat_ids_async(body.messages, body.add_generation_prompt, body.template_kwargs())
-                   if body.messages is not None
-                   else await asyncio.to_thread(tok.encode, body.prompt or "", add_special_tokens=body.add_special_tokens))
+            special = body.add_special_tokens  # (vLLM's default: True for a prompt, False for messages)
+            ids = (await self.chat_ids_async(body.messages, body.add_generation_prompt, body.template_kwargs(),
+                                             body.chat_template, bool(special)) if body.messages is not None
+                   else await asyncio.to_thread(tok.encode, body.prompt or "", add_special_tokens=special is not False))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.ae.max_model_len,
                              "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None})
 

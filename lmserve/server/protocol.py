@@ -368,8 +368,9 @@ class ChatCompletionRequest(SamplingRequest, TemplateArgs):
 class TokenizeRequest(TemplateArgs):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: StrictBool = True
-    return_token_strs: StrictBool = False  # vLLM's: each token's vocabulary string beside its id
+    add_special_tokens: StrictBool | None = None  # None: vLLM's defaults (a prompt's yes, messages' no)
+    return_token_strs: StrictBool | None = False  # vLLM's: each token's vocabulary string beside its id
+    chat_template: str | None = None  # the request's own template: refused unless the server trusts them
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
