@@ -73,6 +73,23 @@ class _Stream:
         return self.sent - self.read
 
 
+def _put_all(streams: list[_Stream], item: object) -> None:
+    """The same item to many readers, in one callback per event loop: a loop's readers all hold it from
+    the same iteration on (a request of several prompts failed by one step sees them fail together, not
+    some failed and the rest still running, as one callback each let it)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Queue]] = {}
+    for stream in streams:
+        stream.sent += 1
+        by_loop.setdefault(stream.loop, []).append(stream.queue)
+    for loop, queues in by_loop.items():
+        _call_soon(loop, _put_each, queues, item)
+
+
+def _put_each(queues: list[asyncio.Queue], item: object) -> None:
+    for q in queues:  # (unbounded queues: put_nowait cannot raise)
+        q.put_nowait(item)
+
+
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
     """fn(*args) on `loop` from the engine thread; False when the loop is closed (its reader is gone:
     an event loop that ended with a request in flight must not take the engine loop down with it)."""
@@ -363,15 +380,13 @@ class AsyncEngine:
         """Every request in flight (and, pending_too, every queued one and call) gets `error`; then the
         engine's requests are aborted. The readers are told first: an abort that raises (an engine left
         inconsistent by a failed step) must not leave them waiting forever."""
-        for stream in self._streams.values():
-            stream.put(error)
+        _put_all(list(self._streams.values()), error)
         self._streams.clear()
         if pending_too:
             with self._lock:
                 pending, self._pending = self._pending, []
                 calls, self._calls = self._calls, []
-            for _, _, stream, _ in pending:
-                stream.put(error)
+            _put_all([stream for _, _, stream, _ in pending], error)
             for _, loop, done in calls:
                 _call_soon(loop, _settle, done, None, error)
         for rid in list(self._engine.requests):
