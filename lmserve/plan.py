@@ -19,8 +19,9 @@ All figures are lower bounds from first principles:
                        layer (MLA decode, absorbed: over the latent + rope and the latent; prefill: causal pairs)
   ridge point        = peak FLOP/s / bandwidth  (a kernel below it is memory-bound)
   tensor parallel N  = weights / N per rank (vocab, heads and MLP channels split), KV heads / N per rank (at
-                       least one: replicated when fewer than N; MLA's latent whole on every rank); per decode step 2 x layers + 1 all-reduces of
-                       batch x hidden x activation bytes (fp32 on a CPU, else 2) (after attention and the MLP, the embedding), each moving
+                       least one: replicated when fewer than N; MLA's latent whole on every rank); per decode step
+                       2 x layers + 1 all-reduces of batch x hidden x activation bytes (fp32 on a CPU, else 2)
+                       (after attention and the MLP, the embedding), each moving
                        2 (N - 1) / N of it over a rank's link (ring), + the logits gather to rank 0; step time
                        >= the per-rank roofline + collectives x (latency + bytes / link bandwidth)
 """

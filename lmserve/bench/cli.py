@@ -127,17 +127,13 @@ def _llamacpp_line(x: dict[str, Any], a: argparse.Namespace) -> str:
             f"own kernels; lmserve ran --quantization {q}; {x['note']})")
 
 
-def _out_path(a: argparse.Namespace, kind: str) -> Path:
-    return Path(a.output_json or f"bench_out/{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-
-
 def _hf_model(a: argparse.Namespace, llm):  # type: ignore[no-untyped-def]
     from lmserve.bench.hf import load_hf_model
     return load_hf_model(a.model, llm.engine.config.torch_dtype, a.device, a.seed)
 
 
 def cmd_throughput(a: argparse.Namespace) -> int:
-    from lmserve.bench.common import PRESETS, random_workload, run_metadata, write_json
+    from lmserve.bench.common import PRESETS, output_path, random_workload, run_metadata, write_json
     from lmserve.bench.offline import run_throughput
     lc = _llamacpp(a)
     llm = _llm(a)
@@ -179,7 +175,7 @@ def cmd_throughput(a: argparse.Namespace) -> int:
                      f"{x['total_tokens_per_s']:,.1f} total tok/s -> lmserve is {x['lmserve_speedup']:.2f}x")
     res["meta"] = run_metadata(vars(a) | {"func": None})
     print("\n".join(lines))  # (first: a file that cannot be written does not lose them)
-    path = write_json(_out_path(a, "throughput"), res)
+    path = write_json(output_path(a.output_json, "throughput"), res)
     if a.plot:
         from lmserve.bench.plots import bars
         vals = {"lmserve": ours} | {label: res["baselines"][k]["output_tokens_per_s"] for k, label in
@@ -190,7 +186,7 @@ def cmd_throughput(a: argparse.Namespace) -> int:
 
 
 def cmd_latency(a: argparse.Namespace) -> int:
-    from lmserve.bench.common import run_metadata, write_json
+    from lmserve.bench.common import output_path, run_metadata, write_json
     from lmserve.bench.offline import run_latency, run_naive_vs_cached
     lc = _llamacpp(a)
     llm = _llm(a)
@@ -234,7 +230,7 @@ def cmd_latency(a: argparse.Namespace) -> int:
             zip(n["lengths"], n["naive_s_per_token"], n["cached_s_per_token"])))
     res["meta"] = run_metadata(vars(a) | {"func": None})
     print("\n".join(lines))  # (first: a file that cannot be written does not lose them)
-    path = write_json(_out_path(a, "latency"), res)
+    path = write_json(output_path(a.output_json, "latency"), res)
     if a.plot:
         from lmserve.bench.plots import bars, naive_curve
         if "naive" in res["baselines"]:

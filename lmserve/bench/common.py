@@ -85,6 +85,14 @@ def run_metadata(args: dict[str, Any]) -> dict[str, Any]:
             "device_name": dev_name, "cpu_count": __import__("os").cpu_count(), "args": args}
 
 
+OUTPUT_DIR = Path("bench_out")  # where a command's figures go without --output-json
+
+
+def output_path(given: str | None, kind: str) -> Path:
+    """--output-json's path, else a new OUTPUT_DIR/<kind>-<time>.json."""
+    return Path(given) if given else OUTPUT_DIR / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

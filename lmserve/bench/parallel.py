@@ -24,10 +24,8 @@ def add_parser(bs: Any) -> None:
 
 
 def cmd_parallel(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from lmserve import LLM, SamplingParams
-    from lmserve.bench.common import run_metadata, write_json
+    from lmserve.bench.common import output_path, run_metadata, write_json
     kw = engine_kwargs(a) | {"enable_prefix_caching": False}
     rows = []
     for mode in ("shared", "separate"):
@@ -56,7 +54,7 @@ def cmd_parallel(a: argparse.Namespace) -> int:
         print(f"{r['mode']:>8}: {r['output_tokens_per_s']:.1f} output tok/s, peak KV blocks {r['peak_kv_blocks']}, "
               f"{r['wall_s']:.1f} s")
     print(f"sharing saves {saving:.1%} of peak KV blocks and runs {speed:.2f}x the throughput")
-    path = write_json(Path(a.output_json or f"bench_out/parallel-{time.strftime('%Y%m%d-%H%M%S')}.json"),
+    path = write_json(output_path(a.output_json, "parallel"),
                       {"bench": "parallel", "rows": rows, "block_saving": saving, "speedup": speed,
                        "meta": run_metadata(vars(a) | {"func": None})})
     print(f"[figures written to {path}]", file=sys.stderr)

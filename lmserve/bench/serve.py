@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmserve.bench.common import percentiles, run_metadata, write_json
+from lmserve.bench.common import output_path, percentiles, run_metadata, write_json
 from lmserve.utils import above, at_least
 
 
@@ -277,8 +277,7 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
           f"{s['ttft_s'].get('p99', 0) * 1e3:.0f} ms; TPOT p50 {s['tpot_s'].get('p50', 0) * 1e3:.1f} ms; "
           f"ITL p50 {s['itl_s'].get('p50', 0) * 1e3:.1f} ms; e2e p50 {s['e2e_s'].get('p50', 0):.2f} s; "
           f"prefix-cache hit rate {s['prefix_cache_hit_rate']}")
-    from pathlib import Path
-    path = write_json(Path(a.output_json or f"bench_out/serve-{time.strftime('%Y%m%d-%H%M%S')}.json"), res)
+    path = write_json(output_path(a.output_json, "serve"), res)
     if a.plot:
         from lmserve.bench.plots import cdfs
         ok = [r for r in results if r.ok]

@@ -112,10 +112,8 @@ def add_parser(bs: Any) -> None:
 
 
 def cmd_spec(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from lmserve import LLM, SamplingParams
-    from lmserve.bench.common import run_metadata, write_json
+    from lmserve.bench.common import output_path, run_metadata, write_json
     rows: list[dict[str, Any]] = []
     given = given_flags(getattr(a, "argv", []))
     for flag in ("--speculative-method", "--speculative-config", "--spec-max-batch"):  # each row sets them
@@ -188,7 +186,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
         print(f"{r['method']:>6} {r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['speedup_vs_first']:>7.2f}x "
               f"{fmt(r['acceptance_rate'], '.1%'):>7} {fmt(r['mean_accepted_length'], '.2f'):>8} "
               f"{fmt(r['draft_cost_vs_step'], '.3f'):>10} {fmt(r['verify_cost_vs_step'], '.2f'):>11}")
-    path = write_json(Path(a.output_json or f"bench_out/spec-{time.strftime('%Y%m%d-%H%M%S')}.json"),
+    path = write_json(output_path(a.output_json, "spec"),
                       {"bench": "spec", "task": a.task, "rows": rows, "meta": run_metadata(vars(a) | {"func": None})})
     print(f"[figures written to {path}]", file=sys.stderr)
     return 0

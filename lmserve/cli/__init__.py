@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         for flag in ("out", "output_json"):  # an output path that cannot be written: refused before any work
             if getattr(args, flag, None):
                 unwritable(Path(getattr(args, flag)), folder=flag == "out", name=flag)
-            elif flag == "output_json" and hasattr(args, flag):  # the default: a new file in bench_out/
-                unwritable(Path("bench_out", "figures.json"), folder=False, name="output_json (default bench_out/)")
+            elif flag == "output_json" and hasattr(args, flag):  # the default: a new file in OUTPUT_DIR
+                from lmserve.bench.common import OUTPUT_DIR
+                unwritable(OUTPUT_DIR / "figures.json", folder=False, name=f"output_json (default {OUTPUT_DIR}/)")
         return int(args.func(args) or 0)
     except (ValueError, OSError) as e:  # OSError: a file that is missing, exists, or cannot be written
         print(f"error: {e}", file=sys.stderr)

@@ -81,7 +81,7 @@ def read_text(path: str | None) -> tuple[Path, str]:
 
 
 def cmd_perplexity(a: argparse.Namespace) -> int:
-    from lmserve.bench.common import run_metadata, write_json
+    from lmserve.bench.common import output_path, run_metadata, write_json
     from lmserve.llm import LLM
     from lmserve.quant.perplexity import evaluate_perplexity
 
@@ -171,6 +171,6 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['name']:<{width}}  {r['perplexity']:>10.4f}  {r['mean_nll']:>8.4f}  "
                   f"{r['top1_agreement']:>11.2%}  {r['score_s']:>7.2f}")
-    out = write_json(a.output_json or f"bench_out/eval-perplexity-{time.strftime('%Y%m%d-%H%M%S')}.json", res)
+    out = write_json(output_path(a.output_json, "eval-perplexity"), res)
     print(f"[figures written to {out}]", file=sys.stderr)  # (after them: a file that cannot be written loses none)
     return 0

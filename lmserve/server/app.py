@@ -251,11 +251,10 @@ class OpenAIServer:
         try:
             while True:
                 done, running = await asyncio.wait(tasks, timeout=0.2, return_when=asyncio.FIRST_EXCEPTION)
-                failed = next((t for t in done if t.exception() is not None), None)
-                if failed is not None:
-                    exc = failed.exception()
-                    errs = [t.exception() for t in done if t.exception() is not None]  # each prompt's (an ApiError
-                    self.metrics.failed(sum(not isinstance(e, (ApiError, QueueFullError)) for e in errs))  # in one())
+                errs = [t.exception() for t in done if t.exception() is not None]  # (an ApiError: observed in one())
+                if errs:
+                    exc = errs[0]
+                    self.metrics.failed(sum(not isinstance(e, (ApiError, QueueFullError)) for e in errs))  # each prompt's
                     self.metrics.aborted(len(running))  # the rest end with it; anything else as an ApiError
                     # (the generic handler's re-raise closed the client's keep-alive connection)
                     raise exc if isinstance(exc, (ApiError, QueueFullError, EngineDeadError)) else ApiError(
