@@ -34,12 +34,14 @@ def test_cpu_backend_matches_float64(idx, isa, monkeypatch):  # type: ignore[no-
 
 
 @pytest.mark.parametrize("idx", range(len(KERNEL_CASES)))
-@pytest.mark.parametrize("d", [20, 264, 72, 128])
-def test_head_dims_of_every_loop(idx, d, monkeypatch):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("d", [20, 264, 72, 128, 80, 48])
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_head_dims_of_every_loop(idx, d, isa, monkeypatch):  # type: ignore[no-untyped-def]
     """Head dims beside 64 against the same oracle: the generic loop (20: not a multiple of 8; 264: over
     256), the AVX2 loop by chunk count with an odd number of 8-lane chunks (72: the value pass's last
-    chunk alone) and compiled for 128."""
-    monkeypatch.setenv("LMSERVE_ISA", "avx2")
+    chunk alone; under avx512 too, 72 not being a multiple of 16) and compiled for 128; the AVX-512 loop
+    compiled for 128, and by chunk count: 80 (a value pass of 4 chunks, then 1), 48 (3)."""
+    monkeypatch.setenv("LMSERVE_ISA", isa)
     window = KERNEL_CASES[idx][4]
     meta, cache, tables, q, k, v = case_inputs(idx, hkv=2, d=d, device="cpu", dtype=torch.float32, seed=11)
     scale = d ** -0.5
@@ -51,7 +53,8 @@ def test_head_dims_of_every_loop(idx, d, monkeypatch):  # type: ignore[no-untype
 
 
 @pytest.mark.parametrize("idx", range(len(KERNEL_CASES)))
-@pytest.mark.parametrize("isa, d", [("avx512", 64), ("avx2", 64), ("c", 64), ("avx2", 128), ("avx2", 72), ("avx2", 20)])
+@pytest.mark.parametrize("isa, d", [("avx512", 64), ("avx2", 64), ("c", 64), ("avx2", 128), ("avx2", 72), ("avx2", 20),
+                                    ("avx512", 128), ("avx512", 80), ("avx512", 48)])
 def test_int8_cache_is_stored_and_read_in_place(idx, isa, d, monkeypatch):  # type: ignore[no-untyped-def]
     """kv_cache_dtype int8: the kernel quantizes the step's K / V into the QuantizedKV exactly as
     QuantizedKV.store does (the same bytes and scales), and attends over the cache's dequantized
@@ -70,7 +73,7 @@ def test_int8_cache_is_stored_and_read_in_place(idx, isa, d, monkeypatch):  # ty
     assert (got.double() - exact).abs().max() < 2e-5
 
 
-@pytest.mark.parametrize("isa", ["avx2", "c"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "c"])
 def test_a_non_finite_kv_value_reads_back_nan_from_either_store(isa, monkeypatch):  # type: ignore[no-untyped-def]
     """A NaN / inf in a step's K or V: the kernel's store gives its group the scale QuantizedKV.store
     gives it (torch's amax keeps a NaN; the C loop's compare skipped it: the NaN read back as 0.0 and the
@@ -168,17 +171,18 @@ def test_steps_of_few_tokens_a_sequence_are_kernel_rows(qlens, ctx, kernel, monk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("h, hkv, d", [(9, 3, 64), (4, 4, 72), (8, 2, 128)])
+@pytest.mark.parametrize("h, hkv, d", [(9, 3, 64), (4, 4, 72), (8, 2, 128), (6, 2, 80)])
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_a_verifications_rows_get_the_same_bits_together_and_alone(  # type: ignore[no-untyped-def]
-        dtype, h, hkv, d, monkeypatch):
-    """The AVX2 loop attends the rows of one sequence that a verification step brings (each one key
-    longer, the same blocks) together, reading each key once for all of them: every row's output is
-    bit for bit what the row gets alone, the (row, head) triples of the value pass spanning rows
+        dtype, h, hkv, d, isa, monkeypatch):
+    """The vector loops (AVX-512, AVX2) attend the rows of one sequence that a verification step brings
+    (each one key longer, the same blocks) together, reading each key once for all of them: every row's
+    output is bit for bit what the row gets alone, the (row, head) triples of the value pass spanning rows
     included; runs longer than ROWS_PER_SEQ split; rows of other sequences, rows one key longer whose
     blocks differ from the run's first row's (further on too), and windows are not joined."""
-    monkeypatch.setenv("LMSERVE_ISA", "avx2")
-    if cpu_native.attn_simd() != 1:
-        pytest.skip("this CPU has no AVX2: the loop that joins rows does not run")
+    monkeypatch.setenv("LMSERVE_ISA", isa)
+    if cpu_native.attn_simd() != {"avx512": 2, "avx2": 1}[isa]:
+        pytest.skip(f"this CPU has no {isa}: that loop does not run")
     g = torch.Generator().manual_seed(5)
     bs = 16
     cache = torch.randn(2, 80 * bs, hkv, d, generator=g)  # (2, slots, Hkv, d)

@@ -13,8 +13,9 @@
  * (sliding-window layers). Two passes over the keys per (sequence, kv head): scores for every query
  * head of the group, a max-subtracted softmax, then the weighted sum of values; fp32 throughout.
  * Parallel over (sequence, kv head) pairs with OpenMP. A verification step's rows of one sequence
- * (consecutive rows, each one key longer, the same blocks) are attended together by the AVX2 loop: one
- * read of each key and value row for all of them, each row's result bit for bit its own (finite caches).
+ * (consecutive rows, each one key longer, the same blocks) are attended together by the vector loops
+ * (AVX-512, AVX2): one read of each key and value row for all of them, each row's result bit for bit
+ * its own (finite caches).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -52,6 +53,7 @@ static inline void softmax_strided(float *scores, int G, int64_t n, int64_t stri
   for (int g = 0; g < G; g++) {
     float *sg = scores + g * stride;
     float mx = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : mx) /* (a vector max: the scalar loop waited on each compare in turn) */
     for (int64_t j = 0; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; j++) { sg[j] = lm_expf(sg[j] - mx); sum += sg[j]; }
@@ -105,56 +107,6 @@ static void attend_c(ATTEND_ARGS) {
   attend_body(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, G, D, scale, scores, row, out);
 }
 
-/* AVX-512, head dim a multiple of 16 (up to 256): K / V rows read straight from the cache (bf16 widened
- * in registers), the group's queries converted once, dots and value sums 16 lanes at a time. */
-#define MAXC 16 /* 16-lane chunks of a head: D up to 256 */
-#define PF_KEYS 8 /* software prefetch distance, in keys */
-__attribute__((target("avx512f,fma")))
-static inline __m512 load16(const void *base, int64_t off, int bf16) {
-  if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))), 16));
-  return _mm512_loadu_ps((const float *)base + off);
-}
-
-__attribute__((target("avx512f,fma")))
-static void attend_avx512(const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len,
-                          int64_t first, int64_t bs, int Hkv, int kvh, int G, int D, float scale, float *scores,
-                          float *out) {
-  const int64_t n = len - first;
-  const int C = D / 16;
-  const int esize = bf16 ? 2 : 4;
-  for (int64_t j = 0; j < n; j++) {
-    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
-    const int64_t row = (slot * Hkv + kvh) * D;
-    if (j + PF_KEYS < n) { /* the rows PF_KEYS keys on (K for this pass, V for the next) requested now:
-                              blocks lie anywhere in the pool, so the hardware prefetcher cannot follow */
-      const int64_t p2 = pos + PF_KEYS, ahead = ((table[p2 / bs] * bs + p2 % bs) * Hkv + kvh) * D * esize;
-      for (int64_t b = 0; b < (int64_t)D * esize; b += 64) {
-        _mm_prefetch((const char *)k + ahead + b, _MM_HINT_T0);
-        _mm_prefetch((const char *)v + ahead + b, _MM_HINT_T1);
-      }
-    }
-    __m512 kc[MAXC];
-    for (int c = 0; c < C; c++) kc[c] = load16(k, row + 16 * c, bf16);
-    for (int g = 0; g < G; g++) {
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kc[0]);
-      for (int c = 1; c < C; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), kc[c], acc);
-      scores[g * n + j] = _mm512_reduce_add_ps(acc) * scale;
-    }
-  }
-  softmax_rows(scores, G, n, out, D);
-  for (int64_t j = 0; j < n; j++) {
-    const int64_t pos = first + j, slot = table[pos / bs] * bs + pos % bs;
-    const int64_t row = (slot * Hkv + kvh) * D;
-    for (int c = 0; c < C; c++) {
-      const __m512 vc = load16(v, row + 16 * c, bf16);
-      for (int g = 0; g < G; g++) {
-        float *o = out + g * D + 16 * c;
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j]), vc, _mm512_loadu_ps(o)));
-      }
-    }
-  }
-}
-
 /* Row index (in D-element rows of the [S, Hkv, D] cache) of every key of one sequence and kv head, in
  * order: keys[j] = ((table[pos / bs] * bs + pos % bs) * Hkv + kvh) * D for pos = first + j. Walked a
  * block at a time (no division per key: a 64-bit idiv per key and pass cost more than the key's
@@ -176,6 +128,7 @@ static inline void key_rows(const int64_t *table, int64_t len, int64_t first, in
  * few keys on are prefetched: blocks lie anywhere in the pool, so the hardware prefetcher cannot
  * follow. keys: scratch for n row indices. */
 #define MAXC8 32 /* 8-lane chunks of a head: D up to 256 */
+#define PF_KEYS 8 /* software prefetch distance, in keys */
 #define MAX_RUN 16 /* rows of one sequence attended together (cpu_attn.ROWS_PER_SEQ) */
 /* 8 channels from element off of a cache half as float32: bf16 widened; int8 converted and times the
  * scale at sc (its group's: QuantizedKV's dequantize, the same float32 product) */
@@ -292,6 +245,140 @@ static void attend_avx2v(AVX2_ARGS) {
     o_rstride);
 }
 
+/* AVX-512, head dim a multiple of 16 (up to 256): attend_avx2_body's algorithm (a task's kv heads and a
+ * verification's rows together, each key and value row read once for them, prefetched a few keys on)
+ * with 16 lanes, and two changes for the wider registers:
+ * - scores: 4 keys at a time per (row, head), their 4 dot products reduced together (a transposition
+ *   of 4 vectors: ~11 shuffles and adds for 4 keys, where one key's horizontal sum took ~8). Each key's
+ *   sum is the same tree of the same lanes wherever it falls in the group, so a row's scores do not
+ *   depend on which keys share its groups (a key past the last is a zero vector);
+ * - values: up to 4 chunks of 16 channels of 3 (row, head) pairs, 12 sums in registers per pass.
+ * int8 and bf16 rows are widened into kbuf (4 keys' rows, float) once per key for all the rows and heads. */
+#define MAXC 16 /* 16-lane chunks of a head: D up to 256 */
+#define TARGET512 __attribute__((target("avx512f,fma")))
+
+/* 16 channels from element off of a cache half as float32 (load8's widening, 16 lanes) */
+TARGET512 static inline __m512 load16(const void *base, int64_t off, int kind, const float *sc) {
+  if (kind == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))), 16));
+  if (kind == 2)
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + off)))),
+                         _mm512_set1_ps(*sc));
+  return _mm512_loadu_ps((const float *)base + off);
+}
+
+/* [sum a, sum b, sum c, sum d]: within each 128-bit lane positions (0 + 2) + (1 + 3), then lanes (0 + 2) +
+ * (1 + 3); the same tree for each of the four inputs */
+TARGET512 static inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a0+a2 b0+b2 a1+a3 b1+b3 */
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2))); /* a b c d per lane */
+  const __m512 t = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_castps512_ps128(_mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+TARGET512 static inline __attribute__((always_inline)) void attend_avx512_body(
+    const float *q, const void *k, const void *v, int kind, const float *ks, const float *vs, const int64_t *table,
+    int64_t len, int64_t first, int64_t bs, int Hkv, int kvh, int nkv, int G, const int C, float scale, float *scores,
+    int64_t *keys, float *kbuf, float *out, int R, int64_t q_rstride, int64_t o_rstride) {
+  const int64_t n0 = len - first, n = n0 + R - 1; /* row r: its first n0 + r keys; scores [R, nkv * G, n] */
+  const int D = 16 * C, nq = nkv * G;
+  const int esize = kind == 1 ? 2 : kind == 2 ? 1 : 4;
+  const int g = kv_group(D), ng = D / g; /* int8: channels per scale, scales per row */
+  const __m512 zero = _mm512_setzero_ps();
+  key_rows(table, len + R - 1, first, bs, Hkv, kvh, D, keys);
+  for (int64_t j0 = 0; j0 < n; j0 += 4) {
+    const int nj = n - j0 < 4 ? (int)(n - j0) : 4;
+    if (j0 + PF_KEYS < n) /* the next group's rows, PF_KEYS keys on (a slot's kv heads adjacent: one run) */
+      for (int64_t j = j0 + PF_KEYS; j < j0 + PF_KEYS + 4 && j < n; j++)
+        for (int64_t b = 0; b < (int64_t)nkv * D * esize; b += 64) {
+          _mm_prefetch((const char *)k + keys[j] * esize + b, _MM_HINT_T0);
+          _mm_prefetch((const char *)v + keys[j] * esize + b, _MM_HINT_T1);
+        }
+    const int rmin = j0 < n0 ? 0 : (int)(j0 - n0 + 1); /* the rows that see key j0 (and some see the rest) */
+    for (int h = 0; h < nkv; h++) {
+      const float *kr[4];
+      for (int t = 0; t < nj; t++) {
+        const int64_t row = keys[j0 + t] + (int64_t)h * D;
+        if (kind == 0) { kr[t] = (const float *)k + row; continue; }
+        const float *sr = kind == 2 ? ks + row / D * ng : NULL;
+        for (int c = 0; c < C; c++)
+          _mm512_storeu_ps(kbuf + t * D + 16 * c, load16(k, row + 16 * c, kind, sr + (kind == 2 ? 16 * c / g : 0)));
+        kr[t] = kbuf + t * D;
+      }
+      for (int r = rmin; r < R; r++)
+        for (int gh = h * G; gh < (h + 1) * G; gh++) {
+          const float *qr = q + r * q_rstride + gh * D;
+          __m512 a[4] = {zero, zero, zero, zero};
+          for (int c = 0; c < C; c++) {
+            const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
+            for (int t = 0; t < 4; t++)
+              if (t < nj) a[t] = c == 0 ? _mm512_mul_ps(qc, _mm512_loadu_ps(kr[t])) : _mm512_fmadd_ps(qc, _mm512_loadu_ps(kr[t] + 16 * c), a[t]);
+          }
+          const __m128 s4 = _mm_mul_ps(hsum4x16(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale));
+          float *dst = scores + ((int64_t)r * nq + gh) * n + j0;
+          if (nj == 4) _mm_storeu_ps(dst, s4);
+          else {
+            float s[4];
+            _mm_storeu_ps(s, s4);
+            for (int t = 0; t < nj; t++) dst[t] = s[t];
+          }
+        }
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float *sr = scores + (int64_t)r * nq * n;
+    softmax_strided(sr, nq, n0 + r, n, out + r * o_rstride, D);
+    for (int q2 = 0; q2 < nq; q2++)
+      for (int64_t j = n0 + r; j < n; j++) sr[q2 * n + j] = 0.f; /* past row r's keys (and those a group computed) */
+  }
+  for (int h = 0; h < nkv; h++)
+    for (int c0 = 0; c0 < C; c0 += 4) {
+      const int nc = C - c0 < 4 ? C - c0 : 4;
+      for (int i0 = 0; i0 < R * G; i0 += 3) { /* (row, head) pairs i = r * G + head of kv head h, 3 at a time */
+        const int gn = R * G - i0 < 3 ? R * G - i0 : 3;
+        const float *sp[3];
+        float *op[3];
+        int64_t m = 0; /* keys of the triple's longest row */
+        for (int t = 0; t < 3; t++) {
+          const int i = i0 + (t < gn ? t : 0), r = i / G, gh = h * G + i % G;
+          sp[t] = scores + ((int64_t)r * nq + gh) * n;
+          op[t] = out + r * o_rstride + (int64_t)gh * D;
+          m = n0 + r > m ? n0 + r : m;
+        }
+        __m512 a[3][4];
+        for (int t = 0; t < 3; t++)
+          for (int c = 0; c < 4; c++) a[t][c] = zero;
+        for (int64_t j = 0; j < m; j++) {
+          const int64_t row = keys[j] + (int64_t)h * D + 16 * c0;
+          const float *sr = kind == 2 ? vs + (keys[j] / D + h) * ng : NULL;
+          __m512 vc[4] = {zero, zero, zero, zero};
+          for (int c = 0; c < 4; c++)
+            if (c < nc) vc[c] = load16(v, row + 16 * c, kind, sr + (kind == 2 ? (16 * (c0 + c)) / g : 0));
+          for (int t = 0; t < 3; t++) {
+            const __m512 p = _mm512_set1_ps(sp[t][j]);
+            for (int c = 0; c < 4; c++)
+              if (c < nc) a[t][c] = _mm512_fmadd_ps(p, vc[c], a[t][c]);
+          }
+        }
+        for (int t = 0; t < gn; t++)
+          for (int c = 0; c < nc; c++) _mm512_storeu_ps(op[t] + 16 * (c0 + c), a[t][c]);
+      }
+    }
+}
+
+#define AVX512_PASS(C) attend_avx512_body(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, C, scale, \
+                                          scores, keys, kbuf, out, R, q_rstride, o_rstride)
+#define AVX512_ARGS AVX2_ARGS, float *kbuf
+TARGET512 static void attend_avx512_64(AVX512_ARGS) { (void)D; AVX512_PASS(4); }
+TARGET512 static void attend_avx512_128(AVX512_ARGS) { (void)D; AVX512_PASS(8); }
+TARGET512 static void attend_avx512_any(AVX512_ARGS) { AVX512_PASS(D / 16); }
+static void attend_avx512v(AVX512_ARGS) {
+  void (*f)(AVX512_ARGS) = D == 64 ? attend_avx512_64 : D == 128 ? attend_avx512_128 : attend_avx512_any;
+  f(q, k, v, kind, ks, vs, table, len, first, bs, Hkv, kvh, nkv, G, D, scale, scores, keys, out, R, q_rstride,
+    o_rstride, kbuf);
+}
+
 int lm_attn_avx512(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f");
@@ -348,36 +435,38 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
   }
   int64_t maxlen = 0;
   for (int64_t b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
-  const int avx512 = use_simd == 2 && kind != 2 && D % 16 == 0 && D <= 16 * MAXC; /* int8: the AVX2 loop */
+  const int avx512 = use_simd == 2 && D % 16 == 0 && D <= 16 * MAXC;
   const int avx2v = !avx512 && use_simd && D % 8 == 0 && D <= 8 * MAXC8;
-  /* runs of rows (the AVX2 path): consecutive rows of one sequence, each one key longer than the one
+  const int vec = avx512 || avx2v; /* the loops that take runs of rows and several kv heads a task */
+  /* runs of rows (the vector loops): consecutive rows of one sequence, each one key longer than the one
    * before and reading the run's first row's blocks (a verification's new tokens), attended together so
    * that each key and value row is read once for the run (not where a window drops keys). At most `cap`
    * rows a run: MAX_RUN, and few enough that one sequence's rows still give every thread a task. */
-  int64_t cap = avx2v ? (B * Hkv) / (nthreads > 0 ? nthreads : 1) : 1;
+  int64_t cap = vec ? (B * Hkv) / (nthreads > 0 ? nthreads : 1) : 1;
   cap = cap < 1 ? 1 : cap > MAX_RUN ? MAX_RUN : cap;
   int64_t *runs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
   int64_t nruns = 0, longest = 1;
   for (int64_t b = 0; b < B; b++) {
     const int64_t r0 = nruns > 0 ? runs[nruns - 1] : 0; /* the current run's first row */
     const size_t blocks = (size_t)((lens[b] + block_size - 1) / block_size); /* the blocks row b reads */
-    const int join = avx2v && b > 0 && b - r0 < cap && lens[b] == lens[b - 1] + 1 && lens[b - 1] > 0
+    const int join = vec && b > 0 && b - r0 < cap && lens[b] == lens[b - 1] + 1 && lens[b - 1] > 0
                      && (window <= 0 || lens[b] <= window)
                      && !memcmp(tables + b * T, tables + r0 * T, sizeof(int64_t) * blocks);
     if (!join) runs[nruns++] = b;
     longest = b + 1 - runs[nruns - 1] > longest ? b + 1 - runs[nruns - 1] : longest;
   }
   runs[nruns] = B;
-  /* kv heads per task: all of a sequence's when there are sequences enough to share out (the AVX2
-   * path): a slot's heads are adjacent, so a task then reads whole slot rows (a stream the memory
+  /* kv heads per task: all of a sequence's when there are sequences enough to share out (the vector
+   * loops): a slot's heads are adjacent, so a task then reads whole slot rows (a stream the memory
    * system serves about twice as fast as a head's 1 / Hkv of each row), else one */
-  const int per = avx2v && nruns >= 2 * (int64_t)nthreads ? Hkv : 1;
+  const int per = vec && nruns >= 2 * (int64_t)nthreads ? Hkv : 1;
   const int64_t tasks = nruns * (Hkv / per);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tasks > 1)
   {
     float *scores = (float *)malloc(sizeof(float) * (size_t)(longest * per * G * (maxlen > 0 ? maxlen : 1)));
     float *row = (float *)malloc(sizeof(float) * (size_t)D);
     int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxlen > 0 ? maxlen : 1));
+    float *kbuf = avx512 ? (float *)malloc(sizeof(float) * (size_t)(4 * D)) : NULL; /* 4 keys' rows, widened */
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; t++) {
       const int64_t b = runs[t / (Hkv / per)];
@@ -389,7 +478,8 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
       float *og = out + (b * H + (int64_t)kvh * G) * D;
       if (len <= 0) { memset(og, 0, sizeof(float) * (size_t)(per * G * D)); continue; }
       if (avx512)
-        attend_avx512(qg, k, v, kind, tables + b * T, len, first, block_size, Hkv, kvh, G, D, scale, scores, og);
+        attend_avx512v(qg, k, v, kind, k_scale, v_scale, tables + b * T, len, first, block_size, Hkv, kvh, per, G, D,
+                       scale, scores, keys, og, R, q_stride, (int64_t)H * D, kbuf);
       else if (avx2v)
         attend_avx2v(qg, k, v, kind, k_scale, v_scale, tables + b * T, len, first, block_size, Hkv, kvh, per, G, D, scale,
                      scores, keys, og, R, q_stride, (int64_t)H * D);
@@ -403,6 +493,7 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
     free(scores);
     free(row);
     free(keys);
+    free(kbuf);
   }
   free(runs);
 }
