@@ -13,16 +13,45 @@ from lmserve.layers.rotary import RotaryEmbedding
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler to build the CPU kernels")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 37])
-def test_add_rmsnorm(rows):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("rows, d", [(1, 576), (3, 576), (37, 576), (120, 576), (5, 100), (4, 7)])
+def test_add_rmsnorm(rows, d):  # type: ignore[no-untyped-def]
+    """Against float64; rows past 64k elements (threads), widths with a tail past the 16 lanes (100)
+    or only a tail (7); each row's bits the same alone as in the batch (deterministic mode)."""
     g = torch.Generator().manual_seed(rows)
-    x, r, w = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g), torch.randn(576, generator=g)
+    x, r, w = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g), torch.randn(d, generator=g)
     out, new_res = cpu_fused.add_rmsnorm(x, r, w, 1e-5)
     h = (x.double() + r.double())
     want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     assert torch.allclose(new_res.double(), h, atol=1e-6) and (out.double() - want).abs().max() < 1e-5
     alone, none = cpu_fused.add_rmsnorm(x, None, w, 1e-5)
-    assert none is None and torch.allclose(alone, F.rms_norm(x, (576,), w, 1e-5), atol=1e-5)
+    assert none is None and torch.allclose(alone, F.rms_norm(x, (d,), w, 1e-5), atol=1e-5)
+    for i in (0, rows - 1):
+        one, _ = cpu_fused.add_rmsnorm(x[i:i + 1], r[i:i + 1], w, 1e-5)
+        assert torch.equal(one[0], out[i])
+
+
+def test_argmax_is_torchs():
+    """Greedy sampling's argmax (the C loop) against torch.argmax: the first of equal maxima, a NaN the
+    largest (its first), rows of -inf, -0.0 beside 0.0, rows of a wider tensor (a stride), rows enough
+    for threads, no rows; non-float32 rows take torch's own."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 49152, generator=g)
+    x[1, [5, 700, 40000]] = 9.0  # three equal maxima
+    x[2, 30] = float("nan")
+    x[3, [100, 200]] = float("nan")
+    x[3, 50] = 99.0  # a larger value before the first NaN
+    x[4] = float("-inf")
+    x[5] = 0.0
+    x[5, 10] = -0.0
+    x[6, -1] = 50.0  # the last position
+    x[7, 0] = float("inf")
+    x[7, 9] = float("inf")
+    for rows in (x, x[:, :1000], x[:1], x[:0], x[:, :1]):
+        assert torch.equal(cpu_fused.argmax(rows), rows.argmax(dim=-1)), rows.shape
+    wide = torch.randn(6, 50000, generator=g)
+    assert torch.equal(cpu_fused.argmax(wide[:, 17:49169]), wide[:, 17:49169].argmax(dim=-1))  # stride 50000
+    half = x[:3].to(torch.bfloat16)
+    assert torch.equal(cpu_fused.argmax(half), half.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("width", [1536, 300, 7])  # whole chunks of 256, a partial last chunk, one short chunk

@@ -103,6 +103,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_gelu_tanh_and_mul.argtypes = [p, i64, i64, p, i32]
     lib.lm_rotary.argtypes = [p, i64, i64, i64, i64, i64, p, p]
     lib.lm_apply_bitmask.argtypes = [p, i64, i64, p, i64, i32]
+    lib.lm_argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
     lib.lm_llama_layers.argtypes = [i64, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, p, p, i32, i32, i32,
                                     i32, p, p, p, p, p, p, p, p, p, i64, p]  # (+ LoRA: deltas [G, L, 4, 5], G, row groups)
     lib.lm_gemma_layers.argtypes = [i64, p, p, p, p, p, p, p, p, i64, i64, f32, i32, i32, i32, i64, i32, i32, i32, i32,
@@ -112,7 +113,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_eagle_draft.argtypes = [i64, i64, p, p, p, p, p, i64, p, p, i64, p, p, p, p, p, p, p, f32, i32, i32, i32, i64,
                                    p, p, p, p, i32, i32, i32, f32, p, p, p, *[p] * 13]
     for fn in (lib.lm_add_rmsnorm, lib.lm_silu_and_mul, lib.lm_gelu_tanh_and_mul, lib.lm_rotary, lib.lm_apply_bitmask,
-               lib.lm_llama_layers, lib.lm_gemma_layers, lib.lm_eagle_kv, lib.lm_lora_add):
+               lib.lm_argmax_rows, lib.lm_llama_layers, lib.lm_gemma_layers, lib.lm_eagle_kv, lib.lm_lora_add):
         fn.restype = None
     lib.lm_eagle_draft.restype = i64  # the rounds run
     return lib

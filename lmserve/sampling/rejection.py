@@ -14,6 +14,8 @@ import random
 
 import torch
 
+from lmserve.layers.cpu_fused import argmax
+
 
 def _uniform(gen: random.Random | None) -> float:
     return (gen or random).random()
@@ -44,7 +46,7 @@ def verify(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
     """
     k = len(drafts)
     if greedy:
-        return verify_greedy(target.argmax(dim=-1).tolist(), drafts)
+        return verify_greedy(argmax(target).tolist(), drafts)
     q = target.double()
     for i, x in enumerate(drafts):
         qx = float(q[i, x])

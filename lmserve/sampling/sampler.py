@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmserve.layers.cpu_fused import argmax
 from lmserve.layers.linear import row_blocks
 from lmserve.sequence import Logprob, SamplingParams, Sequence, bad_words_next
 from lmserve.structured import apply_bitmask
@@ -222,14 +223,14 @@ class Sampler:
                       bitmask: torch.Tensor | None = None) -> list[int]:
         """Greedy rows' tokens after all processing (B,): the argmax of target_probs, without building
         its one-hot rows (a greedy verification's only need)."""
-        return self._penalized(logits, seqs, bitmask).argmax(dim=-1).tolist()
+        return argmax(self._penalized(logits, seqs, bitmask)).tolist()
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams], invariant: bool = False) -> torch.Tensor:
         """target_probs of logits (B, V) that already carry their penalties -> (B, V)."""
         any_greedy = any(p.temperature == 0 for p in params)
         if any_greedy:
-            probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
+            probs = torch.zeros_like(logits).scatter_(1, argmax(logits).unsqueeze(1), 1.0)  # (B, V)
             if all(p.temperature == 0 for p in params):
                 return probs
         filtered = any(p.has_filters for p in params)
@@ -273,7 +274,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None  # (B, V)
         params = [s.params for s in seqs]
         if all(p.temperature == 0 for p in params):
-            tokens = self._penalized(logits, seqs, bitmask).argmax(dim=-1)
+            tokens = argmax(self._penalized(logits, seqs, bitmask))
         else:
             logits = self._penalized(logits, seqs, bitmask)
             use_gumbel = self._use_gumbel(logits)

@@ -178,3 +178,35 @@ CLONES void lm_lora_add(const float *x, int64_t b, int64_t k, const float *at, c
   free(u);
   free(sel);
 }
+
+/* Greedy sampling: idx[r] = torch.argmax(x[r, :v]) for rows of stride `stride`: the first index of the
+ * largest value, a NaN counting as the largest (the first NaN's index, as torch). A vector max, then a
+ * search for its first position. Why: torch's argmax took ~70 us a row of 49,152 and 0.6-1.8 ms for 8
+ * rows (1-2 threads) on a Xeon, as much as a tenth of an 8-row decode step. */
+CLONES void lm_argmax_rows(const float *x, int64_t n, int64_t v, int64_t stride, int64_t *idx, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * v > 131072)
+  for (int64_t r = 0; r < n; r++) {
+    const float *l = x + r * stride;
+    float mx = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+    for (int64_t j = 0; j < v; j++) {
+      mx = l[j] > mx ? l[j] : mx;
+      nan |= l[j] != l[j];
+    }
+    int64_t best = 0; /* the first hit (no NaN: a chunk of 16 compared at once, then its lanes) */
+    if (!nan)
+      for (; best + 16 <= v; best += 16) {
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int k = 0; k < 16; k++) hit |= l[best + k] == mx;
+        if (hit) break;
+      }
+    if (nan) {
+      while (l[best] == l[best]) best++;
+    } else {
+      while (l[best] != mx) best++; /* (-0.0 == 0.0: the first of either, as torch's compare) */
+    }
+    idx[r] = best;
+  }
+}

@@ -149,6 +149,19 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+/* The value pass's (row, head) pairs i0 .. i0 + 2 of kv head h (i = r * G + head; fewer at the end: the
+ * missing ones repeat the first): their score rows [n] and output rows [D]. Returns how many are real. */
+static inline int triple(float *scores, float *out, int i0, int R, int G, int h, int nq, int64_t n, int D,
+                         int64_t o_rstride, const float *sp[3], float *op[3]) {
+  const int gn = R * G - i0 < 3 ? R * G - i0 : 3;
+  for (int t = 0; t < 3; t++) {
+    const int i = i0 + (t < gn ? t : 0), r = i / G, gh = h * G + i % G;
+    sp[t] = scores + ((int64_t)r * nq + gh) * n;
+    op[t] = out + r * o_rstride + (int64_t)gh * D;
+  }
+  return gn;
+}
+
 /* R rows of one sequence at once (a verification's new tokens: row r has len + r keys, first == 0
  * when R > 1; its queries at q + r * q_rstride, its output at out + r * o_rstride): each key's and
  * value's row is read from memory once for all R rows. Every (row, head) pair's scores, softmax and
@@ -197,16 +210,10 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
     for (int c0 = 0; c0 < C; c0 += 2) {
       const int two = c0 + 1 < C;
       for (int i0 = 0; i0 < R * G; i0 += 3) { /* (row, head) pairs i = r * G + head of kv head h, 3 at a time */
-        const int gn = R * G - i0 < 3 ? R * G - i0 : 3;
         const float *sp[3];
         float *op[3];
-        int64_t m = 0; /* keys of the triple's longest row */
-        for (int t = 0; t < 3; t++) {
-          const int i = i0 + (t < gn ? t : 0), r = i / G, gh = h * G + i % G;
-          sp[t] = scores + ((int64_t)r * nq + gh) * n;
-          op[t] = out + r * o_rstride + (int64_t)gh * D;
-          m = n0 + r > m ? n0 + r : m;
-        }
+        const int gn = triple(scores, out, i0, R, G, h, nq, n, D, o_rstride, sp, op);
+        const int64_t m = n0 + (i0 + gn - 1) / G; /* keys of the triple's longest (last) row */
         const float *s0 = sp[0], *s1 = sp[1], *s2 = sp[2];
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
         for (int64_t j = 0; j < m; j++) {
@@ -336,16 +343,10 @@ TARGET512 static inline __attribute__((always_inline)) void attend_avx512_body(
     for (int c0 = 0; c0 < C; c0 += 4) {
       const int nc = C - c0 < 4 ? C - c0 : 4;
       for (int i0 = 0; i0 < R * G; i0 += 3) { /* (row, head) pairs i = r * G + head of kv head h, 3 at a time */
-        const int gn = R * G - i0 < 3 ? R * G - i0 : 3;
         const float *sp[3];
         float *op[3];
-        int64_t m = 0; /* keys of the triple's longest row */
-        for (int t = 0; t < 3; t++) {
-          const int i = i0 + (t < gn ? t : 0), r = i / G, gh = h * G + i % G;
-          sp[t] = scores + ((int64_t)r * nq + gh) * n;
-          op[t] = out + r * o_rstride + (int64_t)gh * D;
-          m = n0 + r > m ? n0 + r : m;
-        }
+        const int gn = triple(scores, out, i0, R, G, h, nq, n, D, o_rstride, sp, op);
+        const int64_t m = n0 + (i0 + gn - 1) / G; /* keys of the triple's longest (last) row */
         __m512 a[3][4];
         for (int t = 0; t < 3; t++)
           for (int c = 0; c < 4; c++) a[t][c] = zero;
