@@ -46,6 +46,9 @@ def test_argmax_is_torchs():
     x[6, -1] = 50.0  # the last position
     x[7, 0] = float("inf")
     x[7, 9] = float("inf")
+    x[8, :2] = torch.tensor([-0.0, 0.0])  # a row of zeros that starts with -0.0
+    x[8, 2:] = -1.0
+    x[9, 995] = 60.0  # in the last, partial chunk of 16 lanes of the 1000-wide rows below
     for rows in (x, x[:, :1000], x[:1], x[:0], x[:, :1]):
         assert torch.equal(cpu_fused.argmax(rows), rows.argmax(dim=-1)), rows.shape
     wide = torch.randn(6, 50000, generator=g)

@@ -181,9 +181,10 @@ CLONES void lm_lora_add(const float *x, int64_t b, int64_t k, const float *at, c
 
 /* Greedy sampling: idx[r] = torch.argmax(x[r, :v]) for rows of stride `stride`: the first index of the
  * largest value, a NaN counting as the largest (the first NaN's index, as torch). A vector max, then a
- * search for its first position. Why: torch's argmax took ~70 us a row of 49,152 and 0.6-1.8 ms for 8
+ * search for its first position; v > 0. Why: torch's argmax took ~70 us a row of 49,152 and 0.6-1.8 ms for 8
  * rows (1-2 threads) on a Xeon, as much as a tenth of an 8-row decode step. */
 CLONES void lm_argmax_rows(const float *x, int64_t n, int64_t v, int64_t stride, int64_t *idx, int nthreads) {
+  if (v <= 0) return; /* no index to give (cpu_fused.argmax hands empty rows to torch, which refuses them) */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * v > 131072)
   for (int64_t r = 0; r < n; r++) {
     const float *l = x + r * stride;

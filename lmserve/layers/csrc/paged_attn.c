@@ -121,8 +121,9 @@ static inline void key_rows(const int64_t *table, int64_t len, int64_t first, in
   }
 }
 
-/* AVX2 + FMA, head dim a multiple of 8 (up to 256): the same sums as attend_avx512 with 8 lanes, in the
- * same order. Scores: a key's row read once for the G heads of its group. Values: a pass over the keys
+/* AVX2 + FMA, head dim a multiple of 8 (up to 256): dot products 8 lanes at a time, each key's summed
+ * horizontally on its own (the AVX-512 loop below sums four keys' together: the two loops' bits differ,
+ * each is batch-invariant). Scores: a key's row read once for the G heads of its group. Values: a pass over the keys
  * for each pair of 8-lane chunks and up to 3 heads, their 6 sums in registers (a running sum in
  * memory, loaded and stored for every key, head and chunk, made the pass latency-bound). The rows a
  * few keys on are prefetched: blocks lie anywhere in the pool, so the hardware prefetcher cannot
