@@ -17,6 +17,13 @@ from lmserve.layers import cpu_native
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler to build the CPU kernels")
 
 
+def skip_avx512_without_it(isa: str) -> None:
+    """Skip a case of the AVX-512 attention loop on a CPU without AVX-512 (LMSERVE_ISA only caps the
+    path: such a CPU would quietly run the AVX2 loop in its place)."""
+    if isa == "avx512" and cpu_native.attn_simd() != 2:
+        pytest.skip("this CPU has no AVX-512: that loop does not run")
+
+
 @pytest.mark.parametrize("idx", range(len(KERNEL_CASES)))
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "c"])
 def test_cpu_backend_matches_float64(idx, isa, monkeypatch):  # type: ignore[no-untyped-def]
@@ -42,8 +49,7 @@ def test_head_dims_of_every_loop(idx, d, isa, monkeypatch):  # type: ignore[no-u
     chunk alone; under avx512 too, 72 not being a multiple of 16) and compiled for 128; the AVX-512 loop
     compiled for 128, and by chunk count: 80 (a value pass of 4 chunks, then 1), 48 (3)."""
     monkeypatch.setenv("LMSERVE_ISA", isa)
-    if isa == "avx512" and cpu_native.attn_simd() != 2:
-        pytest.skip("this CPU has no AVX-512: that loop does not run")
+    skip_avx512_without_it(isa)
     window = KERNEL_CASES[idx][4]
     meta, cache, tables, q, k, v = case_inputs(idx, hkv=2, d=d, device="cpu", dtype=torch.float32, seed=11)
     scale = d ** -0.5
@@ -64,8 +70,7 @@ def test_int8_cache_is_stored_and_read_in_place(idx, isa, d, monkeypatch):  # ty
     number of 8-lane chunks; 20: the generic loop; under avx512, 48 and 80: one scale per head, 3 and 5
     chunks of 16 lanes."""
     monkeypatch.setenv("LMSERVE_ISA", isa)
-    if isa == "avx512" and cpu_native.attn_simd() != 2:
-        pytest.skip("this CPU has no AVX-512: that loop does not run")
+    skip_avx512_without_it(isa)
     window = KERNEL_CASES[idx][4]
     meta, cache, tables, q, k, v = case_inputs(idx, hkv=2, d=d, device="cpu", dtype=torch.float32, seed=17)
     scale = d ** -0.5

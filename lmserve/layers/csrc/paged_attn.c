@@ -63,6 +63,19 @@ static inline void softmax_strided(float *scores, int G, int64_t n, int64_t stri
   }
 }
 
+/* A run's scores [R, nq, n] (row r: its first n0 + r keys) to each row's softmax, the entries past a row's
+ * keys zeroed (the value pass reads them: a zero probability leaves a sum as it was, for finite values),
+ * and the rows' outputs (row r at out + r * o_rstride, [nq, D]) zeroed. */
+static inline __attribute__((always_inline)) void softmax_run(float *scores, int R, int nq, int64_t n0, int64_t n,
+                                                              float *out, int64_t o_rstride, int D) {
+  for (int r = 0; r < R; r++) {
+    float *sr = scores + (int64_t)r * nq * n;
+    softmax_strided(sr, nq, n0 + r, n, out + r * o_rstride, D);
+    for (int q2 = 0; q2 < nq; q2++)
+      for (int64_t j = n0 + r; j < n; j++) sr[q2 * n + j] = 0.f;
+  }
+}
+
 /* Each of the G rows of scores [G, n] to its softmax (max subtracted), and out [G, D] zeroed. */
 static inline void softmax_rows(float *scores, int G, int64_t n, float *out, int D) {
   softmax_strided(scores, G, n, n, out, D);
@@ -201,12 +214,7 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
         }
     }
   }
-  for (int r = 0; r < R; r++) {
-    float *sr = scores + (int64_t)r * nq * n;
-    softmax_strided(sr, nq, n0 + r, n, out + r * o_rstride, D);
-    for (int q2 = 0; q2 < nq; q2++)
-      for (int64_t j = n0 + r; j < n; j++) sr[q2 * n + j] = 0.f; /* past row r's keys */
-  }
+  softmax_run(scores, R, nq, n0, n, out, o_rstride, D);
   for (int h = 0; h < nkv; h++)
     for (int c0 = 0; c0 < C; c0 += 2) {
       const int two = c0 + 1 < C;
@@ -334,12 +342,7 @@ TARGET512 static inline __attribute__((always_inline)) void attend_avx512_body(
         }
     }
   }
-  for (int r = 0; r < R; r++) {
-    float *sr = scores + (int64_t)r * nq * n;
-    softmax_strided(sr, nq, n0 + r, n, out + r * o_rstride, D);
-    for (int q2 = 0; q2 < nq; q2++)
-      for (int64_t j = n0 + r; j < n; j++) sr[q2 * n + j] = 0.f; /* past row r's keys (and those a group computed) */
-  }
+  softmax_run(scores, R, nq, n0, n, out, o_rstride, D);
   for (int h = 0; h < nkv; h++)
     for (int c0 = 0; c0 < C; c0 += 4) {
       const int nc = C - c0 < 4 ? C - c0 : 4;
