@@ -1,0 +1,38 @@
+/* Each AMX tile operation timed alone, tiles of M rows (amx_micro M): why the AMX variant of the tile
+ * kernel does not pay (see amx_tile.c). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <time.h>
+typedef struct { uint8_t palette, start; uint8_t r[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg_t;
+static double now(){struct timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return t.tv_sec+t.tv_nsec*1e-9;}
+int8_t A[16*64*16] __attribute__((aligned(64))); uint8_t B[64*512] __attribute__((aligned(64))); int32_t C[64][256] __attribute__((aligned(64)));
+#define N 1000000
+__attribute__((target("amx-tile,amx-int8,avx512f"))) int main(int argc,char**argv){
+  if (argc < 2) { fprintf(stderr, "usage: %s ROWS (1..16)\n", argv[0]); return 2; }
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) { fprintf(stderr, "no AMX tile state from the kernel\n"); return 1; }
+  int M = atoi(argv[1]);
+  if (M < 1 || M > 16) { fprintf(stderr, "ROWS must be 1..16\n"); return 2; }
+  cfg_t c; memset(&c,0,sizeof c); c.palette=1;
+  for(int t=0;t<8;t++){c.rows[t]=M; c.colsb[t]=64;} c.colsb[0]=32; c.colsb[4]=32; c.rows[1]=8; c.rows[5]=8;
+  _tile_loadconfig(&c);
+  double t;
+  t=now(); for(int i=0;i<N;i+=2){ _tile_dpbsud(2,0,1); _tile_dpbsud(3,4,5);} t=now()-t; printf("dp only (2 chains): %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=4){ _tile_dpbsud(2,0,1); _tile_dpbsud(3,4,5);_tile_dpbsud(6,0,1); _tile_dpbsud(7,4,5);} t=now()-t; printf("dp only (4 chains): %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(1,B+(i&63)*512,64); _tile_loadd(0,A,64); _tile_dpbsud(2,0,1); _tile_loadd(5,B+((i+1)&63)*512,64); _tile_loadd(4,A,64);_tile_dpbsud(3,4,5);} t=now()-t; printf("load+dp: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(1,B+(i&63)*512,64); _tile_loadd(0,A,64); _tile_zero(2); _tile_dpbsud(2,0,1); _tile_stored(2,C[i&63],64); _tile_loadd(5,B+((i+1)&63)*512,64); _tile_loadd(4,A,64);_tile_zero(3); _tile_dpbsud(3,4,5); _tile_stored(3,C[(i+1)&63],64);} t=now()-t; printf("load+zero+dp+store: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_zero(2); _tile_stored(2,C[i&63],64); _tile_zero(3); _tile_stored(3,C[(i+1)&63],64);} t=now()-t; printf("zero+store: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(1,B+(i&63)*512,64); _tile_loadd(5,B+((i+1)&63)*512,64);} t=now()-t; printf("loadB: %.2f ns/op\n", t/N*1e9);
+  __m512i s=_mm512_setzero_si512();
+  t=now(); for(int i=0;i<N;i++){ _tile_zero(2); _tile_dpbsud(2,0,1); _tile_stored(2,C[i&63],64); for(int m=0;m<M;m++) s=_mm512_add_epi32(s,_mm512_load_si512(C[(i-8)&63]+16*m));} t=now()-t; printf("zero+dp+store+read8back: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i++){ for(int j=0;j<8;j++) _mm512_store_si512(B+(i&63)*512+64*j, s); _tile_loadd(1,B+((i-8)&63)*512,64);} t=now()-t; printf("store8+tileload(8 back): %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_stored(2,C[i&63],64); _tile_stored(3,C[(i+1)&63],64);} t=now()-t; printf("store only: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_zero(2); _tile_zero(3);} t=now()-t; printf("zero only: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(2,C[i&63],64); _tile_dpbsud(2,0,1); _tile_loadd(3,C[(i+1)&63],64); _tile_dpbsud(3,4,5);} t=now()-t; printf("loadC+dp: %.2f ns/op\n", t/N*1e9);
+  _tile_release();
+  printf("(checksum %d)\n", _mm512_reduce_add_epi32(s));
+}

@@ -1,0 +1,167 @@
+/* A probe, not a kernel of the engine (issue #15): the tile kernel's inner product through AMX-INT8
+ * (TDPBSUD) instead of AVX-512 VNNI, on the same packed tiles, timed against lm_qgemm_tiles in one
+ * process and checked bit for bit against it. Built and run by scripts/amx/run.sh.
+ *
+ * Why it is not in the engine: the formats' 32-column scale blocks (Q4_1, Q8_0) make every block's
+ * int32 sums leave the tile unit (TILESTORED) before their scaling; a block of 8 x rows and 16 outputs
+ * is 4,096 multiply-adds, and storing its 8 x 64-byte sums takes about as long as the 64 vpdpbusd that
+ * compute them (the second half of this file times each tile operation). Measured in BENCHMARKS.md
+ * ("VNNI machine, session 32").
+ *
+ * Shape of the AMX variant, per tile of 16 output rows and chunk of CHB sub-blocks: unpack the int4
+ * weights of the chunk into B-tile layout (the packed layout's 64-byte rows already are B rows: 16
+ * outputs x 4 columns), TDPBSUD each sub-block into one of four C tiles in turn (A = x rows, signed;
+ * B = weights, unsigned), store the sums, then the VNNI kernel's float epilogue over them (the same
+ * operations in the same order, so the same bits).
+ */
+#include "../../lmserve/layers/csrc/qtile.c"
+#include <string.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#define TARGETA __attribute__((target("avx512f,avx512bw,avx512vnni,fma,amx-tile,amx-int8")))
+typedef struct { uint8_t palette, start; uint8_t r[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg_t;
+
+/* Linux hands a process the tile state only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) */
+int lm_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+TARGETA static void amx_config(int mc) {
+  tilecfg_t c; memset(&c, 0, sizeof c); c.palette = 1;
+  c.rows[0] = mc; c.colsb[0] = 32;          /* A: x rows, 32 int8 columns */
+  c.rows[1] = 8; c.colsb[1] = 64;           /* B: 32 columns of 16 weight rows, 4 a dword */
+  c.rows[2] = mc; c.colsb[2] = 64; c.rows[3] = mc; c.colsb[3] = 64; /* C: int32 sums, two in flight */
+  c.rows[4] = mc; c.colsb[4] = 32; c.rows[5] = 8; c.colsb[5] = 64; c.rows[6] = mc; c.colsb[6] = 64; c.rows[7] = mc; c.colsb[7] = 64;
+  _tile_loadconfig(&c);
+}
+
+TARGETA INLINE void amx_epi(const int32_t *cb, const int mc, const int BITS, const int32_t *xis, const float *xd,
+                            const float *xfs, int64_t NS, int64_t KB, int64_t s, __m512 ws, const float *mn, int64_t g, __m512 *acc) {
+  _Pragma("GCC unroll 16") for (int m = 0; m < mc; m++) {
+    __m512i ia = _mm512_loadu_si512(cb + 16 * m);
+    if (BITS == 8) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(-128 * xis[m * NS + s]));
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(ws, _mm512_set1_ps(xd[m * KB + s])), acc[m]);
+  }
+  if (mn) {
+    const __m512 wm = _mm512_loadu_ps(mn + g * 16);
+    _Pragma("GCC unroll 16") for (int m = 0; m < mc; m++) acc[m] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xfs[m * NS + s]), acc[m]);
+  }
+}
+
+#define MTA 16
+#define CHB 16 /* sub-blocks a chunk */
+TARGETA INLINE void tile_amx(const int8_t *xq, const float *xd, const int32_t *xis, const float *xfs, const int mc,
+                        int64_t K, const uint8_t *w, const int BITS, const float *sc, const float *mn,
+                        int64_t spg, float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
+  __m512 acc[MTA];
+  _Pragma("GCC unroll 16") for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
+  const int64_t NS = K / 32, KB = K / 32;
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  int32_t cbuf[CHB][MTA * 16] __attribute__((aligned(64)));
+  uint8_t wbuf[CHB][512] __attribute__((aligned(64)));
+  for (int64_t s0 = 0; s0 < NS; s0 += CHB) {
+    const int nb = NS - s0 < CHB ? (int)(NS - s0) : CHB;
+    for (int b = 0; b < nb; b++) {
+      const int64_t k0 = (s0 + b) * 32, g = spg == 1 ? s0 + b : (s0 + b) / spg;
+      const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
+      for (int j = 0; j < (BITS == 8 ? 8 : 4); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
+      if ((s0 + b) % spg == 0) {
+        _mm_prefetch((const char *)(sc + g * 16) + sahead, _MM_HINT_T0);
+        if (mn) _mm_prefetch((const char *)(mn + g * 16) + sahead, _MM_HINT_T0);
+      }
+      if (BITS == 4)
+        for (int j = 0; j < 4; j++) {
+          const __m512i v = _mm512_loadu_si512((const void *)(w + (k0 / 8 + j) * 64));
+          _mm512_store_si512((void *)(wbuf[b] + 128 * j), _mm512_and_si512(v, lo4));
+          _mm512_store_si512((void *)(wbuf[b] + 128 * j + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
+        }
+    }
+    for (int b = 0; b < nb; b++) {
+      const int64_t k0 = (s0 + b) * 32;
+      const void *bp = BITS == 8 ? (const void *)(w + (k0 / 4) * 64) : (const void *)wbuf[b];
+#define AMXSTEP(A, B, C) _tile_loadd(B, bp, 64); _tile_loadd(A, xq + k0, K); _tile_zero(C); _tile_dpbsud(C, A, B); _tile_stored(C, cbuf[b], 64);
+      switch (b & 3) {
+        case 0: AMXSTEP(0, 1, 2) break;
+        case 1: AMXSTEP(4, 5, 3) break;
+        case 2: AMXSTEP(0, 1, 6) break;
+        default: AMXSTEP(4, 5, 7) break;
+      }
+    }
+    for (int b = 0; b < nb; b++) {
+      const int64_t s = s0 + b, g = spg == 1 ? s : s / spg;
+      amx_epi(cbuf[b], mc, BITS, xis, xd, xfs, NS, KB, s, _mm512_loadu_ps(sc + g * 16), mn, g, acc);
+    }
+  }
+  const __mmask16 keep = (__mmask16)(nvalid >= 16 ? 0xFFFF : (1u << nvalid) - 1);
+  _Pragma("GCC unroll 16") for (int m = 0; m < mc; m++) _mm512_mask_storeu_ps(y + m * ldy, keep, acc[m]);
+}
+
+#define TILEA_MC(BITS) switch (mc) { \
+  case 16: tile_amx(xq, xd, xis, xfs, 16, K, w, BITS, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+  case 8: tile_amx(xq, xd, xis, xfs, 8, K, w, BITS, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+  case 4: tile_amx(xq, xd, xis, xfs, 4, K, w, BITS, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+  case 2: tile_amx(xq, xd, xis, xfs, 2, K, w, BITS, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+  default: tile_amx(xq, xd, xis, xfs, mc, K, w, BITS, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; }
+
+TARGETA static void tile_amx_any(const int8_t *xq, const float *xd, const int32_t *xis, const float *xfs, int mc, int64_t K,
+                            const uint8_t *w, int bits, const float *sc, const float *mn, int64_t spg,
+                            float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
+  if (bits == 8) { TILEA_MC(8) } else { TILEA_MC(4) }
+}
+
+/* lm_qgemm_tiles's driver (its loops, copied), with each thread's tile configuration set for its row count
+ * and released at the end; groups of 32 columns or a multiple (the probe's formats: Q4_1, Q8_0) */
+TARGETA void lm_qgemm_tiles_amx(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const float *sc,
+                    const float *mn, int64_t group, float *y, int nthreads, int mta) {
+  const int sb = 32;
+  const int64_t NS = K / sb, G = K / group, T = (N + 15) / 16, spg = group / sb;
+  const int64_t tile_bytes = bits == 8 ? 16 * K : 8 * K;
+  int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+  float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32)));
+  int32_t *xis = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * NS));
+  float *xfs = (float *)malloc(sizeof(float) * (size_t)(M * NS));
+  quant_x_tiles(x, M, K, sb, xq, xd, xis, xfs, nthreads);
+#pragma omp parallel num_threads(nthreads)
+  {
+  int cfg = -1;
+  for (int64_t c0 = 0; c0 < M; c0 += MCH) {
+    const int64_t c1 = M - c0 < MCH ? M : c0 + MCH;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+      const int nvalid = N - t * 16 >= 16 ? 16 : (int)(N - t * 16);
+      for (int64_t m0 = c0; m0 < c1; m0 += mta) {
+        const int mc = c1 - m0 < mta ? (int)(c1 - m0) : mta;
+        if (mc != cfg) { amx_config(mc); cfg = mc; }
+        const int64_t ahead = PF_TILES * tile_bytes, sahead = PF_TILES * G * 16 * (int64_t)sizeof(float);
+        tile_amx_any(xq + m0 * K, xd + m0 * (K / 32), xis + m0 * NS, xfs + m0 * NS, mc, K, wq + t * tile_bytes, bits,
+                     sc + t * G * 16, mn ? mn + t * G * 16 : NULL, spg, y + m0 * N + t * 16, N, nvalid, ahead, sahead);
+      }
+    }
+  }
+  _tile_release();
+  }
+  free(xq); free(xd); free(xis); free(xfs);
+}
+
+#include <time.h>
+static double now(){struct timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return t.tv_sec+t.tv_nsec*1e-9;}
+/* amx_tile N K BITS THREADS REPS [MTA]: a layer of N x K random weights, 1..16 rows of x, best of 5 runs of REPS calls */
+int main(int argc, char**argv){
+  if (argc < 6) { fprintf(stderr, "usage: %s N K BITS THREADS REPS [MTA]\n", argv[0]); return 2; }
+  int64_t N=atoi(argv[1]), K=atoi(argv[2]); int bits=atoi(argv[3]); int nth=atoi(argv[4]); int reps=atoi(argv[5]); int mta=argc>6?atoi(argv[6]):16;
+  if (!lm_amx_init()) { fprintf(stderr, "no AMX tile state from the kernel\n"); return 1; }
+  int64_t tb = bits==8?16*K:8*K; int64_t T=(N+15)/16;
+  uint8_t *w=malloc(T*tb); for(int64_t i=0;i<T*tb;i++) w[i]=rand();
+  int64_t G=K/32; float *sc=malloc(T*G*16*4), *mn=malloc(T*G*16*4);
+  for(int64_t i=0;i<T*G*16;i++){sc[i]=(rand()%1000)/1e5f; mn[i]=-(rand()%1000)/1e4f;}
+  int rows[]={1,2,4,5,8,16};
+  float *x=malloc(16*K*4); for(int64_t i=0;i<16*K;i++) x[i]=(rand()%2001-1000)/300.f;
+  float *y1=malloc(16*N*4), *y2=malloc(16*N*4);
+  for(int ri=0;ri<6;ri++){int M=rows[ri];
+    lm_qgemm_tiles(x,M,K,w,bits,N,sc,bits==4?mn:NULL,32,y1,nth,1);
+    lm_qgemm_tiles_amx(x,M,K,w,bits,N,sc,bits==4?mn:NULL,32,y2,nth,mta);
+    int same = memcmp(y1,y2,M*N*4)==0;
+    double bv=1e9,ba=1e9;
+    for(int r=0;r<5;r++){ double t=now(); for(int i=0;i<reps;i++) lm_qgemm_tiles(x,M,K,w,bits,N,sc,bits==4?mn:NULL,32,y1,nth,1); t=(now()-t)/reps; if(t<bv)bv=t;
+      t=now(); for(int i=0;i<reps;i++) lm_qgemm_tiles_amx(x,M,K,w,bits,N,sc,bits==4?mn:NULL,32,y2,nth,mta); t=(now()-t)/reps; if(t<ba)ba=t;}
+    printf("M=%2d same=%d vnni %7.1f us  amx %7.1f us  ratio %.2f\n",M,same,bv*1e6,ba*1e6,bv/ba);
+  }
+}
