@@ -249,6 +249,53 @@ def test_tile_kernel_short_last_tile_and_every_block_kind(bits, group, with_mins
 
 
 @needs_lib
+@pytest.mark.parametrize("bits, group, with_mins", [(4, 32, True), (4, 16, True), (8, 32, False), (8, 64, True)])
+@pytest.mark.parametrize("isa", INT8_X)
+def test_float16_scales_give_the_float32_scales_bits(bits, group, with_mins, isa):  # type: ignore[no-untyped-def]
+    """Scales and mins that are all float16 values (a GGUF file's block scales) are stored as float16
+    (fewer bytes a weight for the memory-bound one-row step) and widen to the same float32 values: the
+    outputs equal, bit for bit, those of the same tiles packed with float32 scales, at every row count,
+    and the float64 oracle. Scales that are not all float16 values stay float32; asking for float16
+    then is refused."""
+    if isa not in runnable():
+        pytest.skip(f"this CPU has no {isa}")
+    g = torch.Generator().manual_seed(7)
+    n, k = 197, 256
+    values = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else torch.randint(-127, 128, (n, k), generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-5).half().float()  # float16 values, subnormal ones too
+    scales[0, 0] = 2.0 ** -24  # the smallest float16 subnormal
+    mins = ((torch.rand(n, k // group, generator=g) - 0.5) * 0.1).half().float() if with_mins else None
+    half = cpu_native.pack_tiles(values, bits, scales, mins, group)
+    full = cpu_native.pack_tiles(values, bits, scales, mins, group, half=False)
+    assert half.half and half.scales.dtype == torch.float16 and (mins is None or half.mins.dtype == torch.float16)
+    assert not full.half and full.scales.dtype == torch.float32
+    W = (values.double().view(n, -1, group) * scales.double()[..., None]
+         + (0 if mins is None else mins.double()[..., None])).view(n, k)
+    for m in (1, 2, 8, 9, 70):  # 70: past a 64-row chunk
+        x = torch.randn(m, k, generator=g)
+        y = cpu_native.qgemm_tiles(x, half, isa_name=isa)  # (m, n)
+        assert torch.equal(y, cpu_native.qgemm_tiles(x, full, isa_name=isa)), (m, isa)
+        want = x_blocks_dequantized(x) @ W.T
+        assert (y.double() - want).abs().max() <= 2e-5 * want.abs().max(), (m, isa)
+    off = scales.clone()
+    off[3, 1] += 1e-7  # not a float16 value
+    assert not cpu_native.pack_tiles(values, bits, off, mins, group).half
+    with pytest.raises(ValueError, match="float16"):
+        cpu_native.pack_tiles(values, bits, off, mins, group, half=True)
+
+
+def test_gguf_block_scales_are_packed_as_float16():  # type: ignore[no-untyped-def]
+    """The default model's linears (its GGUF's Q4_1 / Q8_0 blocks) all take float16 scales in the tiles."""
+    if not cpu_native.available() or not cpu_native.int8_x():
+        pytest.skip("no tile kernel on this CPU")
+    from lmserve import LLM
+    from lmserve.layers.quant import GroupQuantLinear
+    model = LLM(max_model_len=64, kv_cache_memory="16MiB").engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, GroupQuantLinear) and m.tiled()]
+    assert len(layers) == 121 and all(m.tiles().half for m in layers)
+
+
+@needs_lib
 @pytest.mark.parametrize("isa", INT8_X)
 def test_tile_kernel_non_finite_and_tiny_activations(isa):  # type: ignore[no-untyped-def]
     """x with a NaN or an infinity in a 32-column block gives NaN rows (quantized to int8 they became

@@ -89,7 +89,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.lm_permute_x4.argtypes = [p, i64, i64, p]
     lib.lm_isa.argtypes = [i32]
     lib.lm_isa.restype = i32
-    lib.lm_qgemm_tiles.argtypes = [p, i64, i64, p, i32, i64, p, p, i64, p, i32, i32]
+    lib.lm_qgemm_tiles.argtypes = [p, i64, i64, p, i32, i64, p, p, i32, i64, p, i32, i32]
     lib.lm_qgemm_tiles.restype = None
     lib.lm_has_vnni.restype = i32
     lib.lm_has_avx2.restype = i32
@@ -193,7 +193,8 @@ def tiles_fit(bits: int, in_features: int, group_size: int) -> bool:
 class Tiles(NamedTuple):
     """A quantized weight [n, k] repacked for the tile kernel (csrc/qtile.c): q uint8 [n16 / 16,
     k / 4, 16, 4] (int8, stored + 128) or [n16 / 16, k / 8, 16, 4] (int4, two columns a byte); scales,
-    mins float32 [n16 / 16, k / group, 16]; n16: n rounded up to 16 (padding rows are zero). avx2_ok:
+    mins [n16 / 16, k / group, 16], float16 where every value of both is one exactly (half: a GGUF
+    file's block scales, AWQ's), else float32; n16: n rounded up to 16 (padding rows are zero). avx2_ok:
     the AVX2 variant multiplies it exactly (int4, or int8 without a -128)."""
 
     q: torch.Tensor
@@ -204,6 +205,7 @@ class Tiles(NamedTuple):
     k: int
     group: int
     avx2_ok: bool
+    half: bool = False
 
 
 def avx2_exact(values: torch.Tensor, bits: int) -> bool:
@@ -213,9 +215,10 @@ def avx2_exact(values: torch.Tensor, bits: int) -> bool:
 
 
 def pack_tiles(values: torch.Tensor, bits: int, scales: torch.Tensor, mins: torch.Tensor | None,
-               group_size: int) -> Tiles:
+               group_size: int, half: bool | None = None) -> Tiles:
     """Integer values [n, k] (int8 in -128..127, or 0..15 for bits 4), scales / mins float [n, k / group]
-    -> the tile layout (see Tiles)."""
+    -> the tile layout (see Tiles). half: scales and mins stored as float16 (None: where that is exact;
+    True where it is not raises)."""
     n, k = values.shape
     if not tiles_fit(bits, k, group_size):
         raise ValueError(f"the tile kernel takes in_features % 32 == 0 and groups of 16 or 32s, not {k} / {group_size}")
@@ -231,8 +234,19 @@ def pack_tiles(values: torch.Tensor, bits: int, scales: torch.Tensor, mins: torc
     def per_tile(a: torch.Tensor) -> torch.Tensor:  # (n, G) -> (T, G, 16)
         return F.pad(a.float(), (0, 0, 0, pad)).view(t, 16, -1).transpose(1, 2).contiguous()
 
-    return Tiles(u.contiguous(), per_tile(scales), None if mins is None else per_tile(mins), bits, n, k, group_size,
-                 avx2_exact(values, bits))
+    sc, mn = per_tile(scales), None if mins is None else per_tile(mins)
+    exact = all(halves_exactly(a) for a in (sc, mn) if a is not None)
+    if half and not exact:
+        raise ValueError("half: these scales or mins are not all float16 values")
+    if exact if half is None else half:  # a fifth fewer bytes a weight for int4 + mins (csrc/qtile.c)
+        sc, mn = sc.half(), None if mn is None else mn.half()
+    return Tiles(u.contiguous(), sc, mn, bits, n, k, group_size, avx2_exact(values, bits), sc.dtype == torch.float16)
+
+
+def halves_exactly(a: torch.Tensor) -> bool:
+    """Every value of a float32 tensor is a float16 one (NaN included): stored as float16, widened back the same."""
+    b = a.half().float()
+    return bool(((b == a) | (b.isnan() & a.isnan())).all())
 
 
 def qgemm_tiles(x: torch.Tensor, w: Tiles, out: torch.Tensor | None = None, isa_name: str | None = None
@@ -248,8 +262,8 @@ def qgemm_tiles(x: torch.Tensor, w: Tiles, out: torch.Tensor | None = None, isa_
     xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()  # (M, k)
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32) if out is None else out  # (M, n)
     lib().lm_qgemm_tiles(xf.data_ptr(), xf.shape[0], w.k, w.q.data_ptr(), w.bits, w.n, w.scales.data_ptr(),
-                         None if w.mins is None else w.mins.data_ptr(), w.group, y.data_ptr(), torch.get_num_threads(),
-                         int(level == 4))
+                         None if w.mins is None else w.mins.data_ptr(), int(w.half), w.group, y.data_ptr(),
+                         torch.get_num_threads(), int(level == 4))
     return y
 
 

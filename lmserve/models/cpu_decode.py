@@ -30,6 +30,9 @@ from lmserve.layers.quant import GroupQuantLinear, Int8Linear
 from lmserve.utils import tensor_version
 
 
+LIN_ROW = 8  # int64s in a TileLinear.row (decode.c's LIN_ROW)
+
+
 class TileLinear:
     """One quantized linear as the tile kernel takes it (its repacked weight): pointers read once."""
 
@@ -37,15 +40,18 @@ class TileLinear:
         self.layer = layer
         self.tiles = t = layer.tiles()  # kept alive here
         self.n, self.k = t.n, t.k
-        # (tiles, bits, n, k, scales, mins or 0 (NULL), group): the tile kernel's arguments, as decode.c reads a linear
+        # (tiles, bits, n, k, scales, mins or 0 (NULL), group, half): the tile kernel's arguments, as decode.c reads
+        # a linear (half: scales and mins float16)
         self.row = [t.q.data_ptr(), t.bits, t.n, t.k, t.scales.data_ptr(), 0 if t.mins is None else t.mins.data_ptr(),
-                    t.group]
+                    t.group, int(t.half)]
+        assert len(self.row) == LIN_ROW
         self.vnni = int(cpu_native.tile_vnni())  # the kernel's variant (layer.tiled() said this one takes it)
 
     def __call__(self, lib: Any, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
         """y (B, N) = x (B, K) @ W.T, both float32 contiguous."""
-        q, bits, n, k, sc, mn, group = self.row
-        lib.lm_qgemm_tiles(x.data_ptr(), x.shape[0], k, q, bits, n, sc, mn, group, y.data_ptr(), threads, self.vnni)
+        q, bits, n, k, sc, mn, group, half = self.row
+        lib.lm_qgemm_tiles(x.data_ptr(), x.shape[0], k, q, bits, n, sc, mn, half, group, y.data_ptr(), threads,
+                           self.vnni)
 
 
 def weights_key(items: Any) -> tuple[tuple[int, int], ...]:
@@ -79,13 +85,13 @@ class CpuDecodePlan:
                        for entry in self.layers for t in entry if isinstance(t, (torch.Tensor, TileLinear))]
 
     def layer_arrays(self) -> tuple[torch.Tensor, ...] | None:
-        """The per-layer pointers decode.c's lm_llama_layers takes (linears [L, 4, 7], norms [L, 2],
+        """The per-layer pointers decode.c's lm_llama_layers takes (linears [L, 4, 8], norms [L, 2],
         scales [L], windows [L]), or None where the loop stays in Python: tensor parallel (an all-reduce
         between kernels)."""
         if self.reduce is not None:
             return None
         lin = torch.tensor([[*qkv.row, *o.row, *gu.row, *down.row] for _, qkv, o, _, gu, down, _, _ in self.layers],
-                           dtype=torch.int64)  # (L, 28)
+                           dtype=torch.int64)  # (L, 32)
         norms = torch.tensor([[w_in.data_ptr(), w_post.data_ptr()] for w_in, _, _, w_post, *_ in self.layers],
                              dtype=torch.int64)  # (L, 2)
         scales = torch.tensor([entry[6] for entry in self.layers], dtype=torch.float32)  # (L,)
@@ -227,7 +233,7 @@ class CpuDecodePlan:
         """A step's buffers for decode.c: res, hbuf, tmp, out (and `extra` more) (B, hidden); qkv
         (B, (H + 2 Hkv) d); att (B, H d); gate_up (B, 2I); act (B, I)."""
         lin = self.native[0]  # type: ignore[index]
-        inter = int(lin[0, 14 + 2]) // 2  # gate_up's n / 2
+        inter = int(lin[0, 2 * LIN_ROW + 2]) // 2  # gate_up's n / 2 (the third linear's n)
         hidden = [torch.empty(b, self.hidden) for _ in range(4 + extra)]
         return [*hidden, torch.empty(b, (self.h + 2 * self.hkv) * self.d), torch.empty(b, self.h * self.d),
                 torch.empty(b, 2 * inter), torch.empty(b, inter)]
@@ -262,7 +268,7 @@ class GemmaDecodePlan(CpuDecodePlan):
     window and a rotary table per layer; the same kernels as its module path, in its order."""
 
     def layer_arrays(self) -> tuple[torch.Tensor, ...] | None:
-        """decode.c's lm_gemma_layers' per-layer pointers: linears [L, 4, 7], norms [L, 6] (input, q, k,
+        """decode.c's lm_gemma_layers' per-layer pointers: linears [L, 4, 8], norms [L, 6] (input, q, k,
         post-attention, pre- and post-feedforward), scales [L], windows [L]; None under tensor
         parallelism."""
         if self.reduce is not None:

@@ -145,7 +145,7 @@ class NativeHead:
         self.fc_bias = head.fc.bias.detach().float().contiguous()  # (H,)
         self.vs = lin["readout"].n
         self.lin = torch.tensor([[*lin["qkv"].row, *lin["o"].row, *lin["gate_up"].row, *lin["down"].row]],
-                                dtype=torch.int64)  # (1, 28): lm_llama_layers' one layer
+                                dtype=torch.int64)  # (1, 32): lm_llama_layers' one layer
         self.w_in = head.input_layernorm.detach().float().contiguous()
         self.w_post = head.post_attention_layernorm.detach().float().contiguous()
         self.norms = torch.tensor([[self.w_in.data_ptr(), self.w_post.data_ptr()]], dtype=torch.int64)  # (1, 2)

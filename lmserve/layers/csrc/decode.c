@@ -6,7 +6,7 @@
  * batch-1 step on two cores.
  *
  * Per layer i (arrays of int64 holding pointers, as Python reads them once):
- *   lin     [L, 4, 7]  qkv, o, gate_up, down: (tiles, bits, n, k, scales, mins or 0, group), the tile kernel's
+ *   lin     [L, 4, 8]  qkv, o, gate_up, down: (tiles, bits, n, k, scales, mins or 0, group, half), the tile kernel's
  *   norms   [L, 2]     input and post-attention RMSNorm weights
  *   scales  [L] float  attention scale;  windows [L]: sliding window (0: none)
  *   cache   [L, 4]     K and V halves of the layer's cache, and their scales (an int8 cache; else 0);
@@ -25,8 +25,8 @@ void lm_add_rmsnorm(const float *x, int64_t sx, const float *res, int64_t sr, co
                     int64_t d, float *out, float *new_res, int nthreads);
 void lm_silu_and_mul(const float *gu, int64_t n, int64_t i, float *out, int nthreads);
 void lm_rotary(float *x, int64_t n, int64_t h, int64_t d, int64_t sn, int64_t sh, const float *cos_, const float *sin_);
-void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const float *sc,
-                    const float *mn, int64_t group, float *y, int nthreads, int vnni);
+void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const void *sc,
+                    const void *mn, int half, int64_t group, float *y, int nthreads, int vnni);
 void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_scale, float *v_scale,
                           const int64_t *tables, int64_t T, const int64_t *lens, int64_t B, int H, int Hkv, int D,
                           int64_t block_size, float scale, int64_t window, float *out, int use_simd, int nthreads,
@@ -34,11 +34,12 @@ void lm_paged_decode_attn(const float *q, void *k, void *v, int kind, float *k_s
                           int64_t new_stride);
 
 #define P(v) ((void *)(intptr_t)(v))
+#define LIN_ROW 8 /* int64s a linear's row of `lin` */
 
 /* y (B, n) = x (B, k) @ W.T for one linear's row l of `lin` */
 static void linear(const int64_t *l, const float *x, int64_t b, float *y, int nthreads, int vnni) {
-  lm_qgemm_tiles(x, b, l[3], (const uint8_t *)P(l[0]), (int)l[1], l[2], (const float *)P(l[4]), (const float *)P(l[5]),
-                 l[6], y, nthreads, vnni);
+  lm_qgemm_tiles(x, b, l[3], (const uint8_t *)P(l[0]), (int)l[1], l[2], P(l[4]), P(l[5]), (int)l[7], l[6], y, nthreads,
+                 vnni);
 }
 
 /* the LoRA deltas of linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer i for each of the step's G adapter
@@ -83,21 +84,21 @@ void lm_llama_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
                      float *out, const int64_t *lora, int64_t G, const int64_t *row_group) {
   const int64_t width = (int64_t)(h + 2 * hkv) * d;
   for (int64_t i = 0; i < L; i++) {
-    const int64_t *li = lin + i * 28, *r = rows + i * 4;
+    const int64_t *li = lin + i * 4 * LIN_ROW, *r = rows + i * 4;
     const float *w_in = (const float *)P(norms[2 * i]), *w_post = (const float *)P(norms[2 * i + 1]);
     block_input(i, x, out, res, w_in, eps, b, hd, hbuf, nthreads);
     linear(li, hbuf, b, qkv, nthreads, vnni);
     lora_deltas(lora, G, L, row_group, i, 0, hbuf, b, hd, qkv, width, nthreads);
     lm_rotary(qkv, b, h + hkv, d, width, d, cos_, sin_); /* q and k heads */
     attend(qkv, cache + 4 * i, r, kv_kind, b, h, hkv, d, block_size, scales[i], windows[i], att, simd, nthreads);
-    linear(li + 7, att, b, tmp, nthreads, vnni);
+    linear(li + LIN_ROW, att, b, tmp, nthreads, vnni);
     lora_deltas(lora, G, L, row_group, i, 1, att, b, (int64_t)h * d, tmp, hd, nthreads);
     lm_add_rmsnorm(tmp, hd, res, hd, w_post, eps, b, hd, hbuf, res, nthreads);
-    const int64_t gu = li[14 + 2]; /* gate_up's n = 2 I */
-    linear(li + 14, hbuf, b, gate_up, nthreads, vnni);
+    const int64_t gu = li[2 * LIN_ROW + 2]; /* gate_up's n = 2 I */
+    linear(li + 2 * LIN_ROW, hbuf, b, gate_up, nthreads, vnni);
     lora_deltas(lora, G, L, row_group, i, 2, hbuf, b, hd, gate_up, gu, nthreads);
     lm_silu_and_mul(gate_up, b, gu / 2, act, nthreads);
-    linear(li + 21, act, b, out, nthreads, vnni);
+    linear(li + 3 * LIN_ROW, act, b, out, nthreads, vnni);
     lora_deltas(lora, G, L, row_group, i, 3, act, b, gu / 2, out, hd, nthreads);
   }
 }
@@ -117,7 +118,7 @@ void lm_gemma_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
                      float *gate_up, float *act, float *out, const int64_t *lora, int64_t G, const int64_t *row_group) {
   const int64_t width = (int64_t)(h + 2 * hkv) * d;
   for (int64_t i = 0; i < L; i++) {
-    const int64_t *li = lin + i * 28, *r = rows + i * 4, *nw = norms + i * 6;
+    const int64_t *li = lin + i * 4 * LIN_ROW, *r = rows + i * 4, *nw = norms + i * 6;
     const float *w_in = (const float *)P(nw[0]), *w_q = (const float *)P(nw[1]), *w_k = (const float *)P(nw[2]);
     const float *w_post_attn = (const float *)P(nw[3]), *w_pre_ff = (const float *)P(nw[4]);
     const float *w_post_ff = (const float *)P(nw[5]);
@@ -131,15 +132,15 @@ void lm_gemma_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
     }
     lm_rotary(qkv, b, h + hkv, d, width, d, (const float *)P(rope[2 * i]), (const float *)P(rope[2 * i + 1]));
     attend(qkv, cache + 4 * i, r, kv_kind, b, h, hkv, d, block_size, scales[i], windows[i], att, simd, nthreads);
-    linear(li + 7, att, b, tmp, nthreads, vnni);
+    linear(li + LIN_ROW, att, b, tmp, nthreads, vnni);
     lora_deltas(lora, G, L, row_group, i, 1, att, b, (int64_t)h * d, tmp, hd, nthreads);
     lm_add_rmsnorm(tmp, hd, NULL, 0, w_post_attn, eps, b, hd, normed, NULL, nthreads); /* the attention block's output norm */
     lm_add_rmsnorm(normed, hd, res, hd, w_pre_ff, eps, b, hd, hbuf, res, nthreads);
-    const int64_t gu = li[14 + 2];
-    linear(li + 14, hbuf, b, gate_up, nthreads, vnni);
+    const int64_t gu = li[2 * LIN_ROW + 2];
+    linear(li + 2 * LIN_ROW, hbuf, b, gate_up, nthreads, vnni);
     lora_deltas(lora, G, L, row_group, i, 2, hbuf, b, hd, gate_up, gu, nthreads);
     lm_gelu_tanh_and_mul(gate_up, b, gu / 2, act, nthreads);
-    linear(li + 21, act, b, tmp, nthreads, vnni);
+    linear(li + 3 * LIN_ROW, act, b, tmp, nthreads, vnni);
     lora_deltas(lora, G, L, row_group, i, 3, act, b, gu / 2, tmp, hd, nthreads);
     lm_add_rmsnorm(tmp, hd, NULL, 0, w_post_ff, eps, b, hd, out, NULL, nthreads); /* the MLP block's output, normed */
   }
@@ -149,7 +150,7 @@ void lm_gemma_layers(int64_t L, const int64_t *lin, const int64_t *norms, const 
  * The EAGLE head (spec/eagle_native.py): fc([feature ; embedding]) + one Llama layer (lm_llama_layers with
  * L = 1) + the read-out, its KV entries in a paged pool of its own (K, V [S, Hkv, d] float32, blocks of
  * block_size slots, a block table per sequence), so that a draft costs its kernels and no Python.
- * Shared arguments: hd hidden size; fc the fc linear's row of 7 (2 hd -> hd) and its bias (hd,) float32;
+ * Shared arguments: hd hidden size; fc the fc linear's row of 8 (2 hd -> hd) and its bias (hd,) float32;
  * cos_tab, sin_tab [P, d] the head's rotary tables. */
 
 /* y (n, hd) = fc([feats ; embeds]) + bias, through xin (n, 2 hd) */

@@ -16,7 +16,9 @@
  *         128 * sum(x) this adds is subtracted by starting each sum at -128 * sum(xq) of the sub-block)
  *   int4: uint8 [N / 16, K / 8, 16, 4]   byte b of row i: column 8j + b in the low nibble, 8j + 4 + b
  *         in the high one (one 64-byte load gives two vpdpbusd operands: & 15, and >> 4 & 15)
- *   scales, mins: float32 [N / 16, G, 16]
+ *   scales, mins: [N / 16, G, 16], float32, or float16 (IEEE binary16) where every value is one exactly
+ *         (half = 1: a GGUF file's own block scales are; a fifth fewer bytes a weight for int4 + mins,
+ *         a ninth for int8; the same float32 values once widened, so the same outputs bit for bit)
  * Shape rules: K % 32 == 0; group == 16 or a multiple of 32 dividing K.
  * Threads: OpenMP over tiles of 16 output rows, x rows 8 at a time inside a tile (4 in the AVX2
  * variant; the tile's bytes stay in L1 for the next pass), and x in chunks of 64 rows (they stay in L2) for long inputs.
@@ -43,14 +45,14 @@
 #define PF_TILES 2 /* software prefetch distance, in tiles */
 #endif
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
-#define TARGET2 __attribute__((target("avx2,fma")))
+#define TARGET2 __attribute__((target("avx2,fma,f16c")))
 #define MT2 4 /* x rows per pass over a tile in the AVX2 variant (measured against 2, 6 and 8 on a Zen 3:
                  best or tied; the accumulators and a block's operands mostly stay in the 16 ymm) */
 #define INLINE static inline __attribute__((always_inline))
 
 int lm_has_avx2(void) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 int lm_has_vnni(void) {
@@ -115,11 +117,17 @@ TARGET static void quant_x_tiles(const float *x, int64_t M, int64_t K, int sb, i
   }
 }
 
+/* 16 scales (or mins) from element i of a float32 or float16 (half) array, as float32 */
+TARGET INLINE __m512 scales16(const void *p, int64_t i, int half) {
+  return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+              : _mm512_loadu_ps((const float *)p + i);
+}
+
 /* One tile (16 output rows) against mc rows of x: out[m, 0..nvalid) for m < mc. BITS, SB, mc fixed
  * at compile time (the accumulators stay in registers). */
 TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, const float *xfs, const int mc,
-                        int64_t K, const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn,
-                        int64_t spg, float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
+                        int64_t K, const uint8_t *w, const int BITS, const int SB, const void *sc, const void *mn,
+                        const int half, int64_t spg, float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
   __m512 acc[MT];
   _Pragma("GCC unroll 8") for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
   const int64_t NS = K / SB, KB = K / 32;
@@ -131,8 +139,8 @@ TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, c
       const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
       for (int j = 0; j < (BITS == 8 ? SB / 4 : SB / 8); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
       if (s % spg == 0) {
-        _mm_prefetch((const char *)(sc + g * 16) + sahead, _MM_HINT_T0);
-        if (mn) _mm_prefetch((const char *)(mn + g * 16) + sahead, _MM_HINT_T0);
+        _mm_prefetch((const char *)sc + g * 16 * (half ? 2 : 4) + sahead, _MM_HINT_T0);
+        if (mn) _mm_prefetch((const char *)mn + g * 16 * (half ? 2 : 4) + sahead, _MM_HINT_T0);
       }
     }
     __m512i wv[8]; /* operand j < SB / 4: columns k0 + 4j .. k0 + 4j + 3 of the 16 rows (a fixed size: a VLA was
@@ -146,7 +154,7 @@ TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, c
         wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
       }
     }
-    const __m512 ws = _mm512_loadu_ps(sc + g * 16);
+    const __m512 ws = scales16(sc, g * 16, half);
     /* the rows' int32 sums side by side, operand j of every row before operand j + 1 of any: a row's
        sum is still a chain of SB / 4 dependent vpdpbusd (5 cycles each), but consecutive instructions
        are other rows', so the chains overlap; the same exact int32 sums. With the loops over rows
@@ -163,7 +171,7 @@ TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, c
     _Pragma("GCC unroll 8") for (int m = 0; m < mc; m++)
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m]), _mm512_mul_ps(ws, _mm512_set1_ps(xd[m * KB + k0 / 32])), acc[m]);
     if (mn) {
-      const __m512 wm = _mm512_loadu_ps(mn + g * 16);
+      const __m512 wm = scales16(mn, g * 16, half);
       _Pragma("GCC unroll 8") for (int m = 0; m < mc; m++) acc[m] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xfs[m * NS + s]), acc[m]);
     }
   }
@@ -173,18 +181,18 @@ TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, c
 
 #define TILE_MC(BITS, SB)                                                                               \
   switch (mc) {                                                                                         \
-    case 8: tile(xq, xd, xis, xfs, 8, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
-    case 7: tile(xq, xd, xis, xfs, 7, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
-    case 6: tile(xq, xd, xis, xfs, 6, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
-    case 5: tile(xq, xd, xis, xfs, 5, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
-    case 4: tile(xq, xd, xis, xfs, 4, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
-    case 3: tile(xq, xd, xis, xfs, 3, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
-    case 2: tile(xq, xd, xis, xfs, 2, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;              \
-    default: tile(xq, xd, xis, xfs, 1, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break;             \
+    case 8: tile(xq, xd, xis, xfs, 8, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 7: tile(xq, xd, xis, xfs, 7, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 6: tile(xq, xd, xis, xfs, 6, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 5: tile(xq, xd, xis, xfs, 5, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 4: tile(xq, xd, xis, xfs, 4, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 3: tile(xq, xd, xis, xfs, 3, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    case 2: tile(xq, xd, xis, xfs, 2, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break;              \
+    default: tile(xq, xd, xis, xfs, 1, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break;             \
   }
 
 TARGET static void tile_any(const int8_t *xq, const float *xd, const int32_t *xis, const float *xfs, int mc, int64_t K,
-                            const uint8_t *w, int bits, int sb, const float *sc, const float *mn, int64_t spg,
+                            const uint8_t *w, int bits, int sb, const void *sc, const void *mn, int half, int64_t spg,
                             float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
   if (bits == 8 && sb == 32) { TILE_MC(8, 32) }
   else if (bits == 8) { TILE_MC(8, 16) }
@@ -242,11 +250,17 @@ TARGET2 static void quant_x_tiles2(const float *x, int64_t M, int64_t K, int sb,
   }
 }
 
+/* 8 scales (or mins) from element i of a float32 or float16 (half) array, as float32 */
+TARGET2 INLINE __m256 scales8(const void *p, int64_t i, int half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
+}
+
 /* tile() for AVX2, one half: output rows 8h .. 8h + 7 of the tile against mc <= MT2 rows of x (half 0
  * prefetches ahead; half 1 finds the tile's lines in L1). A half at a time keeps the accumulators and
  * a sub-block's weight operands in the 16 ymm registers. */
 TARGET2 INLINE void tile2h(const int8_t *xq, const float *xd, const float *xfs, const int mc, int64_t K,
-                           const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn, int64_t spg,
+                           const uint8_t *w, const int BITS, const int SB, const void *sc, const void *mn, const int half,
+                           int64_t spg,
                            float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead, const int h) {
   __m256 acc[MT2];
   for (int m = 0; m < mc; m++) acc[m] = _mm256_setzero_ps();
@@ -258,8 +272,8 @@ TARGET2 INLINE void tile2h(const int8_t *xq, const float *xd, const float *xfs, 
       const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
       for (int j = 0; j < (BITS == 8 ? SB / 4 : SB / 8); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
       if (s % spg == 0) {
-        _mm_prefetch((const char *)(sc + g * 16) + sahead, _MM_HINT_T0);
-        if (mn) _mm_prefetch((const char *)(mn + g * 16) + sahead, _MM_HINT_T0);
+        _mm_prefetch((const char *)sc + g * 16 * (half ? 2 : 4) + sahead, _MM_HINT_T0);
+        if (mn) _mm_prefetch((const char *)mn + g * 16 * (half ? 2 : 4) + sahead, _MM_HINT_T0);
       }
     }
     __m256i wv[8]; /* operand j < SB / 4: columns k0 + 4j .. k0 + 4j + 3 of rows 8h .. 8h + 7 (a fixed size: no alloca) */
@@ -273,7 +287,7 @@ TARGET2 INLINE void tile2h(const int8_t *xq, const float *xd, const float *xfs, 
         wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
       }
     }
-    const __m256 ws = _mm256_loadu_ps(sc + g * 16 + 8 * h);
+    const __m256 ws = scales8(sc, g * 16 + 8 * h, half);
     for (int m = 0; m < mc; m++) {
       const int32_t *xr = (const int32_t *)(xq + m * K + k0);
       __m256i ia;
@@ -292,7 +306,7 @@ TARGET2 INLINE void tile2h(const int8_t *xq, const float *xd, const float *xfs, 
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(ws, _mm256_set1_ps(xd[m * KB + k0 / 32])), acc[m]);
     }
     if (mn) {
-      const __m256 wm = _mm256_loadu_ps(mn + g * 16 + 8 * h);
+      const __m256 wm = scales8(mn, g * 16 + 8 * h, half);
       for (int m = 0; m < mc; m++) acc[m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xfs[m * NS + s]), acc[m]);
     }
   }
@@ -306,22 +320,23 @@ TARGET2 INLINE void tile2h(const int8_t *xq, const float *xd, const float *xfs, 
 }
 
 TARGET2 INLINE void tile2(const int8_t *xq, const float *xd, const float *xfs, const int mc, int64_t K,
-                          const uint8_t *w, const int BITS, const int SB, const float *sc, const float *mn, int64_t spg,
+                          const uint8_t *w, const int BITS, const int SB, const void *sc, const void *mn, const int half,
+                          int64_t spg,
                           float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
-  tile2h(xq, xd, xfs, mc, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead, 0);
-  if (nvalid > 8) tile2h(xq, xd, xfs, mc, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead, 1);
+  tile2h(xq, xd, xfs, mc, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead, 0);
+  if (nvalid > 8) tile2h(xq, xd, xfs, mc, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead, 1);
 }
 
 #define TILE2_MC(BITS, SB)                                                                          \
   switch (mc) {                                                                                     \
-    case 4: tile2(xq, xd, xfs, 4, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
-    case 3: tile2(xq, xd, xfs, 3, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
-    case 2: tile2(xq, xd, xfs, 2, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
-    default: tile2(xq, xd, xfs, 1, K, w, BITS, SB, sc, mn, spg, y, ldy, nvalid, ahead, sahead); break; \
+    case 4: tile2(xq, xd, xfs, 4, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break; \
+    case 3: tile2(xq, xd, xfs, 3, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break; \
+    case 2: tile2(xq, xd, xfs, 2, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break; \
+    default: tile2(xq, xd, xfs, 1, K, w, BITS, SB, sc, mn, half, spg, y, ldy, nvalid, ahead, sahead); break; \
   }
 
 TARGET2 static void tile2_any(const int8_t *xq, const float *xd, const float *xfs, int mc, int64_t K, const uint8_t *w,
-                              int bits, int sb, const float *sc, const float *mn, int64_t spg, float *y, int64_t ldy,
+                              int bits, int sb, const void *sc, const void *mn, int half, int64_t spg, float *y, int64_t ldy,
                               int nvalid, int64_t ahead, int64_t sahead) {
   if (bits == 8 && sb == 32) { TILE2_MC(8, 32) }
   else if (bits == 8) { TILE2_MC(8, 16) }
@@ -329,14 +344,14 @@ TARGET2 static void tile2_any(const int8_t *xq, const float *xd, const float *xf
   else { TILE2_MC(4, 16) }
 }
 
-/* y [M, N] = x [M, K] @ W^T with W packed as above (wq: the tiles, sc / mn: [N / 16, G, 16], mn may be
- * NULL). vnni 1: the AVX-512 VNNI kernel (needs lm_has_vnni()); 0: the AVX2 one (needs lm_has_avx2(),
- * and int8 weights in -127..127). */
-void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const float *sc,
-                    const float *mn, int64_t group, float *y, int nthreads, int vnni) {
+/* y [M, N] = x [M, K] @ W^T with W packed as above (wq: the tiles, sc / mn: [N / 16, G, 16], float32, or
+ * float16 with half = 1; mn may be NULL). vnni 1: the AVX-512 VNNI kernel (needs lm_has_vnni()); 0: the
+ * AVX2 one (needs lm_has_avx2(), and int8 weights in -127..127). */
+void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const void *sc,
+                    const void *mn, int half, int64_t group, float *y, int nthreads, int vnni) {
   const int sb = group == 16 ? 16 : 32;
   const int64_t NS = K / sb, G = K / group, T = (N + 15) / 16, spg = group / sb;
-  const int64_t tile_bytes = bits == 8 ? 16 * K : 8 * K;
+  const int64_t tile_bytes = bits == 8 ? 16 * K : 8 * K, scale_bytes = G * 16 * (half ? 2 : 4); /* a tile's */
   int8_t *xq = (int8_t *)malloc((size_t)(M * K));
   float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32)));
   int32_t *xis = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * NS));
@@ -356,13 +371,15 @@ void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int
       const int nvalid = N - t * 16 >= 16 ? 16 : (int)(N - t * 16);
       for (int64_t m0 = c0; m0 < c1; m0 += mt) {
         const int mc = c1 - m0 < mt ? (int)(c1 - m0) : mt;
-        const int64_t ahead = PF_TILES * tile_bytes, sahead = PF_TILES * G * 16 * (int64_t)sizeof(float);
+        const int64_t ahead = PF_TILES * tile_bytes, sahead = PF_TILES * scale_bytes;
         if (vnni)
           tile_any(xq + m0 * K, xd + m0 * (K / 32), xis + m0 * NS, xfs + m0 * NS, mc, K, wq + t * tile_bytes, bits, sb,
-                   sc + t * G * 16, mn ? mn + t * G * 16 : NULL, spg, y + m0 * N + t * 16, N, nvalid, ahead, sahead);
+                   (const char *)sc + t * scale_bytes, mn ? (const char *)mn + t * scale_bytes : NULL, half, spg,
+                   y + m0 * N + t * 16, N, nvalid, ahead, sahead);
         else
           tile2_any(xq + m0 * K, xd + m0 * (K / 32), xfs + m0 * NS, mc, K, wq + t * tile_bytes, bits, sb,
-                    sc + t * G * 16, mn ? mn + t * G * 16 : NULL, spg, y + m0 * N + t * 16, N, nvalid, ahead, sahead);
+                    (const char *)sc + t * scale_bytes, mn ? (const char *)mn + t * scale_bytes : NULL, half, spg,
+                    y + m0 * N + t * 16, N, nvalid, ahead, sahead);
       }
     }
   }

@@ -1,6 +1,6 @@
 /* A probe, not a kernel of the engine (issue #15): the tile kernel's inner product through AMX-INT8
  * (TDPBSUD) instead of AVX-512 VNNI, on the same packed tiles, timed against lm_qgemm_tiles in one
- * process and checked bit for bit against it. Built and run by scripts/amx/run.sh.
+ * process and checked bit for bit against it. Built and run by scripts/cpu_probes/run.sh (part amx).
  *
  * Why it is not in the engine: the formats' 32-column scale blocks (Q4_1, Q8_0) make every block's
  * int32 sums leave the tile unit (TILESTORED) before their scaling; a block of 8 x rows and 16 outputs
@@ -156,11 +156,11 @@ int main(int argc, char**argv){
   float *x=malloc(16*K*4); for(int64_t i=0;i<16*K;i++) x[i]=(rand()%2001-1000)/300.f;
   float *y1=malloc(16*N*4), *y2=malloc(16*N*4);
   for(int ri=0;ri<6;ri++){int M=rows[ri];
-    lm_qgemm_tiles(x,M,K,w,bits,N,sc,bits==4?mn:NULL,32,y1,nth,1);
+    lm_qgemm_tiles(x,M,K,w,bits,N,sc,bits==4?mn:NULL,0,32,y1,nth,1);
     lm_qgemm_tiles_amx(x,M,K,w,bits,N,sc,bits==4?mn:NULL,32,y2,nth,mta);
     int same = memcmp(y1,y2,M*N*4)==0;
     double bv=1e9,ba=1e9;
-    for(int r=0;r<5;r++){ double t=now(); for(int i=0;i<reps;i++) lm_qgemm_tiles(x,M,K,w,bits,N,sc,bits==4?mn:NULL,32,y1,nth,1); t=(now()-t)/reps; if(t<bv)bv=t;
+    for(int r=0;r<5;r++){ double t=now(); for(int i=0;i<reps;i++) lm_qgemm_tiles(x,M,K,w,bits,N,sc,bits==4?mn:NULL,0,32,y1,nth,1); t=(now()-t)/reps; if(t<bv)bv=t;
       t=now(); for(int i=0;i<reps;i++) lm_qgemm_tiles_amx(x,M,K,w,bits,N,sc,bits==4?mn:NULL,32,y2,nth,mta); t=(now()-t)/reps; if(t<ba)ba=t;}
     printf("M=%2d same=%d vnni %7.1f us  amx %7.1f us  ratio %.2f\n",M,same,bv*1e6,ba*1e6,bv/ba);
   }

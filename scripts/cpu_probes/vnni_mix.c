@@ -2,7 +2,7 @@
  * sub-block and x row, 8 vpdpbusd into a fresh int32 sum, then the epilogue's conversion, scale product
  * and two fused multiply-adds (the scaling and Q4_1's mins), for 8 rows side by side as qtile.c's tile()
  * runs them; and the same loop without the epilogue. Prints ns per sub-block of 8 rows x 16 outputs
- * (4,096 multiply-adds). Usage: vnni_mix [iterations] */
+ * (4,096 multiply-adds). Built and run by scripts/cpu_probes/run.sh (part mix). Usage: vnni_mix [iterations] */
 #include <immintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
