@@ -174,6 +174,22 @@ def test_plain_c_is_never_the_layers_path(monkeypatch):  # type: ignore[no-untyp
 
 
 @needs_lib
+def test_f16c_gates_the_avx2_tiles_only(monkeypatch):  # type: ignore[no-untyped-def]
+    """The AVX2 tile variant reads float16 scales (F16C): a CPU with AVX2 and FMA but no F16C takes the
+    float-x kernels instead, while the attention keeps its AVX2 loop (it needs no F16C)."""
+    lib = cpu_native._lib()
+    if not lib.lm_has_avx2():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setattr(lib, "lm_has_tiles_avx2", lambda: 0)
+    cpu_native._level_for.cache_clear()
+    try:
+        assert cpu_native._level_for("avx2int8") <= 2  # not the tile kernel
+        assert cpu_native.attn_simd("avx2") == 1
+    finally:
+        cpu_native._level_for.cache_clear()
+
+
+@needs_lib
 def test_layers_made_under_inference_mode_take_the_kernel():  # type: ignore[no-untyped-def]
     """Inference tensors track no version counter: the tile cache keys on their address then."""
     with torch.inference_mode():

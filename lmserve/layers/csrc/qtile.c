@@ -17,8 +17,9 @@
  *   int4: uint8 [N / 16, K / 8, 16, 4]   byte b of row i: column 8j + b in the low nibble, 8j + 4 + b
  *         in the high one (one 64-byte load gives two vpdpbusd operands: & 15, and >> 4 & 15)
  *   scales, mins: [N / 16, G, 16], float32, or float16 (IEEE binary16) where every value is one exactly
- *         (half = 1: a GGUF file's own block scales are; a fifth fewer bytes a weight for int4 + mins,
- *         a ninth for int8; the same float32 values once widened, so the same outputs bit for bit)
+ *         (half = 1: a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 block scales are; 320 bytes instead of 384 a
+ *         16 x 32 unit of int4 + mins, 544 instead of 576 for int8; the same float32 values once widened,
+ *         so the same outputs bit for bit)
  * Shape rules: K % 32 == 0; group == 16 or a multiple of 32 dividing K.
  * Threads: OpenMP over tiles of 16 output rows, x rows 8 at a time inside a tile (4 in the AVX2
  * variant; the tile's bytes stay in L1 for the next pass), and x in chunks of 64 rows (they stay in L2) for long inputs.
@@ -52,8 +53,11 @@
 
 int lm_has_avx2(void) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+
+/* the tile kernel's AVX2 variant: AVX2 and FMA, and F16C for float16 scales */
+int lm_has_tiles_avx2(void) { return lm_has_avx2() && __builtin_cpu_supports("f16c"); }
 
 int lm_has_vnni(void) {
   __builtin_cpu_init();
@@ -346,7 +350,7 @@ TARGET2 static void tile2_any(const int8_t *xq, const float *xd, const float *xf
 
 /* y [M, N] = x [M, K] @ W^T with W packed as above (wq: the tiles, sc / mn: [N / 16, G, 16], float32, or
  * float16 with half = 1; mn may be NULL). vnni 1: the AVX-512 VNNI kernel (needs lm_has_vnni()); 0: the
- * AVX2 one (needs lm_has_avx2(), and int8 weights in -127..127). */
+ * AVX2 one (needs lm_has_tiles_avx2(), and int8 weights in -127..127). */
 void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int bits, int64_t N, const void *sc,
                     const void *mn, int half, int64_t group, float *y, int nthreads, int vnni) {
   const int sb = group == 16 ? 16 : 32;
