@@ -547,10 +547,9 @@ def test_runtime_adapters_reach_every_replica_behind_the_router(adapters, tmp_pa
                 if all(r.healthy for r in router.replicas):
                     break
                 time.sleep(0.05)
-            down = lambda rep: (setattr(rep, "failures", rep.failures + 1), setattr(rep, "healthy", False))  # noqa: E731
-            # as a failed request marks it (failures first: a health check in flight cannot mark it up again;
-            # flipping `healthy` alone, a check that had started before came back up without the replay)
-            down(router.replicas[1])  # as if down: the load reaches the other alone
+            # as if down, as a failed request marks it (flipping `healthy` alone, a health check that had started
+            # before marked it up again without the replay): the load reaches the other alone
+            router.replicas[1].mark_down()
             r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": rb.lora_path}, timeout=60)
             assert r.status_code == 200, r.text
             for _ in range(100):  # its next health check brings it back, with the adapter
@@ -572,7 +571,7 @@ def test_runtime_adapters_reach_every_replica_behind_the_router(adapters, tmp_pa
             load = lambda r: httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": r.lora_path},  # noqa: E731
                                         timeout=60)
             assert load(rb).status_code == 200 and "x" in names(b)
-            down(router.replicas[1])
+            router.replicas[1].mark_down()
             assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=60).status_code == 200
             for _ in range(100):  # its next health check brings it back, and unloads x there first
                 if router.replicas[1].healthy:

@@ -194,9 +194,9 @@ def tiles_fit(bits: int, in_features: int, group_size: int) -> bool:
 class Tiles(NamedTuple):
     """A quantized weight [n, k] repacked for the tile kernel (csrc/qtile.c): q uint8 [n16 / 16,
     k / 4, 16, 4] (int8, stored + 128) or [n16 / 16, k / 8, 16, 4] (int4, two columns a byte); scales,
-    mins [n16 / 16, k / group, 16], float16 where every value of both is one exactly (half: a GGUF
-    file's Q4_0 / Q4_1 / Q5_0 / Q8_0 block scales), else float32; n16: n rounded up to 16 (padding rows are zero). avx2_ok:
-    the AVX2 variant multiplies it exactly (int4, or int8 without a -128)."""
+    mins [n16 / 16, k / group, 16], float16 where every value of both is one exactly (`half`: a GGUF
+    file's Q4_0 / Q4_1 / Q5_0 / Q8_0 block scales), else float32; n16: n rounded up to 16 (padding rows
+    are zero). avx2_ok: the AVX2 variant multiplies it exactly (int4, or int8 without a -128)."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -206,7 +206,11 @@ class Tiles(NamedTuple):
     k: int
     group: int
     avx2_ok: bool
-    half: bool = False
+
+    @property
+    def half(self) -> bool:
+        """Scales and mins stored as float16 (the tile kernel's `half`)."""
+        return self.scales.dtype == torch.float16
 
 
 def avx2_exact(values: torch.Tensor, bits: int) -> bool:
@@ -241,7 +245,7 @@ def pack_tiles(values: torch.Tensor, bits: int, scales: torch.Tensor, mins: torc
         raise ValueError("half: these scales or mins are not all float16 values")
     if exact if half is None else half:  # int4 + mins: 320 bytes a 16 x 32 unit instead of 384 (csrc/qtile.c)
         sc, mn = sc.half(), None if mn is None else mn.half()
-    return Tiles(u.contiguous(), sc, mn, bits, n, k, group_size, avx2_exact(values, bits), sc.dtype == torch.float16)
+    return Tiles(u.contiguous(), sc, mn, bits, n, k, group_size, avx2_exact(values, bits))
 
 
 def halves_exactly(a: torch.Tensor) -> bool:

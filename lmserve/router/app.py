@@ -217,7 +217,8 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
         except (*SLOW, httpx.PoolTimeout):  # slow or busy, not down: the decode replica computes the prompt itself
             ok = False
         except httpx.TransportError:
-            rep.healthy, rep.failures, ok = False, rep.failures + 1, False
+            rep.mark_down()
+            ok = False
         finally:
             rep.in_flight -= 1
             decode.in_flight -= 1
@@ -275,7 +276,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                     continue
                 if not isinstance(e, httpx.TransportError):
                     raise
-                rep.healthy, rep.failures = False, rep.failures + 1
+                rep.mark_down()
                 continue
             if refused(upstream) and router.healthy(tried):  # it did not run the request: another may
                 rep.in_flight -= weight
@@ -310,7 +311,7 @@ def build_router_app(router: Router, health_interval: float = 1.0, max_body_byte
                 yield held
         except httpx.TransportError as e:  # bytes were sent: the request cannot move; say so and end
             if not isinstance(e, SLOW):  # (a slow replica is not a dead one)
-                rep.healthy, rep.failures = False, rep.failures + 1
+                rep.mark_down()
             metrics.broken.inc()
             if sse_path is None:  # a body cut short: cut the client's connection too (not a complete reply)
                 raise Cut from e

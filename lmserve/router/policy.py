@@ -39,6 +39,12 @@ class Replica:
     def load(self) -> int:
         return max(self.in_flight, self.reported)
 
+    def mark_down(self) -> None:
+        """A request failed on it: out of rotation until a health check that starts afterwards says it is up
+        (one already in flight sees the failure count move and keeps it down: health.check)."""
+        self.failures += 1
+        self.healthy = False
+
 
 def routing_text(path: str, body: Any) -> str:
     """The text whose prefix decides a prefix route: the completion prompt, or the conversation so far

@@ -121,6 +121,9 @@ TARGET static void quant_x_tiles(const float *x, int64_t M, int64_t K, int sb, i
   }
 }
 
+/* bytes a scale (or min): float16 (half) or float32 */
+static inline int64_t scale_size(int half) { return half ? 2 : 4; }
+
 /* 16 scales (or mins) from element i of a float32 or float16 (half) array, as float32 */
 TARGET INLINE __m512 scales16(const void *p, int64_t i, int half) {
   return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
@@ -143,8 +146,8 @@ TARGET INLINE void tile(const int8_t *xq, const float *xd, const int32_t *xis, c
       const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
       for (int j = 0; j < (BITS == 8 ? SB / 4 : SB / 8); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
       if (s % spg == 0) {
-        _mm_prefetch((const char *)sc + g * 16 * (half ? 2 : 4) + sahead, _MM_HINT_T0);
-        if (mn) _mm_prefetch((const char *)mn + g * 16 * (half ? 2 : 4) + sahead, _MM_HINT_T0);
+        _mm_prefetch((const char *)sc + g * 16 * scale_size(half) + sahead, _MM_HINT_T0);
+        if (mn) _mm_prefetch((const char *)mn + g * 16 * scale_size(half) + sahead, _MM_HINT_T0);
       }
     }
     __m512i wv[8]; /* operand j < SB / 4: columns k0 + 4j .. k0 + 4j + 3 of the 16 rows (a fixed size: a VLA was
@@ -276,8 +279,8 @@ TARGET2 INLINE void tile2h(const int8_t *xq, const float *xd, const float *xfs, 
       const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
       for (int j = 0; j < (BITS == 8 ? SB / 4 : SB / 8); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
       if (s % spg == 0) {
-        _mm_prefetch((const char *)sc + g * 16 * (half ? 2 : 4) + sahead, _MM_HINT_T0);
-        if (mn) _mm_prefetch((const char *)mn + g * 16 * (half ? 2 : 4) + sahead, _MM_HINT_T0);
+        _mm_prefetch((const char *)sc + g * 16 * scale_size(half) + sahead, _MM_HINT_T0);
+        if (mn) _mm_prefetch((const char *)mn + g * 16 * scale_size(half) + sahead, _MM_HINT_T0);
       }
     }
     __m256i wv[8]; /* operand j < SB / 4: columns k0 + 4j .. k0 + 4j + 3 of rows 8h .. 8h + 7 (a fixed size: no alloca) */
@@ -355,7 +358,7 @@ void lm_qgemm_tiles(const float *x, int64_t M, int64_t K, const uint8_t *wq, int
                     const void *mn, int half, int64_t group, float *y, int nthreads, int vnni) {
   const int sb = group == 16 ? 16 : 32;
   const int64_t NS = K / sb, G = K / group, T = (N + 15) / 16, spg = group / sb;
-  const int64_t tile_bytes = bits == 8 ? 16 * K : 8 * K, scale_bytes = G * 16 * (half ? 2 : 4); /* a tile's */
+  const int64_t tile_bytes = bits == 8 ? 16 * K : 8 * K, scale_bytes = G * 16 * scale_size(half); /* a tile's */
   int8_t *xq = (int8_t *)malloc((size_t)(M * K));
   float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32)));
   int32_t *xis = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * NS));
