@@ -1,5 +1,10 @@
-/* Each AMX tile operation timed alone, tiles of M rows (amx_micro M): why the AMX variant of the tile
- * kernel does not pay (see amx_tile.c). */
+/* Each AMX tile operation timed alone, tiles of M rows (amx_micro M), and what the AMX variant of the tile
+ * kernel (amx_tile.c) pays around them.
+ *
+ * Session 32's version stored the sums into a ring of 64 x 1 KB, past this CPU's 48 KB L1, and put a
+ * TILESTORED of 8 rows at ~10 ns; into a ring that stays in L1 it takes ~5 ns, for 8 rows as for 16 (the
+ * last two lines show both). The costs that do decide (amx_parts.c): the tile operations of a 32-column
+ * block take ~9-10 ns whatever the rows, and they do not overlap the float epilogue. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <stdint.h>
@@ -10,6 +15,7 @@
 #include <time.h>
 typedef struct { uint8_t palette, start; uint8_t r[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg_t;
 static double now(){struct timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return t.tv_sec+t.tv_nsec*1e-9;}
+#define RING 16 /* 16 x 1 KB of sums: in L1 */
 int8_t A[16*64*16] __attribute__((aligned(64))); uint8_t B[64*512] __attribute__((aligned(64))); int32_t C[64][256] __attribute__((aligned(64)));
 #define N 1000000
 __attribute__((target("amx-tile,amx-int8,avx512f"))) int main(int argc,char**argv){
@@ -21,18 +27,22 @@ __attribute__((target("amx-tile,amx-int8,avx512f"))) int main(int argc,char**arg
   for(int t=0;t<8;t++){c.rows[t]=M; c.colsb[t]=64;} c.colsb[0]=32; c.colsb[4]=32; c.rows[1]=8; c.rows[5]=8;
   _tile_loadconfig(&c);
   double t;
+  const int R = RING - 1;
+  printf("# %d rows\n", M);
   t=now(); for(int i=0;i<N;i+=2){ _tile_dpbsud(2,0,1); _tile_dpbsud(3,4,5);} t=now()-t; printf("dp only (2 chains): %.2f ns/op\n", t/N*1e9);
   t=now(); for(int i=0;i<N;i+=4){ _tile_dpbsud(2,0,1); _tile_dpbsud(3,4,5);_tile_dpbsud(6,0,1); _tile_dpbsud(7,4,5);} t=now()-t; printf("dp only (4 chains): %.2f ns/op\n", t/N*1e9);
   t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(1,B+(i&63)*512,64); _tile_loadd(0,A,64); _tile_dpbsud(2,0,1); _tile_loadd(5,B+((i+1)&63)*512,64); _tile_loadd(4,A,64);_tile_dpbsud(3,4,5);} t=now()-t; printf("load+dp: %.2f ns/op\n", t/N*1e9);
-  t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(1,B+(i&63)*512,64); _tile_loadd(0,A,64); _tile_zero(2); _tile_dpbsud(2,0,1); _tile_stored(2,C[i&63],64); _tile_loadd(5,B+((i+1)&63)*512,64); _tile_loadd(4,A,64);_tile_zero(3); _tile_dpbsud(3,4,5); _tile_stored(3,C[(i+1)&63],64);} t=now()-t; printf("load+zero+dp+store: %.2f ns/op\n", t/N*1e9);
-  t=now(); for(int i=0;i<N;i+=2){ _tile_zero(2); _tile_stored(2,C[i&63],64); _tile_zero(3); _tile_stored(3,C[(i+1)&63],64);} t=now()-t; printf("zero+store: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(1,B+(i&63)*512,64); _tile_loadd(0,A,64); _tile_zero(2); _tile_dpbsud(2,0,1); _tile_stored(2,C[i&R],64); _tile_loadd(5,B+((i+1)&63)*512,64); _tile_loadd(4,A,64);_tile_zero(3); _tile_dpbsud(3,4,5); _tile_stored(3,C[(i+1)&R],64);} t=now()-t; printf("load+zero+dp+store: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_zero(2); _tile_stored(2,C[i&R],64); _tile_zero(3); _tile_stored(3,C[(i+1)&R],64);} t=now()-t; printf("zero+store: %.2f ns/op\n", t/N*1e9);
   t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(1,B+(i&63)*512,64); _tile_loadd(5,B+((i+1)&63)*512,64);} t=now()-t; printf("loadB: %.2f ns/op\n", t/N*1e9);
   __m512i s=_mm512_setzero_si512();
-  t=now(); for(int i=0;i<N;i++){ _tile_zero(2); _tile_dpbsud(2,0,1); _tile_stored(2,C[i&63],64); for(int m=0;m<M;m++) s=_mm512_add_epi32(s,_mm512_load_si512(C[(i-8)&63]+16*m));} t=now()-t; printf("zero+dp+store+read8back: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i++){ _tile_zero(2); _tile_dpbsud(2,0,1); _tile_stored(2,C[i&R],64); for(int m=0;m<M;m++) s=_mm512_add_epi32(s,_mm512_load_si512(C[(i-8)&R]+16*m));} t=now()-t; printf("zero+dp+store+read8back: %.2f ns/op\n", t/N*1e9);
   t=now(); for(int i=0;i<N;i++){ for(int j=0;j<8;j++) _mm512_store_si512(B+(i&63)*512+64*j, s); _tile_loadd(1,B+((i-8)&63)*512,64);} t=now()-t; printf("store8+tileload(8 back): %.2f ns/op\n", t/N*1e9);
-  t=now(); for(int i=0;i<N;i+=2){ _tile_stored(2,C[i&63],64); _tile_stored(3,C[(i+1)&63],64);} t=now()-t; printf("store only: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i++){ for(int j=0;j<8;j++) _mm512_store_si512(B+(i&63)*512+64*j, s); _tile_loadd(1,B+(i&63)*512,64);} t=now()-t; printf("store8+tileload(the same bytes): %.2f ns/op\n", t/N*1e9);
   t=now(); for(int i=0;i<N;i+=2){ _tile_zero(2); _tile_zero(3);} t=now()-t; printf("zero only: %.2f ns/op\n", t/N*1e9);
-  t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(2,C[i&63],64); _tile_dpbsud(2,0,1); _tile_loadd(3,C[(i+1)&63],64); _tile_dpbsud(3,4,5);} t=now()-t; printf("loadC+dp: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_loadd(2,C[i&R],64); _tile_dpbsud(2,0,1); _tile_loadd(3,C[(i+1)&R],64); _tile_dpbsud(3,4,5);} t=now()-t; printf("loadC+dp: %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_stored(2,C[i&R],64); _tile_stored(3,C[(i+1)&R],64);} t=now()-t; printf("store only, a 16 KB ring (L1): %.2f ns/op\n", t/N*1e9);
+  t=now(); for(int i=0;i<N;i+=2){ _tile_stored(2,C[i&63],64); _tile_stored(3,C[(i+1)&63],64);} t=now()-t; printf("store only, a 64 KB ring (past L1; session 32's): %.2f ns/op\n", t/N*1e9);
   _tile_release();
   printf("(checksum %d)\n", _mm512_reduce_add_epi32(s));
 }

@@ -2,17 +2,18 @@
  * (TDPBSUD) instead of AVX-512 VNNI, on the same packed tiles, timed against lm_qgemm_tiles in one
  * process and checked bit for bit against it. Built and run by scripts/cpu_probes/run.sh (part amx).
  *
- * Why it is not in the engine: the formats' 32-column scale blocks (Q4_1, Q8_0) make every block's
- * int32 sums leave the tile unit (TILESTORED) before their scaling; a block of 8 x rows and 16 outputs
- * is 4,096 multiply-adds, and storing its 8 x 64-byte sums takes about as long as the 64 vpdpbusd that
- * compute them (the second half of this file times each tile operation). Measured in BENCHMARKS.md
- * ("VNNI machine, session 32").
+ * Shape of the AMX variant, per tile of 16 output rows: each 32-column block's int4 weights unpacked into
+ * B-tile bytes 4 blocks ahead of their use (the packed layout's 64-byte rows already are B rows: 16
+ * outputs x 4 columns; unpacked just before the TILELOADD, the load waits for the vector stores, ~25 ns
+ * a block: amx_parts.c), TDPBSUD of the block into one of four C tiles in turn (A = x rows, signed;
+ * B = weights, unsigned), the int32 sums stored to a ring in L1, and the VNNI kernel's float epilogue two
+ * blocks behind (the same operations in the same order, so the same bits).
  *
- * Shape of the AMX variant, per tile of 16 output rows and chunk of CHB sub-blocks: unpack the int4
- * weights of the chunk into B-tile layout (the packed layout's 64-byte rows already are B rows: 16
- * outputs x 4 columns), TDPBSUD each sub-block into one of four C tiles in turn (A = x rows, signed;
- * B = weights, unsigned), store the sums, then the VNNI kernel's float epilogue over them (the same
- * operations in the same order, so the same bits).
+ * Why it is not in the engine (BENCHMARKS.md, "VNNI machine, session 33"): the formats' 32-column scale
+ * blocks (Q4_1, Q8_0) make every block's sums leave the tile unit before their scaling, and a block's
+ * tile operations (two loads, zero, multiply, store) take ~9-10 ns for 1 to 16 rows and do not overlap
+ * the epilogue. At 8 rows that is no faster than the 64 vpdpbusd it replaces; at 16-64 rows 1.1-1.3x,
+ * and that gain needs the tile state handled beside oneDNN's (which keeps AMX configurations of its own).
  */
 #include "../../lmserve/layers/csrc/qtile.c"
 #include <string.h>
@@ -28,7 +29,7 @@ TARGETA static void amx_config(int mc) {
   tilecfg_t c; memset(&c, 0, sizeof c); c.palette = 1;
   c.rows[0] = mc; c.colsb[0] = 32;          /* A: x rows, 32 int8 columns */
   c.rows[1] = 8; c.colsb[1] = 64;           /* B: 32 columns of 16 weight rows, 4 a dword */
-  c.rows[2] = mc; c.colsb[2] = 64; c.rows[3] = mc; c.colsb[3] = 64; /* C: int32 sums, two in flight */
+  c.rows[2] = mc; c.colsb[2] = 64; c.rows[3] = mc; c.colsb[3] = 64; /* C: int32 sums, four in turn (2, 3, 6, 7) */
   c.rows[4] = mc; c.colsb[4] = 32; c.rows[5] = 8; c.colsb[5] = 64; c.rows[6] = mc; c.colsb[6] = 64; c.rows[7] = mc; c.colsb[7] = 64;
   _tile_loadconfig(&c);
 }
@@ -47,7 +48,7 @@ TARGETA INLINE void amx_epi(const int32_t *cb, const int mc, const int BITS, con
 }
 
 #define MTA 16
-#define CHB 16 /* sub-blocks a chunk */
+#define AHEAD 4 /* blocks unpacked ahead of their tile operations */
 TARGETA INLINE void tile_amx(const int8_t *xq, const float *xd, const int32_t *xis, const float *xfs, const int mc,
                         int64_t K, const uint8_t *w, const int BITS, const float *sc, const float *mn,
                         int64_t spg, float *y, int64_t ldy, int nvalid, int64_t ahead, int64_t sahead) {
@@ -55,39 +56,36 @@ TARGETA INLINE void tile_amx(const int8_t *xq, const float *xd, const int32_t *x
   _Pragma("GCC unroll 16") for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
   const int64_t NS = K / 32, KB = K / 32;
   const __m512i lo4 = _mm512_set1_epi8(15);
-  int32_t cbuf[CHB][MTA * 16] __attribute__((aligned(64)));
-  uint8_t wbuf[CHB][512] __attribute__((aligned(64)));
-  for (int64_t s0 = 0; s0 < NS; s0 += CHB) {
-    const int nb = NS - s0 < CHB ? (int)(NS - s0) : CHB;
-    for (int b = 0; b < nb; b++) {
-      const int64_t k0 = (s0 + b) * 32, g = spg == 1 ? s0 + b : (s0 + b) / spg;
+  /* rings in L1: a block's int32 sums (read by the epilogue two blocks on) and its unpacked weights */
+  static __thread int32_t cbuf[8][MTA * 16] __attribute__((aligned(64)));
+  static __thread uint8_t wbuf[32][512] __attribute__((aligned(64)));
+#define UNP(su) if (BITS == 4 && (su) < NS) { const int64_t kk = (su) * 32; uint8_t *wu = wbuf[(su) & 31]; \
+    for (int j = 0; j < 4; j++) { const __m512i v = _mm512_loadu_si512((const void *)(w + (kk / 8 + j) * 64)); \
+      _mm512_store_si512((void *)(wu + 128 * j), _mm512_and_si512(v, lo4)); \
+      _mm512_store_si512((void *)(wu + 128 * j + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4)); } }
+  for (int64_t s = 0; s < AHEAD; s++) UNP(s)
+  for (int64_t s = 0; s < NS + 2; s++) {
+    if (s < NS) {
+      const int64_t k0 = s * 32, g = spg == 1 ? s : s / spg;
       const char *wa = (const char *)(w + (BITS == 8 ? k0 / 4 : k0 / 8) * 64) + ahead;
       for (int j = 0; j < (BITS == 8 ? 8 : 4); j++) _mm_prefetch(wa + 64 * j, _MM_HINT_T0);
-      if ((s0 + b) % spg == 0) {
+      if (s % spg == 0) {
         _mm_prefetch((const char *)(sc + g * 16) + sahead, _MM_HINT_T0);
         if (mn) _mm_prefetch((const char *)(mn + g * 16) + sahead, _MM_HINT_T0);
       }
-      if (BITS == 4)
-        for (int j = 0; j < 4; j++) {
-          const __m512i v = _mm512_loadu_si512((const void *)(w + (k0 / 8 + j) * 64));
-          _mm512_store_si512((void *)(wbuf[b] + 128 * j), _mm512_and_si512(v, lo4));
-          _mm512_store_si512((void *)(wbuf[b] + 128 * j + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
-        }
-    }
-    for (int b = 0; b < nb; b++) {
-      const int64_t k0 = (s0 + b) * 32;
-      const void *bp = BITS == 8 ? (const void *)(w + (k0 / 4) * 64) : (const void *)wbuf[b];
-#define AMXSTEP(A, B, C) _tile_loadd(B, bp, 64); _tile_loadd(A, xq + k0, K); _tile_zero(C); _tile_dpbsud(C, A, B); _tile_stored(C, cbuf[b], 64);
-      switch (b & 3) {
+      UNP(s + AHEAD)
+      const void *bp = BITS == 8 ? (const void *)(w + (k0 / 4) * 64) : (const void *)wbuf[s & 31];
+#define AMXSTEP(A, B, C) _tile_loadd(B, bp, 64); _tile_loadd(A, xq + k0, K); _tile_zero(C); _tile_dpbsud(C, A, B); _tile_stored(C, cbuf[s & 7], 64);
+      switch (s & 3) {
         case 0: AMXSTEP(0, 1, 2) break;
         case 1: AMXSTEP(4, 5, 3) break;
         case 2: AMXSTEP(0, 1, 6) break;
         default: AMXSTEP(4, 5, 7) break;
       }
     }
-    for (int b = 0; b < nb; b++) {
-      const int64_t s = s0 + b, g = spg == 1 ? s : s / spg;
-      amx_epi(cbuf[b], mc, BITS, xis, xd, xfs, NS, KB, s, _mm512_loadu_ps(sc + g * 16), mn, g, acc);
+    if (s >= 2) {
+      const int64_t e = s - 2, g = spg == 1 ? e : e / spg;
+      amx_epi(cbuf[e & 7], mc, BITS, xis, xd, xfs, NS, KB, e, _mm512_loadu_ps(sc + g * 16), mn, g, acc);
     }
   }
   const __mmask16 keep = (__mmask16)(nvalid >= 16 ? 0xFFFF : (1u << nvalid) - 1);
@@ -143,7 +141,7 @@ TARGETA void lm_qgemm_tiles_amx(const float *x, int64_t M, int64_t K, const uint
 
 #include <time.h>
 static double now(){struct timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return t.tv_sec+t.tv_nsec*1e-9;}
-/* amx_tile N K BITS THREADS REPS [MTA]: a layer of N x K random weights, 1..16 rows of x, best of 5 runs of REPS calls */
+/* amx_tile N K BITS THREADS REPS [MTA]: a layer of N x K random weights, 1..64 rows of x, best of 5 runs of REPS calls */
 int main(int argc, char**argv){
   if (argc < 6) { fprintf(stderr, "usage: %s N K BITS THREADS REPS [MTA]\n", argv[0]); return 2; }
   int64_t N=atoi(argv[1]), K=atoi(argv[2]); int bits=atoi(argv[3]); int nth=atoi(argv[4]); int reps=atoi(argv[5]); int mta=argc>6?atoi(argv[6]):16;
@@ -152,10 +150,10 @@ int main(int argc, char**argv){
   uint8_t *w=malloc(T*tb); for(int64_t i=0;i<T*tb;i++) w[i]=rand();
   int64_t G=K/32; float *sc=malloc(T*G*16*4), *mn=malloc(T*G*16*4);
   for(int64_t i=0;i<T*G*16;i++){sc[i]=(rand()%1000)/1e5f; mn[i]=-(rand()%1000)/1e4f;}
-  int rows[]={1,2,4,5,8,16};
-  float *x=malloc(16*K*4); for(int64_t i=0;i<16*K;i++) x[i]=(rand()%2001-1000)/300.f;
-  float *y1=malloc(16*N*4), *y2=malloc(16*N*4);
-  for(int ri=0;ri<6;ri++){int M=rows[ri];
+  int rows[]={1,2,4,5,8,16,32,64};
+  float *x=malloc(64*K*4); for(int64_t i=0;i<64*K;i++) x[i]=(rand()%2001-1000)/300.f;
+  float *y1=malloc(64*N*4), *y2=malloc(64*N*4);
+  for(int ri=0;ri<8;ri++){int M=rows[ri];
     lm_qgemm_tiles(x,M,K,w,bits,N,sc,bits==4?mn:NULL,0,32,y1,nth,1);
     lm_qgemm_tiles_amx(x,M,K,w,bits,N,sc,bits==4?mn:NULL,32,y2,nth,mta);
     int same = memcmp(y1,y2,M*N*4)==0;
