@@ -1,13 +1,14 @@
 #!/bin/sh
 # Probes of the CPU tile kernel (issue #15): the AMX variant (amx_tile.c, amx_parts.c, amx_micro.c), the VNNI kernel's
-# instruction-mix bound (vnni_mix.c), float16 against float32 scales (scale_bytes.c), the read bandwidth (stream.c). Builds them and
+# instruction-mix bound (vnni_mix.c), float16 against float32 scales (scale_bytes.c), the read bandwidth (stream.c), a step's attention
+# alone (attn_step.c). Builds them and
 # prints their timings.
-#   sh scripts/cpu_probes/run.sh [amx|mix|scales|stream ...]   (default: all; amx needs a CPU with AMX-INT8,
+#   sh scripts/cpu_probes/run.sh [amx|mix|scales|stream|attn ...]   (default: all; amx needs a CPU with AMX-INT8,
 #                                                         the others AVX-512 VNNI; gcc >= 12)
 set -e
 cd "$(dirname "$0")"
 out=${TMPDIR:-/tmp}/lmserve-probes
-parts=${*:-amx mix scales stream}
+parts=${*:-amx mix scales stream attn}
 mkdir -p "$out"
 cc=${CC:-gcc}
 flags="-O3 -fopenmp -fno-trapping-math -ffp-contract=off -std=gnu11"
@@ -38,6 +39,11 @@ for part in $parts; do
       $cc $flags stream.c -o "$out/stream"
       echo "# read bandwidth: the default model's tiles' size (96 MB), then past the last-level cache (1 GB)"
       for mb in 96 1024; do "$out/stream" 2 20 $mb; "$out/stream" 1 20 $mb; done ;;
-    *) echo "unknown part $part (amx, mix, scales, stream)" >&2; exit 2 ;;
+    attn)
+      $cc $flags attn_step.c -o "$out/attn_step" -lm
+      echo "# a decode step's attention alone, 2 threads: 1 and 8 sequences of 100 and 500 keys"
+      for b in 1 8; do for l in 100 500; do OMP_NUM_THREADS=2 "$out/attn_step" $b $l; done; done
+      OMP_NUM_THREADS=2 "$out/attn_step" 8 100 2 ;;
+    *) echo "unknown part $part (amx, mix, scales, stream, attn)" >&2; exit 2 ;;
   esac
 done
