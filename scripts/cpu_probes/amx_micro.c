@@ -1,10 +1,11 @@
 /* Each AMX tile operation timed alone, tiles of M rows (amx_micro M), and what the AMX variant of the tile
  * kernel (amx_tile.c) pays around them.
  *
- * Session 32's version stored the sums into a ring of 64 x 1 KB, past this CPU's 48 KB L1, and put a
- * TILESTORED of 8 rows at ~10 ns; into a ring that stays in L1 it takes ~5 ns, for 8 rows as for 16 (the
- * last two lines show both). The costs that do decide (amx_parts.c): the tile operations of a 32-column
- * block take ~9-10 ns whatever the rows, and they do not overlap the float epilogue. */
+ * Session 32's version stored the sums into 64 slots at a 1 KB stride (at 8 rows 32 KB, all in half of
+ * this CPU's 48 KB L1's sets, more lines than they hold; at 16 rows 64 KB, past L1) and put a TILESTORED
+ * of 8 rows at ~10 ns; into a ring that stays in L1 it takes ~5 ns, for 8 rows as for 16 (the last two
+ * lines show both). The costs that do decide (amx_parts.c): the tile operations of a 32-column block take
+ * ~9-10 ns for 4 to 16 rows, and the float epilogue overlaps them little. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <stdint.h>
@@ -15,7 +16,7 @@
 #include <time.h>
 typedef struct { uint8_t palette, start; uint8_t r[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg_t;
 static double now(){struct timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return t.tv_sec+t.tv_nsec*1e-9;}
-#define RING 16 /* 16 x 1 KB of sums: in L1 */
+#define RING 16 /* 16 slots of sums at a 1 KB stride: in L1 */
 int8_t A[16*64*16] __attribute__((aligned(64))); uint8_t B[64*512] __attribute__((aligned(64))); int32_t C[64][256] __attribute__((aligned(64)));
 #define N 1000000
 __attribute__((target("amx-tile,amx-int8,avx512f"))) int main(int argc,char**argv){

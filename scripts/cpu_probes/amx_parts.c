@@ -4,8 +4,10 @@
  * TILEZERO, TDPBSUD, TILESTORED of the int32 sums), the int4 unpack into the B tile's bytes (vector
  * stores), the float epilogue (the VNNI kernel's: convert, scale, multiply-add, the mins' term), the
  * epilogue two blocks behind the tile operations. Unpacking a block just before its TILELOADD stalls the
- * load until the stores leave the core (~25 ns a block); unpacked 4 blocks ahead it costs ~2 ns. What is
- * left: the tile operations, ~9-10 ns a block for 4, 8 or 16 rows, and the epilogue do not overlap.
+ * load until the stores leave the core (~25 ns a block); unpacked 4 blocks ahead it costs ~2-7 ns. What is
+ * left: the tile operations, ~9-10 ns a block for 4, 8 or 16 rows, which the epilogue overlaps little
+ * (most of it at 4 rows, a fifth at 8, none at 16). Timing only: the outputs mean nothing (in the "4
+ * ahead" cases the first blocks read ring slots never unpacked; the VNNI line's passes share x's scales).
  * Usage: amx_parts ROWS (4, 8 or 16) */
 #include "../../lmserve/layers/csrc/qtile.c"
 #include <string.h>

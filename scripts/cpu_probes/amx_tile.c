@@ -11,8 +11,8 @@
  *
  * Why it is not in the engine (BENCHMARKS.md, "VNNI machine, session 33"): the formats' 32-column scale
  * blocks (Q4_1, Q8_0) make every block's sums leave the tile unit before their scaling, and a block's
- * tile operations (two loads, zero, multiply, store) take ~9-10 ns for 1 to 16 rows and do not overlap
- * the epilogue. At 8 rows that is no faster than the 64 vpdpbusd it replaces; at 16-64 rows 1.1-1.3x,
+ * tile operations (two loads, zero, multiply, store) take ~9-10 ns for 4 to 16 rows, which the epilogue
+ * overlaps little. At 8 rows that is at most 1.06x the 64 vpdpbusd it replaces; at 16-64 rows 1.1-1.3x,
  * and that gain needs the tile state handled beside oneDNN's (which keeps AMX configurations of its own).
  */
 #include "../../lmserve/layers/csrc/qtile.c"

@@ -37,7 +37,7 @@ for part in $parts; do
       OMP_NUM_THREADS=2 "$out/scale_bytes" 2 40 ;;
     stream)
       $cc $flags stream.c -o "$out/stream"
-      echo "# read bandwidth: the default model's tiles' size (96 MB), then past the last-level cache (1 GB)"
+      echo "# read bandwidth: about the default model's tiles' size (96 MiB), then past the last-level cache (1 GiB)"
       for mb in 96 1024; do "$out/stream" 2 20 $mb; "$out/stream" 1 20 $mb; done ;;
     attn)
       $cc $flags attn_step.c -o "$out/attn_step" -lm

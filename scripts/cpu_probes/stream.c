@@ -1,7 +1,7 @@
 /* The read bandwidth the tile kernel's weight stream is bounded by (issue #15): THREADS threads sum a
- * buffer of MB megabytes of int32 with AVX-512 loads, one pass after another; GB/s of the best and median
- * pass. 96 MB is the default model's tiles (they stay in a last-level cache that large, as between decode
- * steps); 1024 MB is past any. Usage: stream THREADS PASSES MB */
+ * buffer of MIB mebibytes of int32 with AVX-512 loads, one pass after another; GB/s of the best and median
+ * pass. 96 MiB is about the default model's tiles (96.4 MB; they stay in a last-level cache that large, as between decode
+ * steps); 1024 MiB is past any. Usage: stream THREADS PASSES MIB */
 #include <immintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,8 +10,8 @@
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 static int by_value(const void *a, const void *b) { const double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 __attribute__((target("avx512f"))) int main(int argc, char **argv) {
-  if (argc < 4) { fprintf(stderr, "usage: %s THREADS PASSES MB\n", argv[0]); return 2; }
-  const int nth = atoi(argv[1]), passes = atoi(argv[2]) < 64 ? atoi(argv[2]) : 64;
+  if (argc < 4) { fprintf(stderr, "usage: %s THREADS PASSES MIB\n", argv[0]); return 2; }
+  const int nth = atoi(argv[1]), passes = atoi(argv[2]) < 1 ? 1 : atoi(argv[2]) < 64 ? atoi(argv[2]) : 64;
   const size_t n = (size_t)atoi(argv[3]) << 18; /* int32s */
   int32_t *a = aligned_alloc(64, n * 4);
   memset(a, 0, n * 4);
@@ -37,7 +37,7 @@ __attribute__((target("avx512f"))) int main(int argc, char **argv) {
     check += _mm512_reduce_add_epi32(total);
   }
   qsort(t, passes, sizeof(double), by_value);
-  printf("%d threads, %s MB: best %.1f GB/s, median %.1f GB/s (checksum %lld)\n", nth, argv[3], n * 4 / t[0] / 1e9,
+  printf("%d threads, %s MiB: best %.1f GB/s, median %.1f GB/s (checksum %lld)\n", nth, argv[3], n * 4 / t[0] / 1e9,
          n * 4 / t[passes / 2] / 1e9, check);
   return 0;
 }
