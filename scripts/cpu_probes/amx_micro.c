@@ -8,25 +8,18 @@
  * ~9-10 ns for 4 to 16 rows, and the float epilogue overlaps them little. */
 #include <stdio.h>
 #include <stdlib.h>
-#include <stdint.h>
-#include <string.h>
-#include <immintrin.h>
-#include <unistd.h>
-#include <sys/syscall.h>
 #include <time.h>
-typedef struct { uint8_t palette, start; uint8_t r[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg_t;
+#include "amx.h"
 static double now(){struct timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return t.tv_sec+t.tv_nsec*1e-9;}
 #define RING 16 /* 16 slots of sums at a 1 KB stride: in L1 */
 int8_t A[16*64*16] __attribute__((aligned(64))); uint8_t B[64*512] __attribute__((aligned(64))); int32_t C[64][256] __attribute__((aligned(64)));
 #define N 1000000
 __attribute__((target("amx-tile,amx-int8,avx512f"))) int main(int argc,char**argv){
   if (argc < 2) { fprintf(stderr, "usage: %s ROWS (1..16)\n", argv[0]); return 2; }
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) { fprintf(stderr, "no AMX tile state from the kernel\n"); return 1; }
+  if (!amx_init()) { fprintf(stderr, "no AMX tile state from the kernel\n"); return 1; }
   int M = atoi(argv[1]);
   if (M < 1 || M > 16) { fprintf(stderr, "ROWS must be 1..16\n"); return 2; }
-  cfg_t c; memset(&c,0,sizeof c); c.palette=1;
-  for(int t=0;t<8;t++){c.rows[t]=M; c.colsb[t]=64;} c.colsb[0]=32; c.colsb[4]=32; c.rows[1]=8; c.rows[5]=8;
-  _tile_loadconfig(&c);
+  amx_config(M); /* tiles 0, 4: A (M x 32); 1, 5: B (8 x 64); 2, 3, 6, 7: sums (M x 64) */
   double t;
   const int R = RING - 1;
   printf("# %d rows\n", M);

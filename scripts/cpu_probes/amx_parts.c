@@ -10,21 +10,10 @@
  * ahead" cases the first blocks read ring slots never unpacked; the VNNI line's passes share x's scales).
  * Usage: amx_parts ROWS (4, 8 or 16) */
 #include "../../lmserve/layers/csrc/qtile.c"
-#include <string.h>
-#include <unistd.h>
-#include <sys/syscall.h>
+#include "amx.h"
 #include <time.h>
 #define TARGETA __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c,amx-tile,amx-int8")))
-typedef struct { uint8_t palette, start; uint8_t r[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg_t;
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
-
-TARGETA static void amx_config(int mc) {
-  tilecfg_t c; memset(&c, 0, sizeof c); c.palette = 1;
-  for (int t = 0; t < 8; t++) { c.rows[t] = mc; c.colsb[t] = 64; } /* 4..7: int32 sums, mc x 16 */
-  c.colsb[0] = 32; c.colsb[1] = 32;                                  /* 0, 1: x rows, mc x 32 int8 */
-  c.rows[2] = 8; c.rows[3] = 8;                                      /* 2, 3: a block's weights, 8 x (16 x 4) */
-  _tile_loadconfig(&c);
-}
 
 enum { UNPACK = 1, EPI = 2, AMX = 4 };
 /* the parts in MODE for one tile; unpack `ahead` blocks before the block's tile operations */
@@ -33,30 +22,13 @@ TARGETA static inline __attribute__((always_inline)) void parts(const int8_t *xq
   __m512 acc[16];
   _Pragma("GCC unroll 16") for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
   const int64_t NS = K / 32;
-  const __m512i lo4 = _mm512_set1_epi8(15);
   static __thread int32_t cbuf[8][16 * 16] __attribute__((aligned(64)));
   static __thread uint8_t wbuf[32][512] __attribute__((aligned(64)));
   for (int64_t s = 0; s < NS + 2; s++) {
     if (s < NS) {
       const int64_t k0 = s * 32, su = (s + ahead) % NS;
-      uint8_t *wu = wbuf[(s + ahead) & 31];
-      if (MODE & UNPACK)
-        for (int j = 0; j < 4; j++) {
-          const __m512i v = _mm512_loadu_si512((const void *)(w + (su * 4 + j) * 64));
-          _mm512_store_si512((void *)(wu + 128 * j), _mm512_and_si512(v, lo4));
-          _mm512_store_si512((void *)(wu + 128 * j + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
-        }
-      const uint8_t *wb = wbuf[s & 31];
-      if (MODE & AMX) {
-#define STEP(A, B, C) _tile_loadd(B, wb, 64); _tile_loadd(A, xq + k0, K); _tile_zero(C); _tile_dpbsud(C, A, B); _tile_stored(C, cbuf[s & 7], 64);
-        switch (s & 3) {
-          case 0: STEP(0, 2, 4) break;
-          case 1: STEP(1, 3, 5) break;
-          case 2: STEP(0, 2, 6) break;
-          default: STEP(1, 3, 7) break;
-        }
-#undef STEP
-      }
+      if (MODE & UNPACK) unpack_int4_block(w + su * 4 * 64, wbuf[(s + ahead) & 31]);
+      if (MODE & AMX) amx_block(s, xq + k0, K, wbuf[s & 31], cbuf[s & 7]);
     }
     if ((MODE & EPI) && s >= 2) {
       const int64_t e = s - 2;
@@ -88,7 +60,7 @@ TARGETA __attribute__((noinline)) static void run(int mode, int ahead, const int
 
 TARGETA int main(int argc, char **argv) {
   if (argc < 2) { fprintf(stderr, "usage: %s ROWS (4, 8 or 16)\n", argv[0]); return 2; }
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) { fprintf(stderr, "no AMX tile state from the kernel\n"); return 1; }
+  if (!amx_init()) { fprintf(stderr, "no AMX tile state from the kernel\n"); return 1; }
   const int mc = atoi(argv[1]) >= 16 ? 16 : atoi(argv[1]) >= 8 ? 8 : 4;
   const int64_t K = 576, NS = K / 32;
   const int reps = 200000;

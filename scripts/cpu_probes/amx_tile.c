@@ -16,23 +16,8 @@
  * and that gain needs the tile state handled beside oneDNN's (which keeps AMX configurations of its own).
  */
 #include "../../lmserve/layers/csrc/qtile.c"
-#include <string.h>
-#include <unistd.h>
-#include <sys/syscall.h>
+#include "amx.h"
 #define TARGETA __attribute__((target("avx512f,avx512bw,avx512vnni,fma,amx-tile,amx-int8")))
-typedef struct { uint8_t palette, start; uint8_t r[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg_t;
-
-/* Linux hands a process the tile state only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) */
-int lm_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
-
-TARGETA static void amx_config(int mc) {
-  tilecfg_t c; memset(&c, 0, sizeof c); c.palette = 1;
-  c.rows[0] = mc; c.colsb[0] = 32;          /* A: x rows, 32 int8 columns */
-  c.rows[1] = 8; c.colsb[1] = 64;           /* B: 32 columns of 16 weight rows, 4 a dword */
-  c.rows[2] = mc; c.colsb[2] = 64; c.rows[3] = mc; c.colsb[3] = 64; /* C: int32 sums, four in turn (2, 3, 6, 7) */
-  c.rows[4] = mc; c.colsb[4] = 32; c.rows[5] = 8; c.colsb[5] = 64; c.rows[6] = mc; c.colsb[6] = 64; c.rows[7] = mc; c.colsb[7] = 64;
-  _tile_loadconfig(&c);
-}
 
 TARGETA INLINE void amx_epi(const int32_t *cb, const int mc, const int BITS, const int32_t *xis, const float *xd,
                             const float *xfs, int64_t NS, int64_t KB, int64_t s, __m512 ws, const float *mn, int64_t g, __m512 *acc) {
@@ -55,14 +40,10 @@ TARGETA INLINE void tile_amx(const int8_t *xq, const float *xd, const int32_t *x
   __m512 acc[MTA];
   _Pragma("GCC unroll 16") for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
   const int64_t NS = K / 32, KB = K / 32;
-  const __m512i lo4 = _mm512_set1_epi8(15);
   /* rings in L1: a block's int32 sums (read by the epilogue two blocks on) and its unpacked weights */
   static __thread int32_t cbuf[8][MTA * 16] __attribute__((aligned(64)));
   static __thread uint8_t wbuf[32][512] __attribute__((aligned(64)));
-#define UNP(su) if (BITS == 4 && (su) < NS) { const int64_t kk = (su) * 32; uint8_t *wu = wbuf[(su) & 31]; \
-    for (int j = 0; j < 4; j++) { const __m512i v = _mm512_loadu_si512((const void *)(w + (kk / 8 + j) * 64)); \
-      _mm512_store_si512((void *)(wu + 128 * j), _mm512_and_si512(v, lo4)); \
-      _mm512_store_si512((void *)(wu + 128 * j + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4)); } }
+#define UNP(su) if (BITS == 4 && (su) < NS) unpack_int4_block(w + (su) * 4 * 64, wbuf[(su) & 31]);
   for (int64_t s = 0; s < AHEAD; s++) UNP(s)
   for (int64_t s = 0; s < NS + 2; s++) {
     if (s < NS) {
@@ -75,13 +56,7 @@ TARGETA INLINE void tile_amx(const int8_t *xq, const float *xd, const int32_t *x
       }
       UNP(s + AHEAD)
       const void *bp = BITS == 8 ? (const void *)(w + (k0 / 4) * 64) : (const void *)wbuf[s & 31];
-#define AMXSTEP(A, B, C) _tile_loadd(B, bp, 64); _tile_loadd(A, xq + k0, K); _tile_zero(C); _tile_dpbsud(C, A, B); _tile_stored(C, cbuf[s & 7], 64);
-      switch (s & 3) {
-        case 0: AMXSTEP(0, 1, 2) break;
-        case 1: AMXSTEP(4, 5, 3) break;
-        case 2: AMXSTEP(0, 1, 6) break;
-        default: AMXSTEP(4, 5, 7) break;
-      }
+      amx_block(s, xq + k0, K, bp, cbuf[s & 7]);
     }
     if (s >= 2) {
       const int64_t e = s - 2, g = spg == 1 ? e : e / spg;
@@ -145,7 +120,7 @@ static double now(){struct timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return
 int main(int argc, char**argv){
   if (argc < 6) { fprintf(stderr, "usage: %s N K BITS THREADS REPS [MTA]\n", argv[0]); return 2; }
   int64_t N=atoi(argv[1]), K=atoi(argv[2]); int bits=atoi(argv[3]); int nth=atoi(argv[4]); int reps=atoi(argv[5]); int mta=argc>6?atoi(argv[6]):16;
-  if (!lm_amx_init()) { fprintf(stderr, "no AMX tile state from the kernel\n"); return 1; }
+  if (!amx_init()) { fprintf(stderr, "no AMX tile state from the kernel\n"); return 1; }
   int64_t tb = bits==8?16*K:8*K; int64_t T=(N+15)/16;
   uint8_t *w=malloc(T*tb); for(int64_t i=0;i<T*tb;i++) w[i]=rand();
   int64_t G=K/32; float *sc=malloc(T*G*16*4), *mn=malloc(T*G*16*4);
